@@ -1,0 +1,48 @@
+"""Logging with the node, epoch and step in every line.
+
+One process usually hosts one node, so the context lives in a small module-level dict that the
+runtime updates as views and steps advance; a record's ``extra`` can override it (the simulator
+hosts many nodes in one process).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+_context: dict[str, object] = {"node": "-", "epoch": 0, "step": 0}
+
+FORMAT = "%(asctime)s %(levelname)-5s [%(node)s e%(epoch)s s%(step)s] %(name)s: %(message)s"
+
+
+def set_context(**fields: object) -> None:
+    """Update the node/epoch/step shown in every following log line of this process."""
+    _context.update(fields)
+
+
+class ContextFilter(logging.Filter):
+    """Fills node/epoch/step on records that did not bring their own."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        for key, value in _context.items():
+            if not hasattr(record, key):
+                setattr(record, key, value)
+        return True
+
+
+def setup_logging(level: str | int | None = None, stream=None) -> None:
+    """Configure the root logger once (CLI entry points call this)."""
+    if level is None:
+        level = os.environ.get("P2PFT_LOG_LEVEL", "INFO")
+    if isinstance(level, str):
+        level = getattr(logging, level.upper(), logging.INFO)
+    root = logging.getLogger()
+    for h in list(root.handlers):
+        if getattr(h, "_p2pft", False):
+            root.removeHandler(h)
+    handler = logging.StreamHandler(stream or sys.stderr)
+    handler.setFormatter(logging.Formatter(FORMAT))
+    handler.addFilter(ContextFilter())
+    handler._p2pft = True  # type: ignore[attr-defined]
+    root.addHandler(handler)
+    root.setLevel(level)

@@ -1,0 +1,387 @@
+"""One replica leader's control plane as a sans-IO state machine: gossip + Raft + views.
+
+``Node`` routes messages to the gossip and Raft cores, turns gossip's membership into proposed
+views when it leads, hands committed views to non-voters, and bootstraps a cluster when there
+is none. Inputs: ``handle(msg, now)``, ``tick(now)`` and the evidence calls; outputs:
+``outbox`` (``(addr, msg)``) and ``events`` (``("view", view)``, ``("leader", term)``).
+
+Member metadata carried by gossip (short keys keep the frames small):
+``r`` replica id, ``d`` data address, ``k`` kind (``trainer`` or ``witness``), ``sh`` shard
+count, ``s`` status (``joining`` = needs catch-up, ``ready`` = holds current state,
+``leaving``), ``t0`` process start stamp, ``st`` committed step when the status was set.
+"""
+from __future__ import annotations
+
+import logging
+import random
+from collections import Counter
+from typing import Any
+
+from .config import DEFAULT, Profile
+from .gossip import ALIVE, DEAD, LEFT, SUSPECT, Gossip
+from .raft import LEADER, Raft
+
+log = logging.getLogger(__name__)
+
+PARTICIPANT, JOINER, WITNESS = "participant", "joiner", "witness"
+TRAINER_KIND, WITNESS_KIND = "trainer", "witness"
+
+
+class Node:
+    def __init__(self, *, replica_id: str, addr: str, data_addr: str = "", kind: str = WITNESS_KIND,
+                 shards: int = 1, seeds: list[str] | tuple[str, ...] = (), profile: Profile = DEFAULT,
+                 rng: random.Random, now: float, start_stamp: float | None = None,
+                 status: str | None = None, step: int = 0) -> None:
+        self.replica_id = str(replica_id)
+        self.addr = addr
+        self.kind = kind
+        self.p = profile
+        self.rng = rng
+        self.id = f"{self.replica_id}.{rng.getrandbits(32):08x}"
+        if status is None:
+            status = "ready" if kind == WITNESS_KIND else "joining"
+        meta = {"r": self.replica_id, "d": data_addr, "k": kind, "sh": int(shards), "s": status,
+                "t0": float(now if start_stamp is None else start_stamp), "st": int(step)}
+        self.gossip = Gossip(self.id, addr, meta, profile, rng, now)
+        self.gossip.local_step = step
+        self.raft = Raft(self.id, profile, rng, now)
+        self.view: dict[str, Any] | None = None
+        self.view_time: float | None = None
+        self.leader: str | None = None
+        self.leader_addr: str | None = None
+        self.outbox: list[tuple[str, dict[str, Any]]] = []
+        self.events: list[tuple[str, Any]] = []
+        self.stats: Counter[str] = Counter()
+        self.started = now
+        self.seeds = [s for s in seeds if s != addr]
+        self.step = step
+        self._pending_since: float | None = None
+        self._next_hello = now
+        self._view_asked: dict[str, float] = {}
+        self._bootstrapped = False
+        if not self.seeds:
+            self._bootstrap(now)
+        else:
+            self.gossip.join(self.seeds, now)
+        self._pump(now)
+
+    # ------------------------------------------------------------------ inputs
+    def handle(self, msg: dict[str, Any], now: float) -> None:
+        """One decoded message. Malformed content raises KeyError/TypeError/ValueError: the
+        driver counts it and drops the message (never the node)."""
+        t = msg["t"]
+        if t.startswith("g."):
+            self.gossip.handle(msg, now)
+        elif t.startswith("r."):
+            if msg.get("to") != self.id:
+                self.stats["misaddressed"] += 1
+                return
+            self.raft.handle(str(msg["src"]), msg, now)
+        elif t == "v.get":
+            if self.view is not None and self.view["epoch"] > int(msg.get("e", 0)):
+                self._send_view(str(msg["from"]))
+        elif t == "v.view":
+            self._on_view_msg(msg, now)
+        else:
+            self.stats["unknown_type"] += 1
+        self._pump(now)
+
+    def tick(self, now: float) -> None:
+        self.gossip.tick(now)
+        self.raft.tick(now)
+        if not self._bootstrapped and self.view is None and now - self.started >= self.p.bootstrap_wait:
+            self._maybe_bootstrap(now)
+        if self.view is not None and not self._in_view() and now >= self._next_hello:
+            self._hello(now)
+        self._pump(now)
+
+    def next_deadline(self) -> float:
+        t = min(self.gossip.next_deadline(), self.raft.next_deadline())
+        if self.view is None and not self._bootstrapped:
+            t = min(t, self.started + self.p.bootstrap_wait)
+        if self.view is not None and not self._in_view():
+            t = min(t, self._next_hello)
+        if self._pending_since is not None:
+            t = min(t, self._pending_since + self.p.batch_window)
+        return t
+
+    def report_failure(self, node: str, now: float, certain: bool = False) -> None:
+        """The data plane (or a refused connection) says this node failed."""
+        self.gossip.report_failure(node, now, certain)
+        self._pump(now)
+
+    def report_unreachable(self, addr: str, now: float, certain: bool) -> None:
+        node = self.gossip.node_at(addr)
+        if node:
+            self.report_failure(node, now, certain)
+
+    def set_status(self, status: str, now: float, step: int | None = None) -> None:
+        """Trainer: 'joining' (needs catch-up) or 'ready' (holds current state)."""
+        fields: dict[str, Any] = {"s": status}
+        if step is not None:
+            fields["st"] = int(step)
+            self.set_step(step)
+        self.gossip.set_meta(now, **fields)
+        self._hello(now)
+        self._pump(now)
+
+    def set_step(self, step: int) -> None:
+        self.step = int(step)
+        self.gossip.local_step = self.step
+
+    def leave(self, now: float) -> None:
+        self.gossip.leave(now)
+        if self.leader_addr and self.leader != self.id:
+            self.outbox.append((self.leader_addr, self._stamp({"t": "g.upd", "pb": [
+                {"k": LEFT, "n": self.id, "i": self.gossip.inc}]})))
+        self._pump(now)
+
+    # ------------------------------------------------------------------ queries
+    def is_leader(self) -> bool:
+        return self.raft.role == LEADER
+
+    def member_state(self, node: str) -> str:
+        m = self.gossip.members.get(node)
+        return m.state if m else DEAD
+
+    def member_step(self, node: str) -> int:
+        if node == self.id:
+            return self.step
+        m = self.gossip.members.get(node)
+        return m.step if m else 0
+
+    def my_role(self) -> str | None:
+        if self.view is None:
+            return None
+        for m in self.view["members"]:
+            if m["node"] == self.id:
+                return m["role"]
+        return None
+
+    def _in_view(self) -> bool:
+        return self.my_role() is not None
+
+    # ------------------------------------------------------------------ views
+    def _bootstrap(self, now: float) -> None:
+        self._bootstrapped = True
+        meta = self.gossip.meta
+        role = WITNESS if self.kind == WITNESS_KIND else PARTICIPANT
+        member = self._member_entry(self.id, self.addr, meta, role, 0 if role == PARTICIPANT else None, 1)
+        self.raft.bootstrap({"members": [member], "voters": [self.id], "data_epoch": 1}, now)
+        log.info("bootstrapped a new cluster as %s", self.id, extra={"node": self.id})
+
+    def _maybe_bootstrap(self, now: float) -> None:
+        live = self.gossip.live_members()
+        if any(m.epoch > 0 for m in live if m.node != self.id):
+            return  # a cluster exists: wait to be added
+        if min(m.addr for m in live) == self.addr:
+            self._bootstrap(now)
+
+    def _member_entry(self, node: str, addr: str, meta: dict[str, Any], role: str, slot: int | None,
+                      since: int) -> dict[str, Any]:
+        return {"node": node, "replica_id": str(meta.get("r", node)), "addr": addr,
+                "data_addr": str(meta.get("d", "")), "role": role, "slot": slot,
+                "shards": int(meta.get("sh", 1)), "since": since}
+
+    def _on_view_msg(self, msg: dict[str, Any], now: float) -> None:
+        view = msg["view"]
+        if not isinstance(view, dict) or not isinstance(view.get("members"), list):
+            raise ValueError("v.view without a view")
+        if msg.get("leader"):
+            self.leader, self.leader_addr = str(msg["leader"]), str(msg.get("laddr") or "")
+        self.raft.learn(view)
+
+    def _send_view(self, addr: str) -> None:
+        self.outbox.append((addr, self._stamp({"t": "v.view", "view": self.view, "leader": self.leader,
+                                               "laddr": self.leader_addr})))
+
+    def _hello(self, now: float) -> None:
+        """Tell the leader about ourselves directly: joining should not wait for gossip."""
+        self._next_hello = now + self.p.view_retry
+        if self.leader_addr and self.leader != self.id:
+            me = self.gossip.members[self.id]
+            upd = {"k": ALIVE, "n": self.id, "i": self.gossip.inc, "a": self.addr, "m": me.meta}
+            self.outbox.append((self.leader_addr, self._stamp({"t": "g.upd", "pb": [upd]})))
+
+    def _stamp(self, msg: dict[str, Any]) -> dict[str, Any]:
+        msg["from"] = self.addr
+        msg["src"] = self.id
+        return msg
+
+    def _addr_of(self, node: str) -> str | None:
+        a = self.gossip.addr_of(node)
+        if a:
+            return a
+        for view in (self.view, self.raft.last_view()):
+            for m in (view or {}).get("members", ()):
+                if m["node"] == node:
+                    return m["addr"]
+        return None
+
+    def _pump(self, now: float) -> None:
+        """Move core outputs to our outbox/events and react to what the cores decided."""
+        g = self.gossip
+        self.outbox.extend(g.outbox)
+        g.outbox.clear()
+        for node, msg in self.raft.outbox:
+            addr = self._addr_of(node)
+            if addr:
+                msg["to"] = node
+                self.outbox.append((addr, self._stamp(msg)))
+        self.raft.outbox.clear()
+        for kind, term in self.raft.events:
+            self.events.append(("leader", term))
+            log.info("became Raft leader for term %d", term, extra={"node": self.id})
+        self.raft.events.clear()
+        if self.raft.leader:
+            self.leader = self.raft.leader
+            self.leader_addr = self._addr_of(self.leader)
+        changed_membership = False
+        for kind, node in g.events:
+            if kind == "epoch":
+                self._ask_view(node, now)
+            else:
+                changed_membership = True
+        g.events.clear()
+        prev = self.view
+        for view in self.raft.committed:
+            if self.view is not None and view["epoch"] <= self.view["epoch"]:
+                continue
+            self.view = view
+            self.view_time = now
+            g.local_epoch = view["epoch"]
+            self.events.append(("view", view))
+        self.raft.committed.clear()
+        if self.view is not prev and self.is_leader():
+            self._push_view(prev)
+        if self.is_leader() and not self.raft.pending():
+            self._reconcile(now)
+        elif not self.is_leader():
+            self._pending_since = None
+        _ = changed_membership
+
+    def _ask_view(self, node: str, now: float) -> None:
+        last = self._view_asked.get(node, -1e9)
+        if now - last < self.p.view_retry:
+            return
+        self._view_asked[node] = now
+        if len(self._view_asked) > 256:
+            self._view_asked = {k: v for k, v in self._view_asked.items() if now - v < self.p.view_retry}
+        addr = self._addr_of(node)
+        if addr:
+            e = self.view["epoch"] if self.view else 0
+            self.outbox.append((addr, self._stamp({"t": "v.get", "e": e})))
+
+    def _push_view(self, prev: dict[str, Any] | None) -> None:
+        """Leader: hand the committed view to everyone Raft does not reach (and the removed)."""
+        assert self.view is not None
+        voters = set(self.view.get("voters", ()))
+        targets = {m["node"]: m["addr"] for m in self.view["members"] if m["node"] not in voters}
+        for m in (prev or {}).get("members", ()):
+            if m["node"] not in voters and m["node"] not in targets:
+                targets[m["node"]] = m["addr"]
+        for node, addr in targets.items():
+            if node != self.id:
+                self._send_view(addr)
+
+    # ------------------------------------------------------------------ leader: proposing views
+    def _reconcile(self, now: float) -> None:
+        cur = self.raft.last_view()
+        if cur is None:
+            return
+        desired = self._desired(cur)
+        if _canonical(desired) == _canonical(cur):
+            self._pending_since = None
+            return
+        if self._pending_since is None:
+            self._pending_since = now
+        if now - self._pending_since < self.p.batch_window:
+            return
+        self._pending_since = None
+        epoch = self.raft.propose(desired, now)
+        if epoch is not None:
+            self.stats["views_proposed"] += 1
+            # the proposal may have committed at once (single voter): process it
+            self._pump(now)
+
+    def _desired(self, cur: dict[str, Any]) -> dict[str, Any]:
+        g = self.gossip
+        cur_members = {m["node"]: m for m in cur["members"]}
+        newest: dict[str, Any] = {}
+        for m in g.live_members():
+            if m.meta.get("s") == "leaving":
+                continue
+            r = str(m.meta.get("r", m.node))
+            key = (float(m.meta.get("t0", 0.0)), m.node)
+            if r not in newest or key > newest[r][0]:
+                newest[r] = (key, m)
+        part_steps = [self.member_step(n) for n, cm in cur_members.items() if cm["role"] == PARTICIPANT
+                      and n in g.members and g.members[n].state in (ALIVE, SUSPECT)]
+        head = max(part_steps) if part_steps else None
+        epoch = self.raft.last_index + 1
+        chosen: list[tuple[Any, str]] = []
+        for _, m in newest.values():
+            prev = cur_members.get(m.node)
+            status = m.meta.get("s")
+            if m.meta.get("k") == WITNESS_KIND:
+                role = WITNESS
+            elif prev and prev["role"] == PARTICIPANT:
+                role = JOINER if status == "joining" else PARTICIPANT
+            elif prev and prev["role"] == JOINER:
+                role = PARTICIPANT if status == "ready" else JOINER
+            elif status == "ready" and (head is None or int(m.meta.get("st", -1)) == head):
+                role = PARTICIPANT  # a fresh replica at the cluster's step: nothing to catch up
+            else:
+                role = JOINER
+            chosen.append((m, role))
+        used = {cur_members[m.node]["slot"] for m, role in chosen
+                if role == PARTICIPANT and m.node in cur_members and cur_members[m.node]["slot"] is not None}
+        members = []
+        for m, role in sorted(chosen, key=lambda x: x[0].node):
+            prev = cur_members.get(m.node)
+            slot = prev["slot"] if prev and role == PARTICIPANT and prev["slot"] is not None else None
+            if role == PARTICIPANT and slot is None:
+                slot = next(i for i in range(1 << 16) if i not in used)
+                used.add(slot)
+            since = prev["since"] if prev else epoch
+            members.append(self._member_entry(m.node, m.addr, m.meta, role, slot, since))
+        voters = self._next_voters(cur, members)
+        data = sorted(m["node"] for m in members if m["role"] != WITNESS)
+        old = sorted(m["node"] for m in cur["members"] if m["role"] != WITNESS)
+        data_epoch = cur.get("data_epoch", cur.get("epoch", 0)) if data == old else epoch
+        return {"members": members, "voters": voters, "data_epoch": data_epoch}
+
+    def _next_voters(self, cur: dict[str, Any], members: list[dict[str, Any]]) -> list[str]:
+        """At most one voter added or removed per view (Raft's single-server change)."""
+        g = self.gossip
+        in_view = {m["node"] for m in members}
+        voters = list(cur.get("voters", ()))
+        gone = [v for v in voters if v not in in_view]
+        if gone:
+            return [v for v in voters if v != gone[0]]
+        eligible = sorted((m for m in members if g.members.get(m["node"]) is not None
+                           and g.members[m["node"]].state == ALIVE), key=lambda m: (m["since"], m["node"]))
+        target = min(self.p.max_voters, max(1, len(eligible)))
+        if target > 1 and target % 2 == 0:
+            target -= 1
+        if len(voters) < target:
+            for m in eligible:
+                if m["node"] not in voters:
+                    return voters + [m["node"]]
+        if len(voters) > self.p.max_voters:
+            order = {m["node"]: (m["since"], m["node"]) for m in members}
+            newest = max((v for v in voters if v != self.id), key=lambda v: order.get(v, (1 << 62, v)),
+                         default=None)
+            if newest:
+                return [v for v in voters if v != newest]
+        return voters
+
+
+def _canonical(view: dict[str, Any]) -> tuple[Any, ...]:
+    members = tuple(sorted((m["node"], m["role"], m["slot"], m["addr"], m["data_addr"])
+                           for m in view["members"]))
+    return members, tuple(view.get("voters", ()))
+
+
+__all__ = ["Node", "PARTICIPANT", "JOINER", "WITNESS", "TRAINER_KIND", "WITNESS_KIND", "ALIVE", "SUSPECT",
+           "DEAD", "LEFT"]

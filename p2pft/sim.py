@@ -1,0 +1,206 @@
+"""Deterministic simulator: the real sans-IO ``Node`` code on a virtual network and clock.
+
+Everything random comes from one seeded ``random.Random``; time only moves when the event
+queue says so. A failing seed therefore replays exactly (``Simulator(seed=...)``), which is
+what makes thousands of fault schedules useful. Messages go through a msgpack round trip, as on
+the wire, so nothing that could not be sent is ever delivered.
+
+Faults: loss, duplication, reordering (random delay), partitions (also one-way), crash and
+restart (a restart is a new node at the same address, as a restarted process is).
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+import random
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import msgpack
+
+from .config import DEFAULT, Profile
+from .node import WITNESS_KIND, Node
+
+
+class InvariantViolation(AssertionError):
+    pass
+
+
+def view_key(view: dict[str, Any]) -> tuple[Any, ...]:
+    members = tuple(sorted((m["node"], m["role"], m["slot"]) for m in view["members"]))
+    return view["epoch"], members, tuple(view.get("voters", ()))
+
+
+@dataclass
+class InvariantChecker:
+    """Safety: one leader per term; one view per epoch, the same everywhere; epochs grow."""
+
+    leaders: dict[int, str] = field(default_factory=dict)
+    views: dict[int, tuple[Any, ...]] = field(default_factory=dict)
+    last_epoch: dict[str, int] = field(default_factory=dict)
+    max_epoch: int = 0
+
+    def on_event(self, node: str, kind: str, payload: Any, now: float) -> None:
+        if kind == "leader":
+            term = int(payload)
+            other = self.leaders.setdefault(term, node)
+            if other != node:
+                raise InvariantViolation(f"t={now:.3f}: two leaders in term {term}: {other} and {node}")
+        elif kind == "view":
+            key = view_key(payload)
+            epoch = key[0]
+            prev = self.last_epoch.get(node, 0)
+            if epoch <= prev:
+                raise InvariantViolation(f"t={now:.3f}: {node} epoch went from {prev} to {epoch}")
+            self.last_epoch[node] = epoch
+            seen = self.views.setdefault(epoch, key)
+            if seen != key:
+                raise InvariantViolation(f"t={now:.3f}: two views for epoch {epoch}:\n {seen}\n {key}")
+            self.max_epoch = max(self.max_epoch, epoch)
+
+
+class Simulator:
+    def __init__(self, seed: int, profile: Profile = DEFAULT, *, loss: float = 0.0, dup: float = 0.0,
+                 delay: tuple[float, float] = (0.0002, 0.002), checker: InvariantChecker | None = None,
+                 on_event: Callable[[str, str, str, Any, float], None] | None = None) -> None:
+        self.seed = seed
+        self.rng = random.Random(seed)
+        self.profile = profile
+        self.loss, self.dup, self.delay = loss, dup, delay
+        self.now = 0.0
+        self.nodes: dict[str, Node] = {}          # addr -> live node
+        self.crashed: dict[str, dict[str, Any]] = {}  # addr -> how to restart it
+        self.blocked: set[tuple[str, str]] = set()   # (from, to) pairs that drop everything
+        self.checker = checker or InvariantChecker()
+        self.on_event = on_event
+        self.sent: Counter[str] = Counter()       # messages sent per addr
+        self.delivered = 0
+        self._q: list[tuple[float, int, str, Any]] = []
+        self._seq = itertools.count()
+        self._timer: dict[str, float] = {}
+        self._spec: dict[str, dict[str, Any]] = {}
+
+    # ------------------------------------------------------------------ cluster
+    def add_node(self, addr: str, *, seeds: list[str] | None = None, kind: str = WITNESS_KIND,
+                 replica_id: str | None = None, shards: int = 1) -> Node:
+        spec = {"seeds": list(seeds or []), "kind": kind, "replica_id": replica_id or addr, "shards": shards}
+        self._spec[addr] = spec
+        return self._start(addr, spec)
+
+    def _start(self, addr: str, spec: dict[str, Any]) -> Node:
+        node = Node(replica_id=spec["replica_id"], addr=addr, data_addr=addr, kind=spec["kind"],
+                    shards=spec["shards"], seeds=spec["seeds"], profile=self.profile,
+                    rng=random.Random(self.rng.getrandbits(64)), now=self.now,
+                    status="ready" if spec["kind"] != WITNESS_KIND else None)
+        self.nodes[addr] = node
+        self.crashed.pop(addr, None)
+        self._after(addr, node)
+        return node
+
+    def crash(self, addr: str) -> None:
+        node = self.nodes.pop(addr, None)
+        if node is not None:
+            self.crashed[addr] = self._spec[addr]
+            self._timer.pop(addr, None)
+
+    def restart(self, addr: str, seeds: list[str] | None = None) -> Node:
+        spec = dict(self._spec[addr])
+        if seeds is not None:
+            spec["seeds"] = seeds
+        elif not spec["seeds"]:
+            spec["seeds"] = [a for a in self.nodes if a != addr][:3]
+        self._spec[addr] = spec
+        return self._start(addr, spec)
+
+    def partition(self, *groups: list[str]) -> None:
+        """Block traffic between different groups (both ways)."""
+        for i, a in enumerate(groups):
+            for b in groups[i + 1:]:
+                for x in a:
+                    for y in b:
+                        self.blocked.add((x, y))
+                        self.blocked.add((y, x))
+
+    def block(self, src: str, dst: str) -> None:
+        self.blocked.add((src, dst))
+
+    def heal(self) -> None:
+        self.blocked.clear()
+
+    # ------------------------------------------------------------------ running
+    def at(self, t: float, fn: Callable[[], None]) -> None:
+        heapq.heappush(self._q, (t, next(self._seq), "call", fn))
+
+    def run_until(self, t_end: float, stop: Callable[[], bool] | None = None) -> None:
+        while self._q and self._q[0][0] <= t_end:
+            t, _, kind, payload = heapq.heappop(self._q)
+            self.now = max(self.now, t)
+            if kind == "msg":
+                addr, data = payload
+                node = self.nodes.get(addr)
+                if node is None:
+                    continue
+                self.delivered += 1
+                try:
+                    node.handle(msgpack.unpackb(data, raw=False), self.now)
+                except (KeyError, TypeError, ValueError):
+                    node.stats["bad_message"] += 1
+                self._after(addr, node)
+            elif kind == "timer":
+                addr, when = payload
+                node = self.nodes.get(addr)
+                if node is None or self._timer.get(addr) != when:
+                    continue
+                node.tick(self.now)
+                self._after(addr, node)
+            else:
+                payload()
+            if stop is not None and stop():
+                return
+        self.now = max(self.now, t_end)
+
+    def _after(self, addr: str, node: Node) -> None:
+        for dst, msg in node.outbox:
+            self.sent[addr] += 1
+            if (addr, dst) in self.blocked or self.rng.random() < self.loss:
+                continue
+            data = msgpack.packb(msg, use_bin_type=True)
+            copies = 2 if self.rng.random() < self.dup else 1
+            for _ in range(copies):
+                t = self.now + self.rng.uniform(*self.delay)
+                heapq.heappush(self._q, (t, next(self._seq), "msg", (dst, data)))
+        node.outbox.clear()
+        for kind, payload in node.events:
+            self.checker.on_event(node.id, kind, payload, self.now)
+            if self.on_event is not None:
+                self.on_event(addr, node.id, kind, payload, self.now)
+        node.events.clear()
+        when = max(node.next_deadline(), self.now + 1e-4)
+        if self._timer.get(addr) != when:
+            self._timer[addr] = when
+            heapq.heappush(self._q, (when, next(self._seq), "timer", (addr, when)))
+
+    # ------------------------------------------------------------------ observations
+    def live_ids(self) -> set[str]:
+        return {n.id for n in self.nodes.values()}
+
+    def converged(self) -> bool:
+        """Every live node holds the same committed view, whose members are exactly the live nodes."""
+        live = self.live_ids()
+        epochs = set()
+        for n in self.nodes.values():
+            if n.view is None or {m["node"] for m in n.view["members"]} != live:
+                return False
+            epochs.add(n.view["epoch"])
+        return len(epochs) == 1
+
+    def leader(self) -> Node | None:
+        best = None
+        for n in self.nodes.values():
+            if n.is_leader() and (best is None or n.raft.term > best.raft.term):
+                best = n
+        return best
+
+    def replay_hint(self) -> str:
+        return f"replay with: Simulator(seed={self.seed}) (see tests/sim/test_safety.py::run_schedule)"
