@@ -101,7 +101,7 @@ class Node:
             t = min(t, self.started + self.p.bootstrap_wait)
         if self.view is not None and not self._in_view():
             t = min(t, self._next_hello)
-        if self._pending_since is not None:
+        if self._pending_since is not None and self.is_leader() and not self.raft.pending():
             t = min(t, self._pending_since + self.p.batch_window)
         return t
 

@@ -124,7 +124,7 @@ class Raft:
 
     # ------------------------------------------------------------------ time
     def next_deadline(self) -> float:
-        return min(self._election_deadline, self._next_hb)
+        return self._next_hb if self.role == LEADER else self._election_deadline
 
     def tick(self, now: float) -> None:
         if self.role == LEADER:

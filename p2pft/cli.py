@@ -1,0 +1,184 @@
+"""The ``p2pft`` command line.
+
+Every option that names the cluster can also come from a ``P2PFT_*`` environment variable
+(``P2PFT_LISTEN``, ``P2PFT_SEEDS``, ``P2PFT_REPLICA_ID``, ``P2PFT_SECRET_FILE``,
+``P2PFT_SECRET``); a command-line argument always wins over the environment.
+Errors a user can cause (bad address, port taken, unreadable secret, nobody listening) end
+with one line on stderr and a non-zero exit status, never a traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from typing import Any, Sequence
+
+from . import aio
+from .config import PROFILES
+from .log import setup_logging
+from .wire import WireError, load_secret
+
+log = logging.getLogger("p2pft.cli")
+
+
+class CliError(Exception):
+    """A user-facing error: printed as one line, exit status 2."""
+
+
+def _env(name: str, default: str | None = None) -> str | None:
+    return os.environ.get(f"P2PFT_{name}", default)
+
+
+def parse_seeds(text: str | None) -> list[str]:
+    from .driver import parse_hostport
+    seeds = [s.strip() for s in (text or "").split(",") if s.strip()]
+    for s in seeds:
+        try:
+            parse_hostport(s)
+        except ValueError as exc:
+            raise CliError(f"bad --seeds entry: {exc}") from None
+    return seeds
+
+
+def _secret(args: argparse.Namespace) -> bytes | None:
+    try:
+        return load_secret(args.secret_file or _env("SECRET_FILE"))
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+
+
+# ---------------------------------------------------------------------- peer
+def cmd_peer(args: argparse.Namespace) -> int:
+    from .driver import NodeServer, parse_hostport
+    listen = args.listen or _env("LISTEN")
+    if not listen:
+        raise CliError("--listen HOST:PORT is required (or set P2PFT_LISTEN)")
+    try:
+        parse_hostport(listen)
+    except ValueError as exc:
+        raise CliError(f"bad --listen: {exc}") from None
+    seeds = parse_seeds(args.seeds if args.seeds is not None else _env("SEEDS"))
+    secret = _secret(args)
+    profile = PROFILES[args.profile]
+
+    async def main() -> int:
+        server = NodeServer(listen=listen, replica_id=args.replica_id or _env("REPLICA_ID"), seeds=seeds,
+                            secret=secret, profile=profile)
+        try:
+            await server.start()
+        except OSError as exc:
+            raise CliError(f"cannot listen on {listen}: {exc.strerror or exc}") from None
+        from .log import set_context
+        set_context(node=server.node.id if server.node else "-")
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        if args.ready_file:
+            with open(args.ready_file, "w") as fh:
+                fh.write(server.addr + "\n")
+        await stop.wait()
+        log.info("leaving the cluster")
+        await server.stop(leave=True)
+        return 0
+
+    return aio.run(main())
+
+
+# ---------------------------------------------------------------------- members
+def cmd_members(args: argparse.Namespace) -> int:
+    from .driver import admin_request, parse_hostport
+    try:
+        parse_hostport(args.peer)
+    except ValueError as exc:
+        raise CliError(f"bad --peer: {exc}") from None
+    secret = _secret(args)
+    try:
+        report = aio.run(admin_request(args.peer, "admin.members", secret=secret, timeout=args.timeout))
+    except ConnectionRefusedError:
+        raise CliError(f"nothing listens on {args.peer} (connection refused)") from None
+    except (asyncio.TimeoutError, TimeoutError):
+        raise CliError(f"no answer from {args.peer} within {args.timeout:g} s") from None
+    except (OSError, ConnectionError) as exc:
+        raise CliError(f"cannot reach {args.peer}: {exc}") from None
+    except WireError as exc:
+        raise CliError(f"bad answer from {args.peer}: {exc}") from None
+    if args.json:
+        print(json.dumps(report, indent=2, sort_keys=True))
+        return 0
+    print(format_members(report))
+    return 0
+
+
+def format_members(report: dict[str, Any]) -> str:
+    when = report.get("committed_at")
+    age = f"{time.time() - when:.1f} s ago" if when else "never"
+    lines = [f"epoch {report.get('epoch')}  leader {report.get('leader')}  committed {age}  (as seen by "
+             f"{report.get('node')})"]
+    rows = [("node", "replica", "addr", "role", "state", "step", "voter")]
+    for m in report.get("members", []):
+        rows.append((m["node"], str(m["replica_id"]), m["addr"], m["role"], m["state"], str(m["step"]),
+                     "yes" if m.get("voter") else ""))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------- parser
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="p2pft", description="Fault-tolerant data-parallel training without a "
+                                "coordinator. Arguments win over P2PFT_* environment variables.")
+    p.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING (default: $P2PFT_LOG_LEVEL or INFO)")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    peer = sub.add_parser("peer", help="run a witness peer (a member and possible voter, no trainer)")
+    peer.add_argument("--listen", help="HOST:PORT to listen on (env P2PFT_LISTEN)")
+    peer.add_argument("--seeds", default=None, help="comma-separated HOST:PORT of existing peers (env P2PFT_SEEDS)")
+    peer.add_argument("--secret-file", help="file holding the cluster secret (env P2PFT_SECRET_FILE or "
+                      "P2PFT_SECRET)")
+    peer.add_argument("--replica-id", default=None, help="stable name of this peer (default: its address)")
+    peer.add_argument("--profile", choices=sorted(PROFILES), default="default", help="timing profile")
+    peer.add_argument("--ready-file", help=argparse.SUPPRESS)
+    peer.set_defaults(fn=cmd_peer)
+
+    mem = sub.add_parser("members", help="print the committed view as one peer sees it")
+    mem.add_argument("--peer", required=True, help="HOST:PORT of any peer")
+    mem.add_argument("--json", action="store_true", help="print JSON")
+    mem.add_argument("--secret-file", help="file holding the cluster secret")
+    mem.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the answer")
+    mem.set_defaults(fn=cmd_members)
+
+    _add_optional_commands(sub)
+    return p
+
+
+def _add_optional_commands(sub: Any) -> None:
+    """Commands that live in their own modules register here."""
+    try:
+        from .chaos.cli import register as register_chaos
+    except ImportError:
+        return
+    register_chaos(sub)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    setup_logging(args.log_level)
+    try:
+        return int(args.fn(args) or 0)
+    except CliError as exc:
+        print(f"p2pft {args.cmd}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

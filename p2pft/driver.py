@@ -1,0 +1,370 @@
+"""Asyncio driver: binds a sans-IO ``Node`` to real TCP sockets and the real clock.
+
+Messages are one-way frames: every node keeps at most one outgoing connection per peer
+address and answers on its own outgoing connection, so the protocol needs no request/response
+pairing (the simulator delivers the same messages the same way). Admin requests
+(``admin.*``, used by ``p2pft members``) are the exception and are answered on the connection
+they came in on.
+
+Transport errors are evidence for the membership layer: a refused connection to a member's
+address means its process is gone (declared dead at once); an EOF on an outgoing connection
+starts suspicion at once. A bad frame closes only the connection that carried it; the node is
+never taken down by what a peer sends.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections import Counter, deque
+from typing import Any, Callable
+
+from .config import DEFAULT, Profile
+from .log import set_context
+from .node import Node, WITNESS_KIND
+from .wire import DEFAULT_MAX_FRAME, FrameDecoder, WireError, encode
+
+log = logging.getLogger(__name__)
+
+MAX_QUEUE = 1024          # frames queued per peer; the oldest is dropped past it (gossip tolerates loss)
+MAX_INBOUND = 2048        # inbound connections; more are closed at once
+IDLE_TIMEOUT = 60.0       # an inbound connection that sends nothing for this long is closed
+CONNECT_TIMEOUT = 1.0
+DRAIN_TIMEOUT = 2.0       # a peer that does not read for this long loses its connection
+
+
+def parse_hostport(text: str) -> tuple[str, int]:
+    """'host:port' -> (host, port), with a clear ValueError."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host:
+        raise ValueError(f"expected HOST:PORT, got {text!r}")
+    try:
+        p = int(port)
+    except ValueError:
+        raise ValueError(f"port in {text!r} is not a number") from None
+    if not 0 <= p <= 65535:
+        raise ValueError(f"port in {text!r} is out of range")
+    return host.strip("[]"), p
+
+
+class _Peer:
+    """Outgoing connection to one address with a bounded send queue."""
+
+    def __init__(self, server: "NodeServer", addr: str) -> None:
+        self.server = server
+        self.addr = addr
+        self.queue: deque[bytes] = deque()
+        self.wake = asyncio.Event()
+        self.task = asyncio.get_running_loop().create_task(self._run())
+        self.last_used = time.monotonic()
+
+    def send(self, frame: bytes) -> None:
+        if len(self.queue) >= MAX_QUEUE:
+            self.queue.popleft()
+            self.server.counters["send_dropped"] += 1
+        self.queue.append(frame)
+        self.last_used = time.monotonic()
+        self.wake.set()
+
+    async def _run(self) -> None:
+        host, port = parse_hostport(self.addr)
+        try:
+            while not self.server.closing:
+                try:
+                    reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), CONNECT_TIMEOUT)
+                except ConnectionRefusedError:
+                    self.queue.clear()
+                    self.server.counters["connect_refused"] += 1
+                    self.server.evidence(self.addr, certain=True)
+                    return
+                except (OSError, asyncio.TimeoutError):
+                    self.queue.clear()
+                    self.server.counters["connect_failed"] += 1
+                    return
+                eof = asyncio.get_running_loop().create_task(reader.read(1))
+                try:
+                    while not self.server.closing:
+                        while self.queue:
+                            writer.write(self.queue.popleft())
+                        await asyncio.wait_for(writer.drain(), DRAIN_TIMEOUT)
+                        self.wake.clear()
+                        waiter = asyncio.get_running_loop().create_task(self.wake.wait())
+                        done, _ = await asyncio.wait({waiter, eof}, timeout=IDLE_TIMEOUT / 2,
+                                                     return_when=asyncio.FIRST_COMPLETED)
+                        waiter.cancel()
+                        if eof in done:
+                            self.server.counters["peer_eof"] += 1
+                            self.server.evidence(self.addr, certain=False)
+                            return
+                        if not done and not self.queue:
+                            return  # idle: let the connection go, reconnect on the next send
+                except (OSError, asyncio.TimeoutError):
+                    self.server.counters["send_failed"] += 1
+                    return
+                finally:
+                    eof.cancel()
+                    writer.close()
+        finally:
+            if self.server._peers.get(self.addr) is self:
+                del self.server._peers[self.addr]
+
+
+class NodeServer:
+    """Runs one node on a TCP listen address until stopped."""
+
+    def __init__(self, *, listen: str, replica_id: str | None = None, seeds: list[str] | None = None,
+                 kind: str = WITNESS_KIND, data_addr: str = "", shards: int = 1, secret: bytes | None = None,
+                 profile: Profile = DEFAULT, max_frame: int = DEFAULT_MAX_FRAME, status: str | None = None,
+                 step: int = 0, seed: int | None = None) -> None:
+        self.listen = listen
+        self.host, self.port = parse_hostport(listen)
+        self.replica_id = replica_id
+        self.seeds = list(seeds or [])
+        self.kind = kind
+        self.data_addr = data_addr
+        self.shards = shards
+        self.secret = secret
+        self.profile = profile
+        self.max_frame = max_frame
+        self.status = status
+        self.step = step
+        self.rng = random.Random(seed)
+        self.node: Node | None = None
+        self.counters: Counter[str] = Counter()
+        self.closing = False
+        self.view_wall_time: float | None = None
+        self.on_view: list[Callable[[dict[str, Any]], None]] = []
+        self.log_context = True   # one node per process: show its id/epoch in every log line
+        self._peers: dict[str, _Peer] = {}
+        self._inbound: set[asyncio.StreamWriter] = set()
+        self._server: asyncio.base_events.Server | None = None
+        self._timer: asyncio.Task[None] | None = None
+        self._wake: asyncio.Event | None = None
+
+    @property
+    def addr(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        """Bind, then create the node (its id and start stamp) and join through the seeds."""
+        self._server = await asyncio.start_server(self._on_conn, self.host, self.port, limit=1 << 20,
+                                                  reuse_address=True)
+        if self.port == 0:
+            self.port = self._server.sockets[0].getsockname()[1]
+        self.node = Node(replica_id=self.replica_id or self.addr, addr=self.addr, data_addr=self.data_addr,
+                         kind=self.kind, shards=self.shards, seeds=self.seeds, profile=self.profile,
+                         rng=self.rng, now=time.monotonic(), start_stamp=time.time(), status=self.status,
+                         step=self.step)
+        self._wake = asyncio.Event()
+        self._timer = asyncio.get_running_loop().create_task(self._timer_loop())
+        self._flush()
+        log.info("listening on %s as %s (seeds: %s)", self.addr, self.node.id, ",".join(self.seeds) or "none",
+                 extra={"node": self.node.id})
+
+    async def stop(self, leave: bool = True, timeout: float = 1.0) -> None:
+        if self.closing:
+            return
+        if leave and self.node is not None:
+            self.node.leave(time.monotonic())
+            self._flush()
+            deadline = time.monotonic() + timeout
+            while any(p.queue for p in self._peers.values()) and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+        self.closing = True
+        if self._timer:
+            self._timer.cancel()
+        if self._server:
+            self._server.close()
+        for w in list(self._inbound):
+            w.close()
+        for p in list(self._peers.values()):
+            p.wake.set()
+            p.task.cancel()
+        await asyncio.sleep(0)
+
+    # ------------------------------------------------------------------ loop
+    def poke(self) -> None:
+        """Re-evaluate timers and flush outputs (after a call into the node from outside)."""
+        self._flush()
+        if self._wake:
+            self._wake.set()
+
+    async def _timer_loop(self) -> None:
+        assert self.node is not None and self._wake is not None
+        while not self.closing:
+            delay = self.node.next_deadline() - time.monotonic()
+            if delay > 0:
+                self._wake.clear()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), timeout=min(delay, 1.0))
+                except asyncio.TimeoutError:
+                    pass
+            try:
+                self.node.tick(time.monotonic())
+            except Exception:  # a bug must not stop the timers of a live node
+                self.counters["tick_error"] += 1
+                log.exception("tick failed")
+            self._flush()
+
+    def _flush(self) -> None:
+        node = self.node
+        if node is None:
+            return
+        for addr, msg in node.outbox:
+            if addr == self.addr:
+                continue
+            try:
+                frame = encode(msg["t"], node.id, msg, secret=self.secret, max_frame=self.max_frame)
+            except WireError as exc:
+                self.counters["encode_failed"] += 1
+                log.warning("not sending %s to %s: %s", msg.get("t"), addr, exc)
+                continue
+            peer = self._peers.get(addr)
+            if peer is None or peer.task.done():
+                if self.closing:
+                    continue
+                peer = self._peers[addr] = _Peer(self, addr)
+            peer.send(frame)
+        node.outbox.clear()
+        for kind, payload in node.events:
+            if kind == "view":
+                self.view_wall_time = time.time()
+                if self.log_context:
+                    set_context(node=node.id, epoch=payload["epoch"])
+                log.info("view e%d: %s", payload["epoch"], _describe(payload), extra={"epoch": payload["epoch"]})
+                for cb in list(self.on_view):
+                    try:
+                        cb(payload)
+                    except Exception:
+                        log.exception("view callback failed")
+        node.events.clear()
+
+    def evidence(self, addr: str, certain: bool) -> None:
+        if self.node is None or self.closing:
+            return
+        self.node.report_unreachable(addr, time.monotonic(), certain)
+        self.poke()
+
+    # ------------------------------------------------------------------ inbound
+    async def _on_conn(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if len(self._inbound) >= MAX_INBOUND:
+            self.counters["inbound_rejected"] += 1
+            writer.close()
+            return
+        self._inbound.add(writer)
+        peer = writer.get_extra_info("peername")
+        decoder = FrameDecoder(secret=self.secret, max_frame=self.max_frame)
+        try:
+            while not self.closing:
+                try:
+                    data = await asyncio.wait_for(reader.read(1 << 16), IDLE_TIMEOUT)
+                except asyncio.TimeoutError:
+                    self.counters["idle_closed"] += 1
+                    return
+                if not data:
+                    return
+                try:
+                    messages = decoder.feed(data)
+                except WireError as exc:
+                    self.counters[f"bad_frame_{exc.kind}"] += 1
+                    log.warning("closing connection from %s: %s", _fmt_peer(peer), exc)
+                    return
+                for m in messages:
+                    if not self._dispatch(m.type, m.body, writer):
+                        self.counters["bad_message"] += 1
+                        log.warning("closing connection from %s: malformed %r message", _fmt_peer(peer), m.type)
+                        return
+        except (ConnectionError, OSError):
+            return
+        finally:
+            self._inbound.discard(writer)
+            writer.close()
+
+    def _dispatch(self, mtype: str, body: dict[str, Any], writer: asyncio.StreamWriter) -> bool:
+        node = self.node
+        if node is None:
+            return True
+        if mtype.startswith("admin."):
+            reply = self._admin(mtype, body)
+            try:
+                writer.write(encode("admin.reply", node.id, reply, secret=self.secret, max_frame=self.max_frame))
+            except WireError:
+                return False
+            return True
+        body["t"] = mtype
+        try:
+            node.handle(body, time.monotonic())
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError):
+            return False
+        finally:
+            self._flush()
+            if self._wake:
+                self._wake.set()
+        return True
+
+    # ------------------------------------------------------------------ admin
+    def _admin(self, mtype: str, body: dict[str, Any]) -> dict[str, Any]:
+        if mtype == "admin.members":
+            return self.members_report()
+        if mtype == "admin.stats":
+            return {"counters": dict(self.counters), "node": dict(self.node.stats) if self.node else {}}
+        return {"error": f"unknown admin request {mtype!r}"}
+
+    def members_report(self) -> dict[str, Any]:
+        """The committed view as this node sees it (the `p2pft members --json` object)."""
+        node = self.node
+        assert node is not None
+        view = node.view
+        out: dict[str, Any] = {"node": node.id, "epoch": view["epoch"] if view else 0, "leader": node.leader,
+                               "committed_at": self.view_wall_time, "members": []}
+        if view:
+            voters = set(view.get("voters", ()))
+            for m in view["members"]:
+                state = node.member_state(m["node"]) if m["node"] != node.id else "alive"
+                out["members"].append({
+                    "node": m["node"], "replica_id": m["replica_id"], "addr": m["addr"], "role": m["role"],
+                    "state": "suspect" if state == "suspect" else ("alive" if state == "alive" else state),
+                    "step": node.member_step(m["node"]), "data_addr": m["data_addr"], "slot": m["slot"],
+                    "voter": m["node"] in voters})
+            out["data_epoch"] = view.get("data_epoch", view["epoch"])
+        return out
+
+
+def _describe(view: dict[str, Any]) -> str:
+    parts = []
+    voters = set(view.get("voters", ()))
+    for m in view["members"]:
+        tag = m["role"][0] + ("*" if m["node"] in voters else "")
+        parts.append(f"{m['replica_id']}({tag})")
+    return " ".join(parts)
+
+
+def _fmt_peer(peer: Any) -> str:
+    if isinstance(peer, tuple) and len(peer) >= 2:
+        return f"{peer[0]}:{peer[1]}"
+    return str(peer)
+
+
+async def admin_request(addr: str, mtype: str, *, secret: bytes | None = None, timeout: float = 3.0,
+                        max_frame: int = DEFAULT_MAX_FRAME) -> dict[str, Any]:
+    """One admin request/response over a fresh connection (raises OSError/TimeoutError/WireError)."""
+    host, port = parse_hostport(addr)
+    reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
+    try:
+        writer.write(encode(mtype, "admin", {}, secret=secret, max_frame=max_frame))
+        await asyncio.wait_for(writer.drain(), timeout)
+        decoder = FrameDecoder(secret=secret, max_frame=max_frame)
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise asyncio.TimeoutError()
+            data = await asyncio.wait_for(reader.read(1 << 16), left)
+            if not data:
+                raise ConnectionError("peer closed the connection without answering (wrong secret?)")
+            for m in decoder.feed(data):
+                return m.body
+    finally:
+        writer.close()
