@@ -1,0 +1,158 @@
+"""GradBuffer: gradients and the contribution mask in one flat tensor."""
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from p2pft.trainer.gradbuf import GradBuffer, SlotCollisionError
+from p2pft.trainer.model import TinyLM
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread() -> Iterator[None]:
+    """Intra-op threads only fight each other on a small, shared CPU machine; one is fastest."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+MAX_SLOTS = 8
+
+
+def _replica(seed: int) -> tuple[TinyLM, list[torch.Tensor]]:
+    """A model with gradients from its own random batch; returns it and a copy of its grads."""
+    torch.manual_seed(0)
+    model = TinyLM(vocab_size=40, d_model=16, n_layers=1, n_heads=2, seq_len=8)
+    gen = torch.Generator().manual_seed(seed)
+    model.loss(torch.randint(0, 40, (3, 9), generator=gen)).backward()
+    return model, [p.grad.clone() for p in model.parameters()]
+
+
+def _allreduce(buffers: list[GradBuffer]) -> None:
+    """What a sum-allreduce leaves in every participant's buffer."""
+    total = torch.stack([b.flat for b in buffers]).sum(0)
+    for b in buffers:
+        b.flat.copy_(total)
+
+
+def test_layout() -> None:
+    model, _ = _replica(1)
+    buf = GradBuffer(model.parameters(), max_slots=MAX_SLOTS)
+    n = sum(p.numel() for p in model.parameters())
+    assert buf.flat.shape == (n + MAX_SLOTS + 1,) and buf.flat.dtype == torch.float32
+    assert buf.grad_numel == n and buf.tail.shape == (MAX_SLOTS,)
+
+
+def test_pack_allreduce_unpack_gives_mean_of_contributors() -> None:
+    replicas = [_replica(seed) for seed in (1, 2, 3)]
+    buffers = [GradBuffer(m.parameters(), max_slots=MAX_SLOTS) for m, _ in replicas]
+    buffers[0].pack(5)
+    buffers[1].pack(0)
+    buffers[2].pack(None)  # a joiner: takes part, contributes nothing
+    _allreduce(buffers)
+    assert [b.mask() for b in buffers] == [[i in (0, 5) for i in range(MAX_SLOTS)]] * 3
+    assert buffers[2].contributors() == 2
+    for buf in buffers:
+        buf.unpack(buf.contributors())
+    grads_a, grads_b = replicas[0][1], replicas[1][1]
+    for model, _ in replicas:
+        for p, a, b in zip(model.parameters(), grads_a, grads_b):
+            torch.testing.assert_close(p.grad, (a + b) / 2, rtol=0, atol=1e-7)
+    # Every replica ends with bitwise the same gradients.
+    first = list(replicas[0][0].parameters())
+    for model, _ in replicas[1:]:
+        assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), first))
+
+
+def test_missing_grads_pack_as_zeros_and_unpack_allocates() -> None:
+    a = torch.nn.Parameter(torch.ones(2, 3))
+    b = torch.nn.Parameter(torch.ones(4))
+    a.grad = torch.full((2, 3), 6.0)
+    buf = GradBuffer([a, b], max_slots=2)
+    buf.pack(1)
+    assert buf.flat.tolist() == [6.0] * 6 + [0.0] * 4 + [0.0, 1.0, 1.0]
+    buf.unpack(3.0)
+    assert torch.equal(a.grad, torch.full((2, 3), 2.0))
+    assert b.grad is not None and torch.equal(b.grad, torch.zeros(4))
+
+
+def test_non_contributor_packs_all_zeros_even_with_grads() -> None:
+    model, _ = _replica(1)
+    buf = GradBuffer(model.parameters(), max_slots=MAX_SLOTS)
+    buf.pack(2)
+    buf.pack(None)
+    assert not buf.flat.any()
+
+
+def test_low_precision_grads_round_trip() -> None:
+    p = torch.nn.Parameter(torch.zeros(5, dtype=torch.bfloat16))
+    p.grad = torch.tensor([1.0, -2.0, 0.5, 4.0, 8.0], dtype=torch.bfloat16)
+    buf = GradBuffer([p], max_slots=1)
+    buf.pack(0)
+    buf.unpack(2.0)
+    assert p.grad.dtype == torch.bfloat16
+    assert p.grad.tolist() == [0.5, -1.0, 0.25, 2.0, 4.0]
+
+
+def test_retry_restores_the_saved_local_contribution() -> None:
+    model, grads = _replica(1)
+    buf = GradBuffer(model.parameters(), max_slots=MAX_SLOTS)
+    buf.pack(3)
+    packed = buf.flat.clone()
+    buf.save()
+    buf.flat.mul_(7.0).add_(1.0)  # a ring allreduce that died half way leaves partial sums
+    model.zero_grad(set_to_none=True)  # and the trainer may already have moved on
+    buf.restore()
+    assert torch.equal(buf.flat, packed)
+    # The retry on the next view reduces the restored contribution.
+    other_model, other_grads = _replica(2)
+    other = GradBuffer(other_model.parameters(), max_slots=MAX_SLOTS)
+    other.pack(4)
+    _allreduce([buf, other])
+    buf.unpack(buf.contributors())
+    assert buf.mask() == [i in (3, 4) for i in range(MAX_SLOTS)]
+    for p, a, b in zip(model.parameters(), grads, other_grads):
+        torch.testing.assert_close(p.grad, (a + b) / 2, rtol=0, atol=1e-7)
+
+
+def test_restore_without_save_is_an_error() -> None:
+    model, _ = _replica(1)
+    buf = GradBuffer(model.parameters())
+    with pytest.raises(RuntimeError, match="before save"):
+        buf.restore()
+
+
+def test_slot_collision_is_detected() -> None:
+    replicas = [_replica(seed) for seed in (1, 2)]
+    buffers = [GradBuffer(m.parameters(), max_slots=MAX_SLOTS) for m, _ in replicas]
+    for b in buffers:
+        b.pack(1)
+    _allreduce(buffers)
+    with pytest.raises(SlotCollisionError, match="mask slot 1 holds 2.0"):
+        buffers[0].mask()
+
+
+@pytest.mark.parametrize("slot", [-1, MAX_SLOTS, True, 1.0])
+def test_bad_slot_is_rejected(slot: object) -> None:
+    model, _ = _replica(1)
+    buf = GradBuffer(model.parameters(), max_slots=MAX_SLOTS)
+    with pytest.raises(ValueError, match="slot must be None or an int"):
+        buf.pack(slot)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("divisor", [0, -1.0, float("nan")])
+def test_bad_divisor_is_rejected(divisor: float) -> None:
+    model, _ = _replica(1)
+    buf = GradBuffer(model.parameters())
+    with pytest.raises(ValueError, match="divisor"):
+        buf.unpack(divisor)
+
+
+def test_bad_construction_is_rejected() -> None:
+    with pytest.raises(ValueError, match="at least one parameter"):
+        GradBuffer([])
+    with pytest.raises(ValueError, match="max_slots"):
+        GradBuffer([torch.nn.Parameter(torch.ones(1))], max_slots=0)

@@ -1,0 +1,15 @@
+"""PyTorch integration: wrap a model and optimizer, train through failures.
+
+``FaultTolerant`` runs the step protocol around an ordinary loop; the building blocks
+(data cursor, learning-rate policy, snapshots, checkpoints, the example model and data) are
+importable on their own.
+"""
+from __future__ import annotations
+
+from .cursor import DataCursor
+from .ft import FaultTolerant, StepResult, StepTimeout, train_loop
+from .lr import LRPolicy, lr_scale
+from .state import capture, restore, state_digest
+
+__all__ = ["FaultTolerant", "StepResult", "StepTimeout", "train_loop", "DataCursor", "LRPolicy", "lr_scale",
+           "capture", "restore", "state_digest"]

@@ -1,0 +1,161 @@
+"""One replica of the example language-model job (what ``p2pft chaos`` launches).
+
+Run it as it is, e.g. three replicas on one machine::
+
+    python -m p2pft.trainer.examples.replica --replica-id r0 --listen 127.0.0.1:7100 &
+    python -m p2pft.trainer.examples.replica --replica-id r1 --listen 127.0.0.1:7101 --seeds 127.0.0.1:7100 &
+    python -m p2pft.trainer.examples.replica --replica-id r2 --listen 127.0.0.1:7102 --seeds 127.0.0.1:7100 &
+
+Each commit is appended to ``--stats`` as one JSON line (time, step, role, contributors,
+epoch), plus a state digest every ``--digest-every`` steps, so a harness can check that
+replicas at the same step hold bitwise-identical weights.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+
+T_START = time.time()
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--replica-id", default=os.environ.get("P2PFT_REPLICA_ID"), help="env P2PFT_REPLICA_ID")
+    p.add_argument("--listen", default=os.environ.get("P2PFT_LISTEN", "127.0.0.1:0"), help="env P2PFT_LISTEN")
+    p.add_argument("--seeds", default=os.environ.get("P2PFT_SEEDS", ""), help="env P2PFT_SEEDS")
+    p.add_argument("--secret-file", default=os.environ.get("P2PFT_SECRET_FILE"))
+    p.add_argument("--model", default="tiny", choices=["tiny", "small"])
+    p.add_argument("--mlp-params", type=int, default=0, help="use a plain MLP of about this many parameters")
+    p.add_argument("--batch", type=int, default=8, help="samples per replica per step")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--lr-policy", default="sqrt", choices=["none", "linear", "sqrt"])
+    p.add_argument("--replicas", type=int, default=3, help="nominal number of replicas (learning-rate policy)")
+    p.add_argument("--step-delay", type=float, default=0.0, help="emulated accelerator seconds per step")
+    p.add_argument("--steps", type=int, default=0, help="stop after this many committed steps (0: no limit)")
+    p.add_argument("--duration", type=float, default=0.0, help="stop after this many seconds (0: no limit)")
+    p.add_argument("--stats", default=None, help="JSON-lines file for per-step records")
+    p.add_argument("--digest-every", type=int, default=10)
+    p.add_argument("--loss-every", type=int, default=0, help="log the training loss every N steps")
+    p.add_argument("--checkpoint-dir", default=None)
+    p.add_argument("--checkpoint-every", type=int, default=0)
+    p.add_argument("--min-replicas", type=int, default=1, help="wait for this many participants before step 0")
+    p.add_argument("--seed", type=int, default=0, help="model init seed (the same on every replica)")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    p.add_argument("--log-level", default=os.environ.get("P2PFT_LOG_LEVEL", "WARNING"))
+    args = p.parse_args(argv)
+    if not args.replica_id:
+        p.error("--replica-id is required (or set P2PFT_REPLICA_ID)")
+    return args
+
+
+class Stats:
+    """Buffered JSON-lines writer, flushed often: the process may be SIGKILLed at any moment."""
+
+    def __init__(self, path: str | None) -> None:
+        self.fh = open(path, "a", buffering=1 << 16) if path else None
+        self.last_flush = time.monotonic()
+
+    def write(self, rec: dict) -> None:
+        if self.fh is None:
+            return
+        self.fh.write(json.dumps(rec, separators=(",", ":")) + "\n")
+        if time.monotonic() - self.last_flush > 0.1:
+            self.fh.flush()
+            self.last_flush = time.monotonic()
+
+    def close(self) -> None:
+        if self.fh:
+            self.fh.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    from p2pft import Runtime
+    from p2pft.log import setup_logging
+    from p2pft.trainer import FaultTolerant
+    from p2pft.trainer.data import TextDataset
+    from p2pft.trainer.model import build_mlp_for_params, model_config_for
+    from p2pft.wire import load_secret
+
+    setup_logging(args.log_level)
+    torch.set_num_threads(args.threads)
+    stats = Stats(args.stats)
+    t_imported = time.time()
+    torch.manual_seed(args.seed)
+    if args.mlp_params:
+        model = build_mlp_for_params(args.mlp_params)
+        width = model[0].in_features
+
+        def loss_fn(idx: list[int]) -> torch.Tensor:
+            g = torch.Generator().manual_seed(idx[0])
+            x = torch.randn(len(idx), width, generator=g)
+            return (model(x) - x).pow(2).mean()
+    else:
+        cfg = model_config_for(args.model)
+        model = cfg.build()
+        data = TextDataset(cfg.seq_len)
+
+        def loss_fn(idx: list[int]) -> torch.Tensor:
+            return model.loss(data.batch(idx))
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.99))
+    seeds = [s for s in args.seeds.split(",") if s]
+    rt = Runtime(replica_id=args.replica_id, listen=args.listen, seeds=seeds,
+                 secret=load_secret(args.secret_file)).start()
+    stop = {"flag": False}
+
+    def on_term(signum: int, frame: object) -> None:
+        stop["flag"] = True
+    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGINT, on_term)
+
+    ft = FaultTolerant(rt, model, opt, batch_per_replica=args.batch, nominal_replicas=args.replicas,
+                       lr_policy=args.lr_policy, checkpoint_dir=args.checkpoint_dir,
+                       checkpoint_every=args.checkpoint_every)
+    stats.write({"t": time.time(), "kind": "start", "t_process": T_START, "t_imported": t_imported,
+                 "node": rt.node_id, "step": ft.step, "pid": os.getpid()})
+    if args.min_replicas > 1 and ft.step == 0:
+        rt.wait_view(lambda v: len(rt.participants(v)) >= args.min_replicas, timeout=30.0)
+    deadline = time.monotonic() + args.duration if args.duration else float("inf")
+    last_epoch = -1
+    while not stop["flag"] and time.monotonic() < deadline and (not args.steps or ft.step < args.steps):
+        idx = ft.begin()
+        ft.zero_grad()
+        loss_val = None
+        if idx:
+            loss = loss_fn(idx)
+            loss.backward()
+            loss_val = float(loss.detach())
+        if args.step_delay:
+            time.sleep(args.step_delay)
+        res = ft.commit()
+        view = rt.view or {"epoch": 0}
+        rec = {"t": time.time(), "step": res.step, "c": int(res.committed), "role": res.role,
+               "n": res.contributors, "r": res.retries, "e": view["epoch"]}
+        if res.fast_forwarded:
+            rec["ff"] = res.fast_forwarded
+        if loss_val is not None and args.loss_every and res.committed and res.step % args.loss_every == 0:
+            rec["loss"] = loss_val
+        if res.committed and args.digest_every and res.step % args.digest_every == 0:
+            rec["digest"] = ft.digest()
+        if view["epoch"] != last_epoch:
+            last_epoch = view["epoch"]
+            rec["view"] = [[m["replica_id"], m["role"][0]] for m in view.get("members", [])]
+        stats.write(rec)
+        for ev in list(ft.events):
+            stats.write({"kind": "event", **ev})
+        ft.events.clear()
+    stats.write({"t": time.time(), "kind": "exit", "step": ft.step})
+    stats.close()
+    ft.close()
+    rt.close(leave=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

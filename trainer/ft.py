@@ -1,0 +1,416 @@
+"""``FaultTolerant``: the step protocol, fast-forward and non-blocking catch-up for one replica.
+
+A training loop calls ``begin()`` (which samples to train on, empty when this replica does not
+contribute), runs forward/backward, then ``commit()``. ``commit`` allreduces the step buffer on
+the current view's communicator and, on any data-plane error, waits for the next view and
+retries with the saved local gradients: no recomputation, no restart. Every rank reads the same
+reduced buffer, so all take the same decision:
+
+- all contributors at the same step ``s``: apply the mean gradient, commit step ``s``;
+- contributors at different steps (an earlier step committed at some ranks only, because a
+  peer died during its all-gather): the ranks behind fetch the missing mean gradients from a
+  peer that has them (``fast-forward``) and everybody discards this round;
+- this replica is a joiner: it contributes zeros and logs the mean gradient while a snapshot
+  is pulled from a donor in the background; then it restores the snapshot, replays the log
+  through its own optimizer, and asks to be promoted. Survivors never wait for it.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from ..node import JOINER, PARTICIPANT
+from ..runtime import Runtime
+from ..transport import CommError, CommAborted
+from ..transport.stream import StateSnapshot, fetch_state
+from .checkpoint import AsyncCheckpointer
+from .cursor import DataCursor
+from .lr import LRPolicy, apply_lr_scale, base_lrs, lr_scale
+from .state import capture, restore, state_digest
+from .stepbuf import StepBuffer
+
+log = logging.getLogger(__name__)
+
+
+class StepTimeout(RuntimeError):
+    """No view in which this replica could commit appeared within the step timeout."""
+
+
+@dataclass
+class StepResult:
+    step: int                 # committed step count after this call
+    committed: bool           # this call applied an optimizer update
+    contributors: int         # replicas whose gradients were in the mean (0 if none applied)
+    retries: int              # failed allreduce attempts before the outcome
+    role: str                 # this replica's role when the outcome was reached
+    fast_forwarded: int = 0   # steps applied from a peer's log (missed commits)
+
+
+@dataclass
+class _Entry:
+    step: int
+    flat: torch.Tensor        # reduced (summed) buffer, as every contributor saw it
+    count: int
+    mask: list[bool]
+
+
+class FaultTolerant:
+    """Wraps a model and optimizer of one replica (``p2pft.trainer.FaultTolerant``)."""
+
+    def __init__(self, runtime: Runtime, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
+                 batch_per_replica: int, nominal_replicas: int | None = None, lr_policy: str = "sqrt",
+                 max_slots: int = 256, recent_keep: int = 2, replay_cap_bytes: int = 2 << 30,
+                 step_timeout: float = 120.0, checkpoint_dir: str | None = None, checkpoint_every: int = 0,
+                 resume: bool = True, state_rate_limit: float | None = None) -> None:
+        self.rt = runtime
+        self.model = model
+        self.opt = optimizer
+        self.buf = StepBuffer([p for p in model.parameters() if p.requires_grad], max_slots=max_slots)
+        self.cursor = DataCursor(batch_per_replica, max_slots)
+        self.policy = LRPolicy.parse(lr_policy)
+        self.nominal = nominal_replicas
+        self.base_lrs = base_lrs(optimizer)
+        self.step = 0
+        self.synced = True
+        self.recent: deque[_Entry] = deque(maxlen=max(1, recent_keep))
+        self.replay: list[_Entry] = []
+        self.replay_cap = replay_cap_bytes
+        self.step_timeout = step_timeout
+        self.state_rate_limit = state_rate_limit
+        self.events: deque[dict[str, Any]] = deque(maxlen=10_000)
+        self.digests: dict[int, str] = {}
+        self._slot: int | None = None
+        self._lock = threading.Lock()
+        self._donor_q: "queue.Queue[tuple[dict[str, Any], queue.Queue[StateSnapshot | None]]]" = queue.Queue(16)
+        self._snap_box: "queue.Queue[StateSnapshot | BaseException]" = queue.Queue(1)
+        self._fetching = False
+        self._snapshot: StateSnapshot | None = None
+        self.ckpt = AsyncCheckpointer(checkpoint_dir) if checkpoint_dir else None
+        self.checkpoint_every = checkpoint_every
+        if self.ckpt is not None and resume:
+            self._resume_from_checkpoint()
+        runtime.data.serve_state(self._provide)
+        runtime.set_status("ready", self.step)
+        runtime.publish_step(self.step)
+
+    # ------------------------------------------------------------------ public loop API
+    def begin(self) -> list[int]:
+        """Sample indices this replica trains on for the current step ([] = contribute nothing)."""
+        me = self.rt.me()
+        if me is not None and me["role"] == PARTICIPANT and self.synced and me["slot"] is not None:
+            self._slot = int(me["slot"])
+            return self.cursor.indices(self._slot)
+        self._slot = None
+        return []
+
+    def zero_grad(self) -> None:
+        self.opt.zero_grad(set_to_none=True)
+
+    def commit(self) -> StepResult:
+        """Allreduce, retry across views, apply; see the module docstring."""
+        slot = self._slot
+        self._slot = None
+        self.buf.pack_step(slot if self.synced else None, self.step)
+        self.buf.save()
+        deadline = time.monotonic() + self.step_timeout
+        retries = 0
+        while True:
+            if time.monotonic() > deadline:
+                raise StepTimeout(f"no view to commit step {self.step} in within {self.step_timeout} s")
+            view = self.rt.view
+            me = self.rt.me(view)
+            if me is None or me["role"] not in (PARTICIPANT, JOINER):
+                self.rt.wait_view(lambda v: (self.rt.me(v) or {}).get("role") in (PARTICIPANT, JOINER),
+                                  timeout=min(1.0, max(0.0, deadline - time.monotonic())))
+                continue
+            still_mine = (slot is not None and self.synced and me["role"] == PARTICIPANT and me["slot"] == slot)
+            if slot is not None and not still_mine:
+                slot = None  # demoted or re-slotted while computing: these gradients must not count
+                self.buf.pack_step(None, self.step)
+                self.buf.save()
+            try:
+                comm = self.rt.communicator(view)
+                comm.allreduce(self.buf.flat, contribute=still_mine, timeout=self.rt.comm_timeout)
+            except CommError as exc:
+                retries += 1
+                self._on_comm_error(exc, view, deadline)
+                self.buf.restore()
+                continue
+            except Exception as exc:  # e.g. not on the data plane of a view that just changed
+                retries += 1
+                log.debug("allreduce not possible yet: %s", exc)
+                self.buf.restore()
+                self.rt.wait_view(lambda v: self.rt.data_epoch(v) > self.rt.data_epoch(view), 0.2)
+                continue
+            outcome = self._after_allreduce(view, retries)
+            if outcome is not None:
+                return outcome
+            self.buf.restore()
+            retries += 1
+
+    # ------------------------------------------------------------------ after the sum
+    def _after_allreduce(self, view: dict[str, Any], retries: int) -> StepResult | None:
+        try:
+            steps = self.buf.slot_steps()
+        except Exception as exc:
+            log.error("inconsistent step buffer (%s); retrying on the next view", exc)
+            self.rt.wait_view(lambda v: v["epoch"] > view["epoch"], 1.0)
+            return None
+        role = (self.rt.me(view) or {}).get("role", "?")
+        if not steps:
+            # Nobody contributed (all joiners, or every participant lost its slot): nothing to apply.
+            time.sleep(0.01)
+            return None if not self.synced or self.rt.participants(view) else self._no_participants(view)
+        lo, hi = min(steps.values()), max(steps.values())
+        if lo != hi:
+            # An earlier step committed at some ranks only. Those behind fast-forward; all discard.
+            if self.synced and self.step < hi:
+                n = self._fast_forward(hi, view, steps)
+                if n:
+                    return StepResult(self.step, False, 0, retries, role, fast_forwarded=n)
+            time.sleep(0.005)
+            return None
+        s = hi
+        entry = _Entry(s, self.buf.flat.clone(), self.buf.contributors(), self.buf.mask())
+        if not self.synced:
+            self._log_for_replay(entry)
+            self._try_finish_catchup()
+            return StepResult(self.step, False, entry.count, retries, role)
+        if self.step < s:
+            n = self._fast_forward(s, view, steps)
+            if self.step != s:
+                return StepResult(self.step, False, 0, retries, role, fast_forwarded=n)
+        elif self.step > s:
+            # Contributors are behind us: they will fast-forward from our log; retry.
+            time.sleep(0.005)
+            return None
+        self._apply(entry)
+        self._after_commit()
+        return StepResult(self.step, True, entry.count, retries, role)
+
+    def _apply(self, e: _Entry) -> None:
+        """One optimizer update from a reduced buffer: identical inputs give identical weights."""
+        if e.step != self.step:
+            raise AssertionError(f"applying step {e.step} at step {self.step}")
+        if e.flat is not self.buf.flat:
+            self.buf.flat.copy_(e.flat)
+        self.buf.unpack(float(e.count))
+        nominal = self.nominal or e.count
+        apply_lr_scale(self.opt, self.base_lrs, lr_scale(self.policy, e.count, nominal))
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.cursor.commit(e.mask)
+        self.step += 1
+        with self._lock:
+            self.recent.append(e)
+
+    def _after_commit(self) -> None:
+        self.rt.publish_step(self.step)
+        if self.ckpt is not None and self.checkpoint_every and self.step % self.checkpoint_every == 0:
+            meta, tensors = capture(self.model, self.opt, self._extra_meta())
+            self.ckpt.save_async(self.step, meta, tensors)
+        self._serve_donor_requests()
+
+    def digest(self) -> str:
+        """Hash of parameters and optimizer state: equal at equal steps, across replicas."""
+        return state_digest(self.model, self.opt)
+
+    # ------------------------------------------------------------------ errors and views
+    def _on_comm_error(self, exc: CommError, view: dict[str, Any], deadline: float) -> None:
+        d = self.rt.data_epoch(view)
+        peer = self.rt.peer_of_data_addr(exc.peer_addr, view)
+        if not isinstance(exc, CommAborted) and peer is not None and peer["node"] != self.rt.node_id:
+            self.rt.report_failure(peer["node"])
+        self.events.append({"t": time.time(), "kind": "comm_error", "error": type(exc).__name__,
+                            "peer": peer["node"] if peer else None, "epoch": view["epoch"]})
+        log.info("allreduce on data epoch %d failed (%s); waiting for the next view", d, exc)
+        wait = max(0.0, min(deadline - time.monotonic(), 3 * self.rt.profile.suspicion_min * 8))
+        nv = self.rt.wait_view(lambda v: self.rt.data_epoch(v) > d, wait)
+        if nv is None:
+            log.warning("no new view after a failure on data epoch %d; retrying on it", d)
+
+    def _no_participants(self, view: dict[str, Any]) -> StepResult | None:
+        time.sleep(0.05)
+        return None
+
+    # ------------------------------------------------------------------ fast-forward
+    def _fast_forward(self, target: int, view: dict[str, Any], steps: dict[int, int]) -> int:
+        """Fetch and apply the mean gradients of the steps we missed from a peer that has them."""
+        want_from = self.step
+        donors = [m for m in view["members"] if m["role"] == PARTICIPANT and m["slot"] is not None
+                  and steps.get(m["slot"], -1) >= target and m["node"] != self.rt.node_id]
+        for d in donors:
+            try:
+                snap = fetch_state(d["data_addr"].split(",")[0], {"kind": "grads", "from": want_from, "to": target},
+                                   secret=self.rt.secret, timeout=10.0)
+            except CommError as exc:
+                log.info("fast-forward from %s failed: %s", d["node"], exc)
+                continue
+            got = snap.meta.get("steps", [])
+            if not got or got[0] != want_from:
+                continue
+            n = 0
+            for i, s in enumerate(got):
+                self._apply(_Entry(int(s), snap.tensors[f"g{s}"], int(snap.meta["counts"][i]),
+                                   [bool(x) for x in snap.meta["masks"][i]]))
+                n += 1
+            self.events.append({"t": time.time(), "kind": "fast_forward", "from": want_from, "to": self.step})
+            log.info("fast-forwarded %d step(s) to %d from %s", n, self.step, d["node"])
+            self._after_commit()
+            return n
+        log.warning("cannot fast-forward from step %d to %d: catching up from a snapshot", want_from, target)
+        self._start_catchup(view)
+        return 0
+
+    # ------------------------------------------------------------------ catch-up (joiner side)
+    def _start_catchup(self, view: dict[str, Any]) -> None:
+        if self.synced:
+            self.synced = False
+            self.replay.clear()
+            self._snapshot = None
+            self.rt.set_status("joining", self.step)
+            self.events.append({"t": time.time(), "kind": "catchup_start", "step": self.step})
+
+    def _log_for_replay(self, e: _Entry) -> None:
+        if self.replay and e.step != self.replay[-1].step + 1:
+            self.replay.clear()  # a gap: those entries can no longer be replayed in order
+        self.replay.append(e)
+        size = sum(x.flat.numel() * 4 for x in self.replay)
+        while self.replay and size > self.replay_cap:
+            size -= self.replay[0].flat.numel() * 4
+            self.replay.pop(0)
+        if not self._fetching and self._snapshot is None and self.replay:
+            self._fetching = True
+            min_step = self.replay[0].step
+            threading.Thread(target=self._fetch_snapshot, args=(self.rt.view, min_step), daemon=True,
+                             name="p2pft-catchup").start()
+
+    def _fetch_snapshot(self, view: dict[str, Any] | None, min_step: int) -> None:
+        try:
+            donors = [m for m in (view or {"members": []})["members"]
+                      if m["role"] == PARTICIPANT and m["node"] != self.rt.node_id]
+            if not donors:
+                raise CommError("no participant to pull a snapshot from")
+            donor = min(donors, key=lambda m: m["slot"] if m["slot"] is not None else 1 << 30)
+            t0 = time.monotonic()
+            snap = fetch_state(donor["data_addr"].split(",")[0], {"kind": "snapshot", "min_step": min_step},
+                               secret=self.rt.secret, timeout=120.0, rate_limit_bytes_per_s=self.state_rate_limit)
+            snap.meta["_donor"] = donor["node"]
+            snap.meta["_fetch_s"] = time.monotonic() - t0
+            self._snap_box.put(snap)
+        except BaseException as exc:  # reported to the training thread, which retries
+            self._snap_box.put(exc)
+
+    def _try_finish_catchup(self) -> None:
+        if self._snapshot is None:
+            try:
+                got = self._snap_box.get_nowait()
+            except queue.Empty:
+                return
+            self._fetching = False
+            if isinstance(got, BaseException):
+                log.info("snapshot fetch failed (%s); will retry", got)
+                return
+            self._snapshot = got
+        snap = self._snapshot
+        s0 = int(snap.meta["step"])
+        if not self.replay or self.replay[-1].step < s0:
+            return  # the snapshot is ahead of our log: wait for the log to reach it
+        if self.replay[0].step > s0:
+            log.info("snapshot of step %d predates the replay log (%d..); pulling a newer one", s0,
+                     self.replay[0].step)
+            self._snapshot = None
+            return
+        pending = [e for e in self.replay if e.step >= s0]
+        restore(self.model, self.opt, snap.meta["state"], snap.tensors)
+        self.cursor.load_state_dict(snap.meta["cursor"])
+        self.step = s0
+        for e in pending:
+            self._apply(e)
+        self.replay.clear()
+        self._snapshot = None
+        self.synced = True
+        self.rt.set_status("ready", self.step)
+        self.rt.publish_step(self.step)
+        self.events.append({"t": time.time(), "kind": "catchup_done", "step": self.step, "snapshot_step": s0,
+                            "replayed": len(pending), "fetch_s": snap.meta.get("_fetch_s")})
+        log.info("caught up: snapshot of step %d from %s (%.2f s), replayed %d step(s)", s0,
+                 snap.meta.get("_donor"), snap.meta.get("_fetch_s", 0.0), len(pending))
+
+    # ------------------------------------------------------------------ donor side
+    def _provide(self, request: dict[str, Any]) -> StateSnapshot | None:
+        """Transport thread: serve mean gradients from our log, or a snapshot at a step boundary."""
+        kind = request.get("kind")
+        if kind == "grads":
+            lo, hi = int(request["from"]), int(request["to"])
+            with self._lock:
+                entries = [e for e in self.recent if lo <= e.step < hi]
+            if not entries or entries[0].step != lo or len(entries) != hi - lo:
+                return None
+            return StateSnapshot(meta={"steps": [e.step for e in entries], "counts": [e.count for e in entries],
+                                       "masks": [[int(b) for b in e.mask] for e in entries]},
+                                 tensors={f"g{e.step}": e.flat for e in entries})
+        if kind == "snapshot":
+            box: "queue.Queue[StateSnapshot | None]" = queue.Queue(1)
+            try:
+                self._donor_q.put_nowait((request, box))
+            except queue.Full:
+                return None
+            try:
+                return box.get(timeout=60.0)
+            except queue.Empty:
+                return None
+        return None
+
+    def _serve_donor_requests(self) -> None:
+        while True:
+            try:
+                request, box = self._donor_q.get_nowait()
+            except queue.Empty:
+                return
+            if not self.synced or self.step < int(request.get("min_step", 0)):
+                box.put(None)
+                continue
+            meta, tensors = capture(self.model, self.opt, {})
+            box.put(StateSnapshot(meta={"step": self.step, "state": meta, "cursor": self.cursor.state_dict()},
+                                  tensors=tensors))
+
+    # ------------------------------------------------------------------ checkpoints
+    def _extra_meta(self) -> dict[str, Any]:
+        return {"step": self.step, "cursor": self.cursor.state_dict()}
+
+    def _resume_from_checkpoint(self) -> None:
+        assert self.ckpt is not None
+        latest = self.ckpt.latest()
+        if latest is None:
+            return
+        step, meta, tensors = latest
+        restore(self.model, self.opt, meta, tensors)
+        extra = meta.get("extra", meta)
+        self.cursor.load_state_dict(extra["cursor"])
+        self.step = int(step)
+        log.info("resumed from the disk checkpoint of step %d", self.step)
+
+    def close(self) -> None:
+        if self.ckpt is not None:
+            self.ckpt.close(timeout=10.0)
+
+
+def train_loop(ft: FaultTolerant, loss_fn: Callable[[list[int]], torch.Tensor], steps: int,
+               on_step: Callable[[StepResult], None] | None = None) -> None:
+    """The shortest complete loop: run until `steps` committed steps."""
+    while ft.step < steps:
+        idx = ft.begin()
+        ft.zero_grad()
+        if idx:
+            loss_fn(idx).backward()
+        res = ft.commit()
+        if on_step is not None:
+            on_step(res)
