@@ -1,0 +1,179 @@
+"""``p2pft chaos``: argument parsing and the live view."""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import time
+from pathlib import Path
+from typing import Any
+
+from .cluster import FAULTS, ChaosConfig, Cluster
+
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("chaos", help="train a local cluster under a failure schedule and report",
+                       description="Start local replicas (processes on loopback, CPU) training a small language "
+                       "model, SIGKILL a random one every --kill-every seconds, restart it --restart-after seconds "
+                       "later, and compare with a failure-free run and a synchronous-restart baseline run at the "
+                       "same time (and torchft when it is installed). Ends with a table, JSON and a PNG timeline.")
+    p.add_argument("--replicas", type=int, default=3)
+    p.add_argument("--duration", type=float, default=60.0, help="seconds of training per system")
+    p.add_argument("--kill-every", type=float, default=10.0, help="seconds between failures")
+    p.add_argument("--restart-after", type=float, default=2.0, help="seconds before a failed replica restarts")
+    p.add_argument("--fault", choices=FAULTS, default="kill",
+                   help="kill: SIGKILL a random replica; pause: SIGSTOP it for --pause-for; leader: kill the "
+                   "Raft leader's replica; two: kill two replicas at once")
+    p.add_argument("--pause-for", type=float, default=3.0)
+    p.add_argument("--step-delay", type=float, default=0.1, help="emulated accelerator seconds per step")
+    p.add_argument("--model", choices=["tiny", "small"], default="tiny")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--checkpoint-every", type=int, default=20, help="sync baseline: steps between checkpoints")
+    p.add_argument("--systems", default="auto",
+                   help="comma list of p2pft,sync,failure_free,torchft (auto: all, torchft when installed)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="results/chaos", help="folder for chaos.json, timeline.png and logs")
+    p.add_argument("--no-live", action="store_true", help="no live progress display")
+    p.set_defaults(fn=cmd_chaos)
+
+
+def cmd_chaos(args: argparse.Namespace) -> int:
+    from ..cli import CliError
+    from .report import plot_timeline, print_table, write_json
+    from .run import run_chaos
+
+    cfg = ChaosConfig(replicas=args.replicas, duration=args.duration, kill_every=args.kill_every,
+                      restart_after=args.restart_after, fault=args.fault, pause_for=args.pause_for,
+                      step_delay=args.step_delay, model=args.model, batch=args.batch,
+                      checkpoint_every=args.checkpoint_every, seed=args.seed)
+    try:
+        cfg.validate()
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+    systems = _systems(args.systems)
+    out = Path(args.out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise CliError(f"cannot create {out}: {exc.strerror or exc}") from None
+    from rich.console import Console
+    console = Console()
+    console.print(f"[bold]p2pft chaos[/]: {', '.join(systems)} side by side for {cfg.duration:g} s "
+                  f"({cfg.replicas} replicas each); logs in {out}/")
+    live = None if args.no_live or not console.is_terminal else _Live(console)
+    on_tick = live.update if live else _Plain(console).update
+    try:
+        report = run_chaos(cfg, out / "runs", tuple(systems), on_tick=on_tick)
+    finally:
+        if live:
+            live.stop()
+    write_json(report, out / "chaos.json")
+    write_json(report, out / "chaos-full.json", full=True)
+    plot_timeline(report, out / "timeline.png")
+    print_table(report, console)
+    console.print(f"wrote {out / 'chaos.json'}, {out / 'timeline.png'}")
+    return 0
+
+
+def _systems(text: str) -> list[str]:
+    from ..cli import CliError
+    known = ("p2pft", "sync", "failure_free", "torchft")
+    if text == "auto":
+        out = ["p2pft", "sync", "failure_free"]
+        if importlib.util.find_spec("torchft") is not None:
+            out.append("torchft")
+        return out
+    out = [s.strip() for s in text.split(",") if s.strip()]
+    bad = [s for s in out if s not in known]
+    if bad:
+        raise CliError(f"unknown system(s) {', '.join(bad)}; choose from {', '.join(known)}")
+    if "torchft" in out and importlib.util.find_spec("torchft") is None:
+        raise CliError("torchft is not installed (pip install 'p2pft[compare]')")
+    if "failure_free" not in out:
+        out.append("failure_free")  # the denominator of ETT
+    return out
+
+
+def _progress(clusters: dict[str, Cluster]) -> list[tuple[str, str, int, str, int]]:
+    rows = []
+    for name, c in clusters.items():
+        for i in range(c.cfg.replicas):
+            p = c.procs.get(i)
+            if p is None:
+                rows.append((name, f"r{i}", -1, "down", 0))
+                continue
+            recs = _tail(p.stats)
+            last = next((r for r in reversed(recs) if r.get("kind") is None and "step" in r), None)
+            state = "paused" if p.paused else (last.get("role", "?") if last else "starting")
+            rows.append((name, f"r{i}", int(last["step"]) if last else 0, state, int(last.get("e", 0)) if last else 0))
+    return rows
+
+
+def _tail(path: Path, nbytes: int = 4096) -> list[dict[str, Any]]:
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(0, 2)
+            size = fh.tell()
+            fh.seek(max(0, size - nbytes))
+            data = fh.read().decode(errors="replace")
+    except OSError:
+        return []
+    import json
+    out = []
+    for line in data.splitlines()[1:] if size > nbytes else data.splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
+
+
+class _Live:
+    def __init__(self, console: Any) -> None:
+        from rich.live import Live
+        self.live = Live(console=console, refresh_per_second=4, transient=False)
+        self.live.start()
+        self.last = 0.0
+
+    def update(self, clusters: dict[str, Cluster], elapsed: float) -> None:
+        if time.time() - self.last < 0.25:
+            return
+        self.last = time.time()
+        from rich.table import Table
+        t = Table(title=f"t = {elapsed:5.1f} s")
+        for col in ("system", "replica", "step", "role", "epoch"):
+            t.add_column(col)
+        for name, rep, step, state, epoch in _progress(clusters):
+            style = "red" if state in ("down", "paused") else ("yellow" if state == "joiner" else "")
+            t.add_row(name, rep, str(step) if step >= 0 else "-", state, str(epoch), style=style)
+        events = []
+        for name, c in clusters.items():
+            for e in c.events[-3:]:
+                if e["kind"] not in ("start",):
+                    events.append((e["t"], f"{name}: {e['kind']} r{e['replica']}"))
+        events.sort()
+        t.caption = " | ".join(x[1] for x in events[-4:])
+        self.live.update(t)
+
+    def stop(self) -> None:
+        self.live.stop()
+
+
+class _Plain:
+    """Progress lines every 10 s when stdout is not a terminal (CI logs)."""
+
+    def __init__(self, console: Any) -> None:
+        self.console = console
+        self.next = 10.0
+
+    def update(self, clusters: dict[str, Cluster], elapsed: float) -> None:
+        if elapsed < self.next:
+            return
+        self.next += 10.0
+        parts = []
+        for name in clusters:
+            steps = [s for n, _, s, _, _ in _progress({name: clusters[name]}) if s >= 0]
+            parts.append(f"{name} step {max(steps) if steps else 0}")
+        self.console.print(f"t={elapsed:5.1f}s  " + "  ".join(parts))
+
+

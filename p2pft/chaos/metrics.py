@@ -1,0 +1,137 @@
+"""What a chaos run measured, computed from the replicas' JSON-lines stats and the harness events."""
+from __future__ import annotations
+
+import json
+import statistics
+from collections import defaultdict
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .cluster import Cluster
+
+STALL_WINDOW = 5.0   # seconds after a failure in which a survivor's longest commit gap is its stall
+
+
+def read_stats(path: Path) -> list[dict[str, Any]]:
+    out = []
+    try:
+        with open(path) as fh:
+            for line in fh:
+                try:
+                    out.append(json.loads(line))
+                except json.JSONDecodeError:
+                    break  # the last line of a SIGKILLed process may be cut
+    except FileNotFoundError:
+        pass
+    return out
+
+
+def latest_leader(cluster: "Cluster") -> int | None:
+    """Ask a live replica's control port who leads Raft; map the leader to a replica index."""
+    from .. import aio
+    from ..driver import admin_request
+    for i in cluster.live():
+        try:
+            rep = aio.run(admin_request(cluster.addrs[i], "admin.members", timeout=1.0))
+        except Exception:
+            continue
+        leader = rep.get("leader")
+        for m in rep.get("members", []):
+            if m["node"] == leader:
+                rid = str(m["replica_id"])
+                if rid.startswith("r") and rid[1:].isdigit():
+                    return int(rid[1:])
+    return None
+
+
+def _pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    k = min(len(xs) - 1, max(0, int(round(q * (len(xs) - 1)))))
+    return xs[k]
+
+
+def summarize(cluster: "Cluster", t_end: float) -> dict[str, Any]:
+    """The row of one system: progress, stalls, rejoins, crashes, divergence."""
+    procs = sorted(cluster.finished, key=lambda p: (p.replica, p.incarnation))
+    recs: dict[tuple[int, int], list[dict[str, Any]]] = {(p.replica, p.incarnation): read_stats(p.stats)
+                                                        for p in procs}
+    kills = [e for e in cluster.events if e["kind"] in ("kill", "pause")]
+    crashes = [e for e in cluster.events if e["kind"] == "crash"]
+    final_step = 0
+    commit_times: dict[tuple[int, int], list[float]] = {}
+    digests: dict[int, set[str]] = defaultdict(set)
+    step_gaps: list[float] = []
+    losses: list[tuple[int, float]] = []
+    for key, rs in recs.items():
+        ts = []
+        for r in rs:
+            if "step" in r and r.get("kind") is None:
+                if r["t"] <= t_end:
+                    final_step = max(final_step, int(r["step"]))
+                if r.get("c"):
+                    ts.append(float(r["t"]))
+                if "digest" in r:
+                    digests[int(r["step"])].add(r["digest"])
+                if "loss" in r:
+                    losses.append((int(r["step"]), float(r["loss"])))
+        commit_times[key] = ts
+        step_gaps += [b - a for a, b in zip(ts, ts[1:])]
+    stalls = []
+    for k in kills:
+        tk = float(k["t"])
+        worst = 0.0
+        for (rep, inc), ts in commit_times.items():
+            if rep == k["replica"] or not ts or ts[0] > tk or ts[-1] < tk:
+                continue  # the victim itself, or a replica not running across the failure
+            gaps = [b - a for a, b in zip(ts, ts[1:]) if b > tk and a < tk + STALL_WINDOW]
+            if gaps:
+                worst = max(worst, max(gaps))
+        if worst:
+            stalls.append(worst)
+    rejoins, rejoins_excl = [], []
+    for p in procs:
+        if p.incarnation == 0:
+            continue
+        rs = recs[(p.replica, p.incarnation)]
+        start = next((r for r in rs if r.get("kind") == "start"), None)
+        first = next((r for r in rs if r.get("kind") is None and r.get("c") and r.get("role") == "participant"
+                      and r.get("n", 0) >= 1), None)
+        if start and first:
+            rejoins.append(float(first["t"]) - p.started)
+            rejoins_excl.append(float(first["t"]) - float(start["t_imported"]))
+    divergent = sum(1 for s, d in digests.items() if len(d) > 1)
+    return {
+        "system": cluster.system,
+        "final_step": final_step,
+        "kills": len(kills),
+        "survivor_crashes": len(crashes),
+        "stall_p50_s": _round(statistics.median(stalls)) if stalls else None,
+        "stall_max_s": _round(max(stalls)) if stalls else None,
+        "rejoin_p50_s": _round(statistics.median(rejoins)) if rejoins else None,
+        "rejoin_max_s": _round(max(rejoins)) if rejoins else None,
+        "rejoin_excl_imports_p50_s": _round(statistics.median(rejoins_excl)) if rejoins_excl else None,
+        "step_time_p50_s": _round(statistics.median(step_gaps)) if step_gaps else None,
+        "divergent_steps": divergent,
+        "digest_steps_checked": sum(1 for d in digests.values() if d),
+        "loss": sorted(losses)[-1][1] if losses else None,
+        "_losses": sorted(losses),
+        "_commits": {f"r{r}.{i}": ts for (r, i), ts in commit_times.items()},
+        "_events": cluster.events,
+        "_steps": _step_series(recs),
+    }
+
+
+def _step_series(recs: dict[tuple[int, int], list[dict[str, Any]]]) -> dict[str, list[list[float]]]:
+    out: dict[str, list[list[float]]] = defaultdict(list)
+    for (rep, _inc), rs in recs.items():
+        for r in rs:
+            if r.get("kind") is None and "step" in r:
+                out[f"r{rep}"].append([float(r["t"]), int(r["step"])])
+    return {k: sorted(v) for k, v in out.items()}
+
+
+def _round(x: float) -> float:
+    return round(float(x), 3)

@@ -1,0 +1,110 @@
+"""Run the systems side by side under one failure schedule and collect their rows.
+
+All systems run at the same time on the same machine (each its own cluster on its own ports),
+so a shared, noisy machine slows them alike and the ratios stay meaningful.
+"""
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from .cluster import ChaosConfig, Cluster, Schedule
+from .metrics import latest_leader, summarize
+
+log = logging.getLogger(__name__)
+
+SYSTEMS = ("p2pft", "sync", "failure_free")
+
+
+def run_chaos(cfg: ChaosConfig, workdir: Path, systems: tuple[str, ...] = SYSTEMS,
+              on_tick: Callable[[dict[str, Cluster], float], None] | None = None) -> dict[str, Any]:
+    """Start every system, apply the schedule, stop them all after cfg.duration; return the report."""
+    cfg.validate()
+    clusters = {s: Cluster(s, cfg, workdir / s) for s in systems if s != "torchft"}
+    extra: dict[str, Any] = {}
+    if "torchft" in systems:
+        from .torchft_system import TorchftCluster
+        clusters["torchft"] = TorchftCluster("torchft", cfg, workdir / "torchft")  # type: ignore[assignment]
+    for c in clusters.values():
+        c.start()
+    # Measure from when every replica process is up: startup (imports) is not training time.
+    t0 = time.time()
+    schedule = Schedule(cfg)
+    pending_restarts: list[tuple[float, str, int]] = []
+    pending_resumes: list[tuple[float, str, int]] = []
+    next_fault = 0
+    try:
+        while True:
+            now = time.time()
+            el = now - t0
+            if el >= cfg.duration:
+                break
+            if next_fault < len(schedule.times) and el >= schedule.times[next_fault]:
+                next_fault += 1
+                _inject(cfg, clusters, schedule, now, pending_restarts, pending_resumes)
+            for item in list(pending_restarts):
+                if now >= item[0]:
+                    pending_restarts.remove(item)
+                    c = clusters[item[1]]
+                    if item[1] == "sync":
+                        c.start()
+                    else:
+                        c.spawn(item[2])
+            for item in list(pending_resumes):
+                if now >= item[0]:
+                    pending_resumes.remove(item)
+                    c = clusters[item[1]]
+                    c.signal(item[2], signal.SIGCONT, "resume")
+                    if item[2] in c.procs:
+                        c.procs[item[2]].paused = False
+            for c in clusters.values():
+                c.reap()
+            if on_tick is not None:
+                on_tick(clusters, el)
+            time.sleep(0.05)
+    finally:
+        t_end = time.time()
+        for c in clusters.values():
+            c.stop()
+    rows = {name: summarize(c, t_end) for name, c in clusters.items()}
+    base = rows.get("failure_free", {}).get("final_step") or 0
+    for r in rows.values():
+        r["ett"] = round(r["final_step"] / base, 3) if base else None
+        r["baseline_final_step"] = base
+    for c in clusters.values():
+        c.cleanup()
+    extra["t0"] = t0
+    extra["t_end"] = t_end
+    return {"config": cfg.__dict__, "systems": list(rows.values()), **extra}
+
+
+def _inject(cfg: ChaosConfig, clusters: dict[str, Cluster], schedule: Schedule, now: float,
+            pending_restarts: list[tuple[float, str, int]], pending_resumes: list[tuple[float, str, int]]) -> None:
+    """One failure, the same replica indices for every system that has failures."""
+    faulty = [n for n in clusters if n != "failure_free"]
+    if not faulty:
+        return
+    ref = clusters["p2pft"] if "p2pft" in clusters else clusters[faulty[0]]
+    leader = latest_leader(ref) if cfg.fault == "leader" else None
+    live = sorted(set.intersection(*(set(clusters[n].live()) for n in faulty)) or set(ref.live()))
+    targets = schedule.targets(live, leader)
+    for name in faulty:
+        c = clusters[name]
+        if name == "sync":
+            # Any failure stops the synchronous job: every replica restarts from the checkpoint.
+            for i in list(c.procs):
+                c.signal(i, signal.SIGKILL, "kill" if i in targets else "stop")
+            pending_restarts.append((now + cfg.restart_after, name, -1))
+            continue
+        for i in targets:
+            if cfg.fault == "pause":
+                c.signal(i, signal.SIGSTOP, "pause")
+                if i in c.procs:
+                    c.procs[i].paused = True
+                pending_resumes.append((now + cfg.pause_for, name, i))
+            else:
+                c.signal(i, signal.SIGKILL, "kill")
+                pending_restarts.append((now + cfg.restart_after, name, i))

@@ -1,0 +1,304 @@
+"""``Runtime``: the control plane of one replica leader, for a synchronous training loop.
+
+The node (gossip + Raft + views) runs on an asyncio loop in a background thread; the training
+thread reads the latest committed view without a round trip (an attribute read), gets the
+communicator of that view's data epoch (built once, cached, aborted when a newer data epoch
+supersedes it), reports data-plane failures as evidence, and publishes its status and step.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from typing import Any, Callable
+
+from . import aio
+from .config import DEFAULT, Profile
+from .driver import NodeServer
+from .log import set_context
+from .node import JOINER, PARTICIPANT, TRAINER_KIND, WITNESS
+
+log = logging.getLogger(__name__)
+
+
+class RuntimeError_(RuntimeError):
+    """The runtime could not start or lost its control plane."""
+
+
+class Runtime:
+    """One replica leader's membership, views and communicators.
+
+    Typical use::
+
+        rt = Runtime(replica_id="r0", listen="127.0.0.1:7000", seeds=["127.0.0.1:7001"]).start()
+        view = rt.view                 # latest committed view (dict), no round trip
+        comm = rt.communicator()       # data-plane group of that view's data epoch
+    """
+
+    def __init__(self, *, replica_id: str, listen: str = "127.0.0.1:0", seeds: list[str] | tuple[str, ...] = (),
+                 data_host: str = "127.0.0.1", data_addrs: list[str] | None = None, shards: int = 1,
+                 secret: bytes | None = None, profile: Profile = DEFAULT, comm_timeout: float = 10.0,
+                 kind: str = TRAINER_KIND, status: str = "joining", step: int = 0) -> None:
+        self.replica_id = str(replica_id)
+        self.listen = listen
+        self.seeds = list(seeds)
+        self.data_host = data_host
+        self.shards = shards
+        self.secret = secret
+        self.profile = profile
+        self.comm_timeout = comm_timeout
+        self.kind = kind
+        self._status = status
+        self._step = step
+        self._extra_data_addrs = data_addrs
+        self.data: Any = None                      # transport DataServer (shard 0 of this replica)
+        self.server: NodeServer | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._view: dict[str, Any] | None = None
+        self._view_cv = threading.Condition()
+        self._comms: dict[tuple[int, int], Any] = {}
+        self._comm_lock = threading.Lock()
+        self._started = threading.Event()
+        self._start_error: BaseException | None = None
+        self._closed = False
+        self.view_log: list[tuple[float, int, int]] = []   # (wall time, epoch, data_epoch), bounded
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self, timeout: float = 10.0) -> "Runtime":
+        """Bind the data and control ports and join the cluster; returns once the node runs."""
+        from .transport.server import DataServer
+        if self._extra_data_addrs is None:
+            self.data = DataServer(self.data_host, 0, secret=self.secret)
+            data_addrs = [self.data.addr]
+        else:
+            data_addrs = list(self._extra_data_addrs)
+        self._thread = threading.Thread(target=self._run_loop, args=(",".join(data_addrs),),
+                                        name=f"p2pft-control-{self.replica_id}", daemon=True)
+        self._thread.start()
+        if not self._started.wait(timeout):
+            raise RuntimeError_(f"control plane did not start within {timeout} s")
+        if self._start_error is not None:
+            raise RuntimeError_(f"cannot start the control plane on {self.listen}: {self._start_error}")
+        return self
+
+    def _run_loop(self, data_addr: str) -> None:
+        loop = aio.new_event_loop()
+        self._loop = loop
+        asyncio.set_event_loop(loop)
+        server = NodeServer(listen=self.listen, replica_id=self.replica_id, seeds=self.seeds, kind=self.kind,
+                            data_addr=data_addr, shards=self.shards, secret=self.secret, profile=self.profile,
+                            status=self._status, step=self._step)
+        server.on_view.append(self._on_view)
+        self.server = server
+        try:
+            loop.run_until_complete(server.start())
+        except BaseException as exc:  # bind errors and the like: reported to start()
+            self._start_error = exc
+            self._started.set()
+            loop.close()
+            return
+        set_context(node=server.node.id if server.node else "-")
+        self._started.set()
+        try:
+            loop.run_forever()
+        finally:
+            try:
+                loop.run_until_complete(asyncio.sleep(0))
+            finally:
+                loop.close()
+
+    def close(self, leave: bool = True, timeout: float = 2.0) -> None:
+        """Leave the cluster gracefully (or just stop) and release sockets and threads."""
+        if self._closed:
+            return
+        self._closed = True
+        loop, server = self._loop, self.server
+        if loop is not None and server is not None and loop.is_running():
+            fut = asyncio.run_coroutine_threadsafe(server.stop(leave=leave), loop)
+            try:
+                fut.result(timeout)
+            except Exception:
+                pass
+            loop.call_soon_threadsafe(loop.stop)
+        if self._thread is not None:
+            self._thread.join(timeout)
+        with self._comm_lock:
+            comms = list(self._comms.values())
+            self._comms.clear()
+        for c in comms:
+            try:
+                c.abort("runtime closed")
+                c.close()
+            except Exception:
+                pass
+        if self.data is not None:
+            self.data.close()
+        with self._view_cv:
+            self._view_cv.notify_all()
+
+    def __enter__(self) -> "Runtime":
+        return self.start() if self._thread is None else self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ views
+    @property
+    def node_id(self) -> str:
+        assert self.server is not None and self.server.node is not None
+        return self.server.node.id
+
+    @property
+    def addr(self) -> str:
+        assert self.server is not None
+        return self.server.addr
+
+    @property
+    def view(self) -> dict[str, Any] | None:
+        """The latest committed view (replaced, never mutated: safe to read from any thread)."""
+        return self._view
+
+    def _on_view(self, view: dict[str, Any]) -> None:
+        """Loop thread: publish the view, abort communicators it supersedes."""
+        old = self._view
+        self._view = view
+        self.view_log.append((time.time(), int(view["epoch"]), int(view.get("data_epoch", view["epoch"]))))
+        if len(self.view_log) > 10_000:
+            del self.view_log[:5_000]
+        d = int(view.get("data_epoch", view["epoch"]))
+        if old is None or d != int(old.get("data_epoch", old["epoch"])):
+            with self._comm_lock:
+                stale = [(k, c) for k, c in self._comms.items() if k[0] < d]
+                for k, _ in stale:
+                    del self._comms[k]
+            for _, c in stale:
+                c.abort(f"superseded by view e{view['epoch']} (data epoch {d})")
+        with self._view_cv:
+            self._view_cv.notify_all()
+
+    def wait_view(self, pred: Callable[[dict[str, Any]], bool], timeout: float) -> dict[str, Any] | None:
+        """Block until the latest view satisfies pred (or timeout); returns it or None."""
+        deadline = time.monotonic() + timeout
+        with self._view_cv:
+            while True:
+                v = self._view
+                if v is not None and pred(v):
+                    return v
+                left = deadline - time.monotonic()
+                if left <= 0 or self._closed:
+                    return None
+                self._view_cv.wait(min(left, 0.05))
+
+    def me(self, view: dict[str, Any] | None = None) -> dict[str, Any] | None:
+        view = view if view is not None else self._view
+        if view is None or self.server is None or self.server.node is None:
+            return None
+        nid = self.server.node.id
+        for m in view["members"]:
+            if m["node"] == nid:
+                return m
+        return None
+
+    @staticmethod
+    def data_members(view: dict[str, Any]) -> list[dict[str, Any]]:
+        """Members on the data plane (participants and joiners), in rank order."""
+        return sorted((m for m in view["members"] if m["role"] in (PARTICIPANT, JOINER)),
+                      key=lambda m: m["node"])
+
+    @staticmethod
+    def data_epoch(view: dict[str, Any]) -> int:
+        return int(view.get("data_epoch", view["epoch"]))
+
+    def participants(self, view: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+        view = view if view is not None else self._view
+        return [m for m in (view or {"members": []})["members"] if m["role"] == PARTICIPANT]
+
+    def member_step(self, node: str) -> int:
+        n = self.server.node if self.server else None
+        return n.member_step(node) if n else 0
+
+    # ------------------------------------------------------------------ data plane
+    def communicator(self, view: dict[str, Any] | None = None, shard: int = 0) -> Any:
+        """The communicator of the view's data epoch for this shard (built once, cached)."""
+        view = view if view is not None else self._view
+        if view is None:
+            raise RuntimeError_("no committed view yet")
+        d = self.data_epoch(view)
+        key = (d, shard)
+        with self._comm_lock:
+            comm = self._comms.get(key)
+            if comm is not None and comm.failed is None:
+                return comm
+        members = self.data_members(view)
+        nid = self.node_id
+        ranks = [m["node"] for m in members]
+        if nid not in ranks:
+            raise RuntimeError_(f"{nid} is not on the data plane of view e{view['epoch']}")
+        peers = [m["data_addr"].split(",")[min(shard, len(m["data_addr"].split(",")) - 1)] for m in members]
+        if comm is not None:
+            comm.close()
+        comm = self.data.communicator(d, shard, ranks.index(nid), peers, timeout=self.comm_timeout)
+        with self._comm_lock:
+            if self.data_epoch(self._view or view) > d:
+                comm.abort("superseded before first use")
+            self._comms[key] = comm
+        return comm
+
+    def peer_of_data_addr(self, data_addr: str | None, view: dict[str, Any] | None = None) -> dict[str, Any] | None:
+        view = view if view is not None else self._view
+        if not data_addr or view is None:
+            return None
+        for m in view["members"]:
+            if data_addr in m["data_addr"].split(","):
+                return m
+        return None
+
+    # ------------------------------------------------------------------ into the control loop
+    def _call(self, fn: Callable[[float], None]) -> None:
+        loop, server = self._loop, self.server
+        if loop is None or server is None or self._closed:
+            return
+
+        def run() -> None:
+            if server.node is not None and not server.closing:
+                fn(time.monotonic())
+                server.poke()
+        loop.call_soon_threadsafe(run)
+
+    def report_failure(self, node: str, certain: bool = False) -> None:
+        """Data-plane evidence: suspect the node now; also touch its control port (a refusal
+        there means the process is gone, and it is declared dead at once)."""
+        def fn(now: float) -> None:
+            assert self.server is not None and self.server.node is not None
+            n = self.server.node
+            n.report_failure(node, now, certain)
+            addr = n.gossip.addr_of(node)
+            if addr and not certain:
+                n.outbox.append((addr, n._stamp({"t": "v.get", "e": 1 << 62})))
+        self._call(fn)
+
+    def set_status(self, status: str, step: int | None = None) -> None:
+        """'ready' (holds the cluster's current state) or 'joining' (needs catch-up)."""
+        self._status = status
+        self._call(lambda now: self.server.node.set_status(status, now, step))  # type: ignore[union-attr]
+
+    def publish_step(self, step: int) -> None:
+        """Committed step count, carried on every gossip probe."""
+        self._step = step
+        set_context(step=step)
+        n = self.server.node if self.server else None
+        if n is not None:
+            n.set_step(step)  # two int assignments: safe from this thread
+
+    @property
+    def status(self) -> str:
+        return self._status
+
+    def stats(self) -> dict[str, Any]:
+        s = self.server
+        return {"counters": dict(s.counters) if s else {}, "node": dict(s.node.stats) if s and s.node else {}}
+
+
+__all__ = ["Runtime", "RuntimeError_", "PARTICIPANT", "JOINER", "WITNESS"]
