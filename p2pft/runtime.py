@@ -39,7 +39,7 @@ class Runtime:
     def __init__(self, *, replica_id: str, listen: str = "127.0.0.1:0", seeds: list[str] | tuple[str, ...] = (),
                  data_host: str = "127.0.0.1", data_addrs: list[str] | None = None, shards: int = 1,
                  secret: bytes | None = None, profile: Profile = DEFAULT, comm_timeout: float = 10.0,
-                 kind: str = TRAINER_KIND, status: str = "joining", step: int = 0) -> None:
+                 kind: str = TRAINER_KIND, status: str = "ready", step: int = 0) -> None:
         self.replica_id = str(replica_id)
         self.listen = listen
         self.seeds = list(seeds)

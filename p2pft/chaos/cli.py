@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 import importlib.util
 import time
 from pathlib import Path
@@ -57,7 +58,7 @@ def cmd_chaos(args: argparse.Namespace) -> int:
     except OSError as exc:
         raise CliError(f"cannot create {out}: {exc.strerror or exc}") from None
     from rich.console import Console
-    console = Console()
+    console = Console() if sys.stdout.isatty() else Console(width=150)
     console.print(f"[bold]p2pft chaos[/]: {', '.join(systems)} side by side for {cfg.duration:g} s "
                   f"({cfg.replicas} replicas each); logs in {out}/")
     live = None if args.no_live or not console.is_terminal else _Live(console)

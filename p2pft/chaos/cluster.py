@@ -53,13 +53,20 @@ class ChaosConfig:
             raise ValueError("--kill-every must exceed --restart-after by at least 1 s")
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_ports(n: int) -> list[int]:
+    """Ports free now and never handed out before in this process (clusters must not share one)."""
     socks, ports = [], []
-    for _ in range(n):
+    while len(ports) < n:
         s = socket.socket()
         s.bind(("127.0.0.1", 0))
         socks.append(s)
-        ports.append(s.getsockname()[1])
+        port = s.getsockname()[1]
+        if port not in _HANDED_OUT:
+            ports.append(port)
+            _HANDED_OUT.add(port)
     for s in socks:
         s.close()
     return ports
@@ -89,7 +96,10 @@ class Cluster:
         self.ports = free_ports(self.cfg.replicas)
         self.addrs = [f"127.0.0.1:{p}" for p in self.ports]
         self.incarnations = [0] * self.cfg.replicas
+        if self.workdir.exists():
+            shutil.rmtree(self.workdir)  # stats files are appended to: never mix two runs
         self.workdir.mkdir(parents=True, exist_ok=True)
+        self.go_file = self.workdir / "go"
         self.t0 = time.time()
 
     # ------------------------------------------------------------------ processes
@@ -103,7 +113,8 @@ class Cluster:
                "--listen", self.addrs[i], "--seeds", seeds, "--model", cfg.model, "--batch", str(cfg.batch),
                "--step-delay", str(cfg.step_delay), "--stats", str(stats), "--replicas", str(cfg.replicas),
                "--digest-every", str(cfg.digest_every), "--seed", str(cfg.seed), "--loss-every", "10",
-               "--min-replicas", str(cfg.replicas) if inc == 0 or self.system == "sync" else "1"]
+               "--min-replicas", str(cfg.replicas) if inc == 0 or self.system == "sync" else "1",
+               "--go-file", str(self.go_file), "--log-level", os.environ.get("P2PFT_LOG_LEVEL", "INFO")]
         if self.system == "sync":
             cmd += ["--checkpoint-dir", str(self.workdir / f"ckpt-r{i}"), "--checkpoint-every",
                     str(cfg.checkpoint_every)]
@@ -118,6 +129,10 @@ class Cluster:
     def start(self) -> None:
         for i in range(self.cfg.replicas):
             self.spawn(i)
+
+    def go(self) -> None:
+        """Every replica is up: let them train (restarted replicas find the file at once)."""
+        self.go_file.touch()
 
     def signal(self, i: int, sig: int, kind: str) -> None:
         pr = self.procs.get(i)

@@ -79,7 +79,8 @@ def summarize(cluster: "Cluster", t_end: float) -> dict[str, Any]:
                     losses.append((int(r["step"]), float(r["loss"])))
         commit_times[key] = ts
         step_gaps += [b - a for a, b in zip(ts, ts[1:])]
-    stalls = []
+    step_p50 = statistics.median(step_gaps) if step_gaps else 0.0
+    stalls, raw_gaps = [], []
     for k in kills:
         tk = float(k["t"])
         worst = 0.0
@@ -90,7 +91,8 @@ def summarize(cluster: "Cluster", t_end: float) -> dict[str, Any]:
             if gaps:
                 worst = max(worst, max(gaps))
         if worst:
-            stalls.append(worst)
+            raw_gaps.append(worst)
+            stalls.append(max(0.0, worst - step_p50))  # time lost beyond one normal step
     rejoins, rejoins_excl = [], []
     for p in procs:
         if p.incarnation == 0:
@@ -110,6 +112,7 @@ def summarize(cluster: "Cluster", t_end: float) -> dict[str, Any]:
         "survivor_crashes": len(crashes),
         "stall_p50_s": _round(statistics.median(stalls)) if stalls else None,
         "stall_max_s": _round(max(stalls)) if stalls else None,
+        "gap_max_s": _round(max(raw_gaps)) if raw_gaps else None,
         "rejoin_p50_s": _round(statistics.median(rejoins)) if rejoins else None,
         "rejoin_max_s": _round(max(rejoins)) if rejoins else None,
         "rejoin_excl_imports_p50_s": _round(statistics.median(rejoins_excl)) if rejoins_excl else None,

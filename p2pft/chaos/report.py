@@ -28,7 +28,7 @@ COLUMNS = [
 EXPLAIN = """\
 ETT (effective training time) = final committed step / the failure-free run's final step, all
 systems run at the same time on this machine. 'stall' = a surviving replica's longest gap between
-two committed steps after a failure (one normal step is {step}); 'rejoin' = a restarted replica's
+two committed steps after a failure, minus one normal step ({step}); 'rejoin' = a restarted replica's
 process start to its first step that counts its gradients ('w/o imports': from after Python and
 torch imports). 'divergent steps' = steps at which two replicas held different weights (state
 digests compared every {digest} steps). sync = every failure restarts all replicas from the last
@@ -92,7 +92,8 @@ def plot_timeline(report: dict[str, Any], path: Path) -> None:
                      fontsize=10, loc="left")
         ax.set_ylabel("committed step")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, loc="upper left", ncol=4)
+        if s.get("_steps"):
+            ax.legend(fontsize=7, loc="upper left", ncol=4)
     axes[-1, 0].set_xlabel("seconds (red: failure, green dashed: restart, black: crash)")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -30,8 +30,12 @@ def run_chaos(cfg: ChaosConfig, workdir: Path, systems: tuple[str, ...] = SYSTEM
         clusters["torchft"] = TorchftCluster("torchft", cfg, workdir / "torchft")  # type: ignore[assignment]
     for c in clusters.values():
         c.start()
-    # Measure from when every replica process is up: startup (imports) is not training time.
+    # Measure from when every replica of every system is up and training: process startup
+    # (Python and torch imports on a loaded machine) is not training time.
+    _wait_started(clusters, timeout=180.0)
     t0 = time.time()
+    for c in clusters.values():
+        c.t0 = t0
     schedule = Schedule(cfg)
     pending_restarts: list[tuple[float, str, int]] = []
     pending_resumes: list[tuple[float, str, int]] = []
@@ -50,7 +54,7 @@ def run_chaos(cfg: ChaosConfig, workdir: Path, systems: tuple[str, ...] = SYSTEM
                     pending_restarts.remove(item)
                     c = clusters[item[1]]
                     if item[1] == "sync":
-                        c.start()
+                        c.start()  # the go file exists: they train as soon as all are back
                     else:
                         c.spawn(item[2])
             for item in list(pending_resumes):
@@ -79,6 +83,22 @@ def run_chaos(cfg: ChaosConfig, workdir: Path, systems: tuple[str, ...] = SYSTEM
     extra["t0"] = t0
     extra["t_end"] = t_end
     return {"config": cfg.__dict__, "systems": list(rows.values()), **extra}
+
+
+def _wait_started(clusters: dict[str, Cluster], timeout: float) -> None:
+    from .metrics import read_stats
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        ready = all(any(r.get("kind") == "start" for r in read_stats(p.stats))
+                    for c in clusters.values() for p in c.procs.values())
+        if ready:
+            for c in clusters.values():
+                c.go()
+            return
+        for c in clusters.values():
+            c.reap()
+        time.sleep(0.1)
+    raise RuntimeError(f"replicas did not start training within {timeout:g} s")
 
 
 def _inject(cfg: ChaosConfig, clusters: dict[str, Cluster], schedule: Schedule, now: float,

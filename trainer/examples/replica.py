@@ -43,6 +43,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--checkpoint-dir", default=None)
     p.add_argument("--checkpoint-every", type=int, default=0)
     p.add_argument("--min-replicas", type=int, default=1, help="wait for this many participants before step 0")
+    p.add_argument("--go-file", default=None, help="wait until this file exists before training (a harness "
+                   "starts every replica first, then says go)")
     p.add_argument("--seed", type=int, default=0, help="model init seed (the same on every replica)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     p.add_argument("--log-level", default=os.environ.get("P2PFT_LOG_LEVEL", "WARNING"))
@@ -66,6 +68,10 @@ class Stats:
         if time.monotonic() - self.last_flush > 0.1:
             self.fh.flush()
             self.last_flush = time.monotonic()
+
+    def flush(self) -> None:
+        if self.fh:
+            self.fh.flush()
 
     def close(self) -> None:
         if self.fh:
@@ -119,6 +125,11 @@ def main(argv: list[str] | None = None) -> int:
                        checkpoint_every=args.checkpoint_every)
     stats.write({"t": time.time(), "kind": "start", "t_process": T_START, "t_imported": t_imported,
                  "node": rt.node_id, "step": ft.step, "pid": os.getpid()})
+    stats.flush()
+    if args.go_file:
+        go_deadline = time.monotonic() + 600
+        while not os.path.exists(args.go_file) and time.monotonic() < go_deadline and not stop["flag"]:
+            time.sleep(0.02)
     if args.min_replicas > 1 and ft.step == 0:
         rt.wait_view(lambda v: len(rt.participants(v)) >= args.min_replicas, timeout=30.0)
     deadline = time.monotonic() + args.duration if args.duration else float("inf")

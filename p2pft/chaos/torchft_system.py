@@ -1,0 +1,175 @@
+"""torchft 0.2.0 as a chaos system: one lighthouse plus one torchft replica process per replica.
+
+It runs under the same schedule and the same harness rules as p2pft: the harness restarts a
+replica only when the harness killed it; a replica that exits on its own is a survivor crash
+(``Cluster.reap`` records it) and stays down, exactly as a p2pft replica that crashed would.
+The lighthouse is torchft's central coordinator; it is started before the replicas and stopped
+after them, and is never a failure target (the schedule hits replicas only).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .cluster import Cluster, Proc, free_ports
+
+# Lighthouse settings. torchft's README starts it with --min_replicas 1 --quorum_tick_ms 100
+# --join_timeout_ms 10000 (heartbeat timeout default 5000 ms). The two timeouts bound how long
+# survivors wait for a dead replica before forming a smaller quorum, so they are set low here to
+# give torchft its best failover on one machine; see docs/torchft.md.
+LIGHTHOUSE_MIN_REPLICAS = 1
+LIGHTHOUSE_QUORUM_TICK_MS = 100
+LIGHTHOUSE_JOIN_TIMEOUT_MS = 1000
+LIGHTHOUSE_HEARTBEAT_TIMEOUT_MS = 1000
+
+GRAD_MODES = ("ddp", "manual")
+CRASH_RESTART_DELAY = 1.0   # seconds; an in-place launcher restart, quicker than replacing a host
+
+
+def lighthouse_command(bind: str, min_replicas: int = LIGHTHOUSE_MIN_REPLICAS,
+                       join_timeout_ms: int = LIGHTHOUSE_JOIN_TIMEOUT_MS,
+                       quorum_tick_ms: int = LIGHTHOUSE_QUORUM_TICK_MS,
+                       heartbeat_timeout_ms: int = LIGHTHOUSE_HEARTBEAT_TIMEOUT_MS) -> list[str]:
+    """The ``torchft_lighthouse`` command line, from the interpreter's own environment first."""
+    flags = ["--bind", bind, "--min_replicas", str(min_replicas), "--join_timeout_ms", str(join_timeout_ms),
+             "--quorum_tick_ms", str(quorum_tick_ms), "--heartbeat_timeout_ms", str(heartbeat_timeout_ms)]
+    exe = shutil.which("torchft_lighthouse", path=str(Path(sys.executable).parent)) or shutil.which(
+        "torchft_lighthouse")
+    if exe:
+        return [exe, *flags]
+    # The console script is missing (e.g. a vendored install): call the same entry point.
+    return [sys.executable, "-c", "import sys; from torchft._torchft import lighthouse_main; "
+            "sys.argv[0] = 'torchft_lighthouse'; lighthouse_main()", *flags]
+
+
+def loopback_ifname() -> str | None:
+    """Name of the loopback interface, so Gloo's data plane stays on 127.0.0.1."""
+    try:
+        names = [name for _, name in socket.if_nameindex()]
+    except OSError:
+        return None
+    for cand in ("lo", "lo0"):
+        if cand in names:
+            return cand
+    return None
+
+
+@dataclass
+class TorchftCluster(Cluster):
+    """Replicas running ``python -m p2pft.chaos.torchft_worker`` around one torchft lighthouse."""
+
+    grads: str = field(default_factory=lambda: os.environ.get("P2PFT_TORCHFT_GRADS", "ddp"))
+    max_restarts: int = field(default_factory=lambda: int(os.environ.get("P2PFT_TORCHFT_MAX_RESTARTS", "0")))
+    worker_args: list[str] = field(default_factory=list)
+    lighthouse: subprocess.Popen[bytes] | None = field(default=None, init=False)
+    lighthouse_down: bool = field(default=False, init=False)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.grads not in GRAD_MODES:
+            raise ValueError(f"P2PFT_TORCHFT_GRADS must be one of {', '.join(GRAD_MODES)}, got {self.grads!r}")
+        if self.max_restarts < 0:
+            raise ValueError("P2PFT_TORCHFT_MAX_RESTARTS must be >= 0")
+        self.lighthouse_addr = f"127.0.0.1:{free_ports(1)[0]}"
+        self.crash_restarts = [0] * self.cfg.replicas
+        self.pending_crash_restarts: dict[int, float] = {}
+
+    @property
+    def lighthouse_url(self) -> str:
+        return f"http://{self.lighthouse_addr}"
+
+    def start_lighthouse(self) -> None:
+        """Launch the lighthouse without waiting for it.
+
+        Its console script imports torch (seconds on a loaded machine); the replicas import torch
+        too and their managers retry the connection, so the two startups overlap instead of
+        delaying the replicas.
+        """
+        if self.lighthouse is not None and self.lighthouse.poll() is None:
+            return
+        log = open(self.workdir / "lighthouse.log", "ab")
+        env = dict(os.environ, RUST_BACKTRACE="1")
+        self.lighthouse = subprocess.Popen(lighthouse_command(self.lighthouse_addr), stdout=log,
+                                           stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        log.close()
+        self.lighthouse_down = False
+
+    def start(self) -> None:
+        self.start_lighthouse()
+        super().start()
+
+    def spawn(self, i: int) -> None:
+        cfg = self.cfg
+        inc = self.incarnations[i]
+        self.incarnations[i] += 1
+        stats = self.workdir / f"r{i}-{inc}.jsonl"
+        cmd = [sys.executable, "-m", "p2pft.chaos.torchft_worker", "--replica", str(i),
+               "--replicas", str(cfg.replicas), "--lighthouse", self.lighthouse_url, "--model", cfg.model,
+               "--batch", str(cfg.batch), "--step-delay", str(cfg.step_delay), "--stats", str(stats),
+               "--digest-every", str(cfg.digest_every), "--seed", str(cfg.seed), "--loss-every", "10",
+               "--grads", self.grads, *self.worker_args]
+        env: dict[str, Any] = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+                                   TORCHFT_LIGHTHOUSE=self.lighthouse_url, REPLICA_GROUP_ID=str(i),
+                                   NUM_REPLICA_GROUPS=str(cfg.replicas))
+        ifname = loopback_ifname()
+        if ifname:
+            env["GLOO_SOCKET_IFNAME"] = ifname
+        err = open(self.workdir / f"r{i}-{inc}.log", "wb")
+        p = subprocess.Popen(cmd, stdout=err, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        err.close()
+        now = time.time()
+        self.procs[i] = Proc(i, inc, p, now, stats)
+        self.events.append({"t": now, "kind": "start" if inc == 0 else "restart", "replica": i})
+
+    def reap(self) -> None:
+        """Replica crashes as in Cluster; a lighthouse that dies is logged as its own event.
+
+        With ``max_restarts`` > 0 a crashed replica is started again after CRASH_RESTART_DELAY,
+        as ``torchrun --max-restarts`` (torchft's torchx component) would do; the crash is still
+        recorded and counted. Off by default: every system gets the same harness rules.
+        """
+        seen = len(self.events)
+        super().reap()
+        now = time.time()
+        for e in self.events[seen:]:
+            i = e["replica"]
+            if e["kind"] == "crash" and self.crash_restarts[i] < self.max_restarts:
+                self.crash_restarts[i] += 1
+                self.pending_crash_restarts[i] = now + CRASH_RESTART_DELAY
+        for i, due in list(self.pending_crash_restarts.items()):
+            if now >= due:
+                del self.pending_crash_restarts[i]
+                if i not in self.procs:
+                    self.spawn(i)
+        lh = self.lighthouse
+        if lh is not None and lh.poll() is not None and not self.lighthouse_down:
+            self.lighthouse_down = True
+            self.events.append({"t": time.time(), "kind": "lighthouse_exit", "replica": -1, "rc": lh.returncode})
+
+    def stop(self) -> None:
+        self.pending_crash_restarts.clear()
+        try:
+            super().stop()
+        finally:
+            self.stop_lighthouse()
+
+    def stop_lighthouse(self) -> None:
+        lh = self.lighthouse
+        if lh is None:
+            return
+        if lh.poll() is None:
+            lh.send_signal(signal.SIGTERM)
+            try:
+                lh.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                lh.kill()
+                lh.wait(timeout=5)
+        self.lighthouse = None
