@@ -51,6 +51,7 @@ class StepResult:
     retries: int              # failed allreduce attempts before the outcome
     role: str                 # this replica's role when the outcome was reached
     fast_forwarded: int = 0   # steps applied from a peer's log (missed commits)
+    trained: list[tuple[int, int]] | None = None  # sample ranges of ours in the committed mean
 
 
 @dataclass
@@ -87,6 +88,8 @@ class FaultTolerant:
         self.events: deque[dict[str, Any]] = deque(maxlen=10_000)
         self.digests: dict[int, str] = {}
         self._slot: int | None = None
+        self._ranges: list[tuple[int, int]] = []
+        self._ranges_step = -1
         self._lock = threading.Lock()
         self._donor_q: "queue.Queue[tuple[dict[str, Any], queue.Queue[StateSnapshot | None]]]" = queue.Queue(16)
         self._snap_box: "queue.Queue[StateSnapshot | BaseException]" = queue.Queue(1)
@@ -106,7 +109,9 @@ class FaultTolerant:
         me = self.rt.me()
         if me is not None and me["role"] == PARTICIPANT and self.synced and me["slot"] is not None:
             self._slot = int(me["slot"])
-            return self.cursor.indices(self._slot)
+            self._ranges = self.cursor.assign(self._slot)
+            self._ranges_step = self.step
+            return [i for a, b in self._ranges for i in range(a, b)]
         self._slot = None
         return []
 
@@ -149,14 +154,14 @@ class FaultTolerant:
                 self.buf.restore()
                 self.rt.wait_view(lambda v: self.rt.data_epoch(v) > self.rt.data_epoch(view), 0.2)
                 continue
-            outcome = self._after_allreduce(view, retries)
+            outcome = self._after_allreduce(view, retries, slot if still_mine else None)
             if outcome is not None:
                 return outcome
             self.buf.restore()
             retries += 1
 
     # ------------------------------------------------------------------ after the sum
-    def _after_allreduce(self, view: dict[str, Any], retries: int) -> StepResult | None:
+    def _after_allreduce(self, view: dict[str, Any], retries: int, slot: int | None) -> StepResult | None:
         try:
             steps = self.buf.slot_steps()
         except Exception as exc:
@@ -191,9 +196,12 @@ class FaultTolerant:
             # Contributors are behind us: they will fast-forward from our log; retry.
             time.sleep(0.005)
             return None
+        mine = None
+        if self._ranges_step == s and slot is not None and entry.mask[slot]:
+            mine = list(self._ranges)
         self._apply(entry)
         self._after_commit()
-        return StepResult(self.step, True, entry.count, retries, role)
+        return StepResult(self.step, True, entry.count, retries, role, trained=mine)
 
     def _apply(self, e: _Entry) -> None:
         """One optimizer update from a reduced buffer: identical inputs give identical weights."""

@@ -32,6 +32,7 @@ def register(sub: Any) -> None:
     p.add_argument("--checkpoint-every", type=int, default=20, help="sync baseline: steps between checkpoints")
     p.add_argument("--systems", default="auto",
                    help="comma list of p2pft,sync,failure_free,torchft (auto: all, torchft when installed)")
+    p.add_argument("--witnesses", type=int, default=2, help="witness peers per cluster (voters, never killed)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="results/chaos", help="folder for chaos.json, timeline.png and logs")
     p.add_argument("--no-live", action="store_true", help="no live progress display")
@@ -46,7 +47,8 @@ def cmd_chaos(args: argparse.Namespace) -> int:
     cfg = ChaosConfig(replicas=args.replicas, duration=args.duration, kill_every=args.kill_every,
                       restart_after=args.restart_after, fault=args.fault, pause_for=args.pause_for,
                       step_delay=args.step_delay, model=args.model, batch=args.batch,
-                      checkpoint_every=args.checkpoint_every, seed=args.seed)
+                      checkpoint_every=args.checkpoint_every, seed=args.seed,
+                      witnesses=args.witnesses)
     try:
         cfg.validate()
     except ValueError as exc:

@@ -39,6 +39,7 @@ class ChaosConfig:
     checkpoint_every: int = 20        # steps, for the sync baseline's disk checkpoints
     seed: int = 0
     digest_every: int = 10
+    witnesses: int = 2                # `p2pft peer` processes: cheap voters that are never killed
 
     def validate(self) -> None:
         if self.replicas < 2:
@@ -93,8 +94,10 @@ class Cluster:
     finished: list[Proc] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.ports = free_ports(self.cfg.replicas)
-        self.addrs = [f"127.0.0.1:{p}" for p in self.ports]
+        self.ports = free_ports(self.cfg.replicas + self.cfg.witnesses)
+        self.addrs = [f"127.0.0.1:{p}" for p in self.ports[:self.cfg.replicas]]
+        self.witness_addrs = [f"127.0.0.1:{p}" for p in self.ports[self.cfg.replicas:]]
+        self.witness_procs: list[subprocess.Popen[bytes]] = []
         self.incarnations = [0] * self.cfg.replicas
         if self.workdir.exists():
             shutil.rmtree(self.workdir)  # stats files are appended to: never mix two runs
@@ -108,7 +111,7 @@ class Cluster:
         inc = self.incarnations[i]
         self.incarnations[i] += 1
         stats = self.workdir / f"r{i}-{inc}.jsonl"
-        seeds = ",".join(a for j, a in enumerate(self.addrs) if j != i)
+        seeds = ",".join([a for j, a in enumerate(self.addrs) if j != i] + self.witness_addrs)
         cmd = [sys.executable, "-m", "p2pft.trainer.examples.replica", "--replica-id", f"r{i}",
                "--listen", self.addrs[i], "--seeds", seeds, "--model", cfg.model, "--batch", str(cfg.batch),
                "--step-delay", str(cfg.step_delay), "--stats", str(stats), "--replicas", str(cfg.replicas),
@@ -127,8 +130,24 @@ class Cluster:
         self.events.append({"t": now, "kind": "start" if inc == 0 else "restart", "replica": i})
 
     def start(self) -> None:
+        if not self.witness_procs:
+            self.start_witnesses()
         for i in range(self.cfg.replicas):
             self.spawn(i)
+
+    def start_witnesses(self) -> None:
+        """Witness peers (members and voters without a trainer) keep a voter majority alive
+        while a killed replica is still importing torch: they are part of the deployment, not
+        of the fault schedule."""
+        everyone = self.addrs + self.witness_addrs
+        for k, addr in enumerate(self.witness_addrs):
+            seeds = ",".join(a for a in everyone if a != addr)
+            log = open(self.workdir / f"w{k}.log", "wb")
+            self.witness_procs.append(subprocess.Popen(
+                [sys.executable, "-m", "p2pft.cli", "--log-level", "INFO", "peer", "--listen", addr,
+                 "--seeds", seeds, "--replica-id", f"w{k}"], stdout=subprocess.DEVNULL, stderr=log,
+                start_new_session=True))
+            log.close()
 
     def go(self) -> None:
         """Every replica is up: let them train (restarted replicas find the file at once)."""
@@ -178,6 +197,15 @@ class Cluster:
             p = self.procs.pop(i)
             p.killed_by_us = True  # stopped by us at the end: not a crash
             self.finished.append(p)
+        for w in self.witness_procs:
+            if w.poll() is None:
+                w.send_signal(signal.SIGTERM)
+        for w in self.witness_procs:
+            try:
+                w.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                w.kill()
+                w.wait(timeout=5)
 
     def cleanup(self) -> None:
         for d in self.workdir.glob("ckpt-*"):

@@ -80,14 +80,23 @@ def summarize(cluster: "Cluster", t_end: float) -> dict[str, Any]:
         commit_times[key] = ts
         step_gaps += [b - a for a, b in zip(ts, ts[1:])]
     step_p50 = statistics.median(step_gaps) if step_gaps else 0.0
+    ended_before = {(p.replica, p.incarnation): t for p in procs
+                    for t in [next((float(e["t"]) for e in cluster.events if e["kind"] in ("kill", "stop", "crash")
+                                    and e["replica"] == p.replica and float(e["t"]) >= p.started), None)]
+                    if t is not None}
     stalls, raw_gaps = [], []
     for k in kills:
         tk = float(k["t"])
         worst = 0.0
         for (rep, inc), ts in commit_times.items():
-            if rep == k["replica"] or not ts or ts[0] > tk or ts[-1] < tk:
-                continue  # the victim itself, or a replica not running across the failure
-            gaps = [b - a for a, b in zip(ts, ts[1:]) if b > tk and a < tk + STALL_WINDOW]
+            if rep == k["replica"] or not ts or ts[0] > tk:
+                continue  # the victim itself, or a replica not yet training at the failure
+            if (rep, inc) in ended_before and ended_before[(rep, inc)] <= tk:
+                continue  # this incarnation was gone before the failure
+            # A survivor that never commits again stalls until the end of the run.
+            after = [t for t in ts if t > tk]
+            ends = ts + ([] if after else [t_end])
+            gaps = [b - a for a, b in zip(ends, ends[1:]) if b > tk and a < tk + STALL_WINDOW]
             if gaps:
                 worst = max(worst, max(gaps))
         if worst:

@@ -150,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
                "n": res.contributors, "r": res.retries, "e": view["epoch"]}
         if res.fast_forwarded:
             rec["ff"] = res.fast_forwarded
+        if res.trained:
+            rec["tr"] = res.trained
         if loss_val is not None and args.loss_every and res.committed and res.step % args.loss_every == 0:
             rec["loss"] = loss_val
         if res.committed and args.digest_every and res.step % args.digest_every == 0:
@@ -159,9 +161,10 @@ def main(argv: list[str] | None = None) -> int:
             rec["view"] = [[m["replica_id"], m["role"][0]] for m in view.get("members", [])]
         stats.write(rec)
         for ev in list(ft.events):
-            stats.write({"kind": "event", **ev})
+            stats.write({**ev, "kind": "event", "event": ev["kind"]})
         ft.events.clear()
-    stats.write({"t": time.time(), "kind": "exit", "step": ft.step})
+    stats.write({"t": time.time(), "kind": "exit", "step": ft.step, "cursor": ft.cursor.state_dict(),
+                 "digest": ft.digest()})
     stats.close()
     ft.close()
     rt.close(leave=True)
