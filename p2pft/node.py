@@ -12,6 +12,7 @@ count, ``s`` status (``joining`` = needs catch-up, ``ready`` = holds current sta
 """
 from __future__ import annotations
 
+import bisect
 import logging
 import random
 from collections import Counter
@@ -24,6 +25,7 @@ from .raft import LEADER, Raft
 log = logging.getLogger(__name__)
 
 PARTICIPANT, JOINER, WITNESS = "participant", "joiner", "witness"
+PROMOTE_SLACK_STEPS = 8    # a 'ready' joiner this close to the head is current (see _desired)
 TRAINER_KIND, WITNESS_KIND = "trainer", "witness"
 
 
@@ -59,6 +61,12 @@ class Node:
         self._next_hello = now
         self._view_asked: dict[str, float] = {}
         self._bootstrapped = False
+        self._next_bootstrap = now + profile.bootstrap_wait   # when to consider bootstrapping next
+        self._voter_change: tuple[tuple[str, ...], float] | None = None  # (voter set, decided at)
+        self._role: str | None = None          # our role in self.view (cached: asked on every tick)
+        self._role_hint: tuple[int, str | None] | None = None  # (epoch, role) worked out from a delta
+        self._dirty = True                     # leader: membership changed since the last reconcile
+        self._next_reconcile = now
         if not self.seeds:
             self._bootstrap(now)
         else:
@@ -82,6 +90,8 @@ class Node:
                 self._send_view(str(msg["from"]))
         elif t == "v.view":
             self._on_view_msg(msg, now)
+        elif t == "v.delta":
+            self._on_view_delta(msg, now)
         else:
             self.stats["unknown_type"] += 1
         self._pump(now)
@@ -89,7 +99,8 @@ class Node:
     def tick(self, now: float) -> None:
         self.gossip.tick(now)
         self.raft.tick(now)
-        if not self._bootstrapped and self.view is None and now - self.started >= self.p.bootstrap_wait:
+        if not self._bootstrapped and self.view is None and now >= self._next_bootstrap:
+            self._next_bootstrap = now + self.p.probe_interval
             self._maybe_bootstrap(now)
         if self.view is not None and not self._in_view() and now >= self._next_hello:
             self._hello(now)
@@ -98,7 +109,7 @@ class Node:
     def next_deadline(self) -> float:
         t = min(self.gossip.next_deadline(), self.raft.next_deadline())
         if self.view is None and not self._bootstrapped:
-            t = min(t, self.started + self.p.bootstrap_wait)
+            t = min(t, self._next_bootstrap)
         if self.view is not None and not self._in_view():
             t = min(t, self._next_hello)
         if self._pending_since is not None and self.is_leader() and not self.raft.pending():
@@ -151,12 +162,7 @@ class Node:
         return m.step if m else 0
 
     def my_role(self) -> str | None:
-        if self.view is None:
-            return None
-        for m in self.view["members"]:
-            if m["node"] == self.id:
-                return m["role"]
-        return None
+        return self._role
 
     def _in_view(self) -> bool:
         return self.my_role() is not None
@@ -171,11 +177,23 @@ class Node:
         log.info("bootstrapped a new cluster as %s", self.id, extra={"node": self.id})
 
     def _maybe_bootstrap(self, now: float) -> None:
+        """Start a cluster only with positive evidence that none exists.
+
+        A node that merely hears nobody (its seeds are dead, or it is partitioned away) must not
+        bootstrap: that would be a second cluster with its own epoch 1. So the one bootstrapper
+        is the lowest address among itself, its seeds and every member it knows of, and only
+        once a majority of its seed list (itself included) has answered directly without a view.
+        """
         live = self.gossip.live_members()
         if any(m.epoch > 0 for m in live if m.node != self.id):
             return  # a cluster exists: wait to be added
-        if min(m.addr for m in live) == self.addr:
-            self._bootstrap(now)
+        names = set(self.seeds) | {self.addr}
+        if min(names | {m.addr for m in live}) != self.addr:
+            return
+        answered = {m.addr for m in live if m.heard and m.addr in names} | {self.addr}
+        if len(answered) * 2 <= len(names):
+            return
+        self._bootstrap(now)
 
     def _member_entry(self, node: str, addr: str, meta: dict[str, Any], role: str, slot: int | None,
                       since: int) -> dict[str, Any]:
@@ -191,9 +209,45 @@ class Node:
             self.leader, self.leader_addr = str(msg["leader"]), str(msg.get("laddr") or "")
         self.raft.learn(view)
 
+    def _on_view_delta(self, msg: dict[str, Any], now: float) -> None:
+        """A committed view as a change to the one before it; without that base, ask for it whole."""
+        hdr, base = msg["hdr"], int(msg["base"])
+        if not isinstance(hdr, dict) or int(hdr["epoch"]) <= (self.view["epoch"] if self.view else 0):
+            return
+        if msg.get("leader"):
+            self.leader, self.leader_addr = str(msg["leader"]), str(msg.get("laddr") or "")
+        if self.view is None or self.view["epoch"] != base:
+            self.stats["view_delta_miss"] += 1
+            e = self.view["epoch"] if self.view else 0
+            self.outbox.append((str(msg["from"]), self._stamp({"t": "v.get", "e": e})))
+            return
+        changed = {m["node"]: m for m in msg["set"]}
+        gone = set(msg["del"]) | set(changed)
+        members = [m for m in self.view["members"] if m["node"] not in gone] if gone else list(self.view["members"])
+        for m in changed.values():
+            bisect.insort(members, m, key=_node_key)
+        if self.id in changed:
+            self._role_hint = (int(hdr["epoch"]), changed[self.id]["role"])
+        elif self.id in gone:
+            self._role_hint = (int(hdr["epoch"]), None)
+        else:
+            self._role_hint = (int(hdr["epoch"]), self._role)
+        self.raft.learn(dict(hdr, members=members))
+
     def _send_view(self, addr: str) -> None:
         self.outbox.append((addr, self._stamp({"t": "v.view", "view": self.view, "leader": self.leader,
                                                "laddr": self.leader_addr})))
+
+    def _delta_msg(self, prev: dict[str, Any]) -> dict[str, Any]:
+        """The current view as a change to ``prev``: O(change) bytes per member instead of O(members)."""
+        assert self.view is not None
+        old = {m["node"]: m for m in prev["members"]}
+        new_members = self.view["members"]
+        changed = [m for m in new_members if old.get(m["node"]) != m]
+        keep = {m["node"] for m in new_members}
+        return {"t": "v.delta", "base": prev["epoch"], "hdr": {k: v for k, v in self.view.items() if k != "members"},
+                "set": changed, "del": [n for n in old if n not in keep], "leader": self.leader,
+                "laddr": self.leader_addr}
 
     def _hello(self, now: float) -> None:
         """Tell the leader about ourselves directly: joining should not wait for gossip."""
@@ -230,18 +284,18 @@ class Node:
                 self.outbox.append((addr, self._stamp(msg)))
         self.raft.outbox.clear()
         for kind, term in self.raft.events:
+            self._dirty = True
             self.events.append(("leader", term))
             log.info("became Raft leader for term %d", term, extra={"node": self.id})
         self.raft.events.clear()
         if self.raft.leader:
             self.leader = self.raft.leader
             self.leader_addr = self._addr_of(self.leader)
-        changed_membership = False
         for kind, node in g.events:
             if kind == "epoch":
                 self._ask_view(node, now)
             else:
-                changed_membership = True
+                self._dirty = True
         g.events.clear()
         prev = self.view
         for view in self.raft.committed:
@@ -249,16 +303,27 @@ class Node:
                 continue
             self.view = view
             self.view_time = now
+            hint = self._role_hint
+            if hint is not None and hint[0] == view["epoch"]:
+                self._role = hint[1]
+            else:
+                self._role = next((m["role"] for m in view["members"] if m["node"] == self.id), None)
+            self._dirty = True
             g.local_epoch = view["epoch"]
             self.events.append(("view", view))
         self.raft.committed.clear()
         if self.view is not prev and self.is_leader():
             self._push_view(prev)
         if self.is_leader() and not self.raft.pending():
-            self._reconcile(now)
+            # Re-derive the desired view when something changed, while a batch or voter change
+            # is in progress, and once per heartbeat (steps and our own status change silently).
+            if (self._dirty or self._pending_since is not None or self._voter_change is not None
+                    or now >= self._next_reconcile):
+                self._reconcile(now)
         elif not self.is_leader():
             self._pending_since = None
-        _ = changed_membership
+            self._voter_change = None
+            self.raft.learners.clear()
 
     def _ask_view(self, node: str, now: float) -> None:
         last = self._view_asked.get(node, -1e9)
@@ -280,31 +345,43 @@ class Node:
         for m in (prev or {}).get("members", ()):
             if m["node"] not in voters and m["node"] not in targets:
                 targets[m["node"]] = m["addr"]
+        # Members are sorted by node id in every view the leader makes, so a delta reproduces it
+        # exactly at a member holding the same base view; the others ask for the whole view.
+        delta = self._delta_msg(prev) if prev is not None else None
         for node, addr in targets.items():
             if node != self.id:
-                self._send_view(addr)
+                if delta is not None:
+                    self.outbox.append((addr, self._stamp(dict(delta))))
+                else:
+                    self._send_view(addr)
 
     # ------------------------------------------------------------------ leader: proposing views
     def _reconcile(self, now: float) -> None:
-        cur = self.raft.last_view()
-        if cur is None:
-            return
-        desired = self._desired(cur)
-        if _canonical(desired) == _canonical(cur):
-            self._pending_since = None
-            return
+        """Leader: propose the view gossip implies, at most once per batch window.
+
+        The first change opens a window; changes arriving within it land in the same view. The
+        desired view is derived only when the window closes (O(members), so not per message).
+        """
         if self._pending_since is None:
             self._pending_since = now
         if now - self._pending_since < self.p.batch_window:
             return
         self._pending_since = None
+        self._dirty = False
+        self._next_reconcile = now + self.p.heartbeat
+        cur = self.raft.last_view()
+        if cur is None:
+            return
+        desired = self._desired(cur, now)
+        if _canonical(desired) == _canonical(cur):
+            return
         epoch = self.raft.propose(desired, now)
         if epoch is not None:
             self.stats["views_proposed"] += 1
             # the proposal may have committed at once (single voter): process it
             self._pump(now)
 
-    def _desired(self, cur: dict[str, Any]) -> dict[str, Any]:
+    def _desired(self, cur: dict[str, Any], now: float) -> dict[str, Any]:
         g = self.gossip
         cur_members = {m["node"]: m for m in cur["members"]}
         newest: dict[str, Any] = {}
@@ -328,7 +405,12 @@ class Node:
             elif prev and prev["role"] == PARTICIPANT:
                 role = JOINER if status == "joining" else PARTICIPANT
             elif prev and prev["role"] == JOINER:
-                role = PARTICIPANT if status == "ready" else JOINER
+                # A joiner that caught up says 'ready' at its step; the head moved on meanwhile,
+                # but a joiner applies every mean gradient, so it is still current. A fresh
+                # process that merely started 'ready' at an old step stays a joiner.
+                st = int(m.meta.get("st", -1))
+                current = head is None or st >= head - PROMOTE_SLACK_STEPS
+                role = PARTICIPANT if status == "ready" and current else JOINER
             elif status == "ready" and (head is None or int(m.meta.get("st", -1)) == head):
                 role = PARTICIPANT  # a fresh replica at the cluster's step: nothing to catch up
             else:
@@ -345,20 +427,58 @@ class Node:
                 used.add(slot)
             since = prev["since"] if prev else epoch
             members.append(self._member_entry(m.node, m.addr, m.meta, role, slot, since))
-        voters = self._next_voters(cur, members)
+        voters = self._next_voters(cur, members, now)
         data = sorted(m["node"] for m in members if m["role"] != WITNESS)
         old = sorted(m["node"] for m in cur["members"] if m["role"] != WITNESS)
         data_epoch = cur.get("data_epoch", cur.get("epoch", 0)) if data == old else epoch
         return {"members": members, "voters": voters, "data_epoch": data_epoch}
 
-    def _next_voters(self, cur: dict[str, Any], members: list[dict[str, Any]]) -> list[str]:
-        """At most one voter added or removed per view (Raft's single-server change)."""
+    def _next_voters(self, cur: dict[str, Any], members: list[dict[str, Any]], now: float) -> list[str]:
+        """At most one voter added or removed per view (Raft's single-server change).
+
+        Raft switches to a voter set as soon as it is in the log, committed or not. A set
+        without a live majority (say, one that drops a voter that is only partitioned away
+        while another has just crashed, or adds a voter that has just crashed) could never
+        commit nor be replaced, even after the partition heals. So a change is made in two
+        steps: pick a set whose majority answered our appends within a few heartbeats, then
+        propose it only once a majority of it has answered again *after* that decision (the
+        added voter is replicated to as a learner meanwhile). Until then the view keeps the
+        old voters, so member changes are not delayed.
+        """
+        voters = list(cur.get("voters", ()))
+        want = self._voter_target(voters, members, now)
+        if want is None:
+            self._voter_change = None
+            self.raft.learners.clear()
+            return voters
+        key = tuple(want)
+        if self._voter_change is None or self._voter_change[0] != key:
+            self._voter_change = (key, now)
+            self.raft.learners = set(want) - set(voters)
+            return voters
+        since = max(self._voter_change[1], now - 3 * self.p.heartbeat)
+        if sum(1 for v in want if self.raft.acked_after(v, since)) * 2 > len(want):
+            return want
+        return voters
+
+    def _voter_target(self, voters: list[str], members: list[dict[str, Any]], now: float) -> list[str] | None:
+        """The next voter set we would like (one server away from ``voters``), or None."""
         g = self.gossip
         in_view = {m["node"] for m in members}
-        voters = list(cur.get("voters", ()))
+        window = 3 * self.p.heartbeat
+
+        def fresh_majority(new: list[str]) -> bool:
+            up = sum(1 for v in new if self.raft.acked_within(v, now, window)
+                     or (v not in voters and v in g.members and g.members[v].state == ALIVE))
+            return up * 2 > len(new)
+
         gone = [v for v in voters if v not in in_view]
         if gone:
-            return [v for v in voters if v != gone[0]]
+            for v in gone:
+                new = [x for x in voters if x != v]
+                if fresh_majority(new):
+                    return new
+            return None
         eligible = sorted((m for m in members if g.members.get(m["node"]) is not None
                            and g.members[m["node"]].state == ALIVE), key=lambda m: (m["since"], m["node"]))
         target = min(self.p.max_voters, max(1, len(eligible)))
@@ -367,14 +487,20 @@ class Node:
         if len(voters) < target:
             for m in eligible:
                 if m["node"] not in voters:
-                    return voters + [m["node"]]
+                    new = voters + [m["node"]]
+                    return new if fresh_majority(new) else None
         if len(voters) > self.p.max_voters:
             order = {m["node"]: (m["since"], m["node"]) for m in members}
             newest = max((v for v in voters if v != self.id), key=lambda v: order.get(v, (1 << 62, v)),
                          default=None)
             if newest:
-                return [v for v in voters if v != newest]
-        return voters
+                new = [v for v in voters if v != newest]
+                return new if fresh_majority(new) else None
+        return None
+
+
+def _node_key(m: dict[str, Any]) -> str:
+    return m["node"]
 
 
 def _canonical(view: dict[str, Any]) -> tuple[Any, ...]:

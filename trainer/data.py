@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import functools
 import itertools
+import os
 import operator
 import random
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -122,11 +124,42 @@ class _Grammar:
         return " ".join(self.sentence() for _ in range(self.rng.randint(2, 7)))
 
 
+CORPUS_VERSION = 1
+
+
+def _cache_path(n_bytes: int, seed: int) -> Path:
+    root = Path(os.environ.get("P2PFT_CACHE", Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+                               / "p2pft"))
+    return root / f"corpus-v{CORPUS_VERSION}-{seed}-{n_bytes}.txt"
+
+
 @functools.lru_cache(maxsize=4)
 def generate_corpus(n_bytes: int, seed: int = 0) -> bytes:
-    """Exactly `n_bytes` of ASCII English-like prose; identical for identical arguments (cached)."""
+    """Exactly `n_bytes` of ASCII English-like prose; identical for identical arguments.
+
+    Cached in memory and on disk: a restarted replica should not spend a second of its rejoin
+    time regenerating text (the cache is only a cache: a missing or bad file is regenerated)."""
     if isinstance(n_bytes, bool) or not isinstance(n_bytes, int) or n_bytes < 1:
         raise ValueError(f"n_bytes must be a positive int, got {n_bytes!r}")
+    path = _cache_path(n_bytes, seed)
+    try:
+        data = path.read_bytes()
+        if len(data) == n_bytes:
+            return data
+    except OSError:
+        pass
+    data = _generate(n_bytes, seed)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    except OSError:
+        pass
+    return data
+
+
+def _generate(n_bytes: int, seed: int) -> bytes:
     grammar = _Grammar(random.Random(seed))
     parts: list[str] = []
     size = 0
