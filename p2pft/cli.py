@@ -181,4 +181,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run through the package module so that exception classes are the package's own.
+    from p2pft.cli import main as _main
+    sys.exit(_main())

@@ -64,6 +64,7 @@ def summarize(cluster: "Cluster", t_end: float) -> dict[str, Any]:
     commit_times: dict[tuple[int, int], list[float]] = {}
     digests: dict[int, set[str]] = defaultdict(set)
     step_gaps: list[float] = []
+    contributors: dict[int, int] = {}
     losses: list[tuple[int, float]] = []
     for key, rs in recs.items():
         ts = []
@@ -73,6 +74,8 @@ def summarize(cluster: "Cluster", t_end: float) -> dict[str, Any]:
                     final_step = max(final_step, int(r["step"]))
                 if r.get("c"):
                     ts.append(float(r["t"]))
+                    if r["t"] <= t_end:
+                        contributors[int(r["step"])] = int(r.get("n", 0))
                 if "digest" in r:
                     digests[int(r["step"])].add(r["digest"])
                 if "loss" in r:
@@ -117,6 +120,7 @@ def summarize(cluster: "Cluster", t_end: float) -> dict[str, Any]:
     return {
         "system": cluster.system,
         "final_step": final_step,
+        "samples": sum(contributors.values()) * cluster.cfg.batch,
         "kills": len(kills),
         "survivor_crashes": len(crashes),
         "stall_p50_s": _round(statistics.median(stalls)) if stalls else None,

@@ -15,6 +15,7 @@ from rich.table import Table
 COLUMNS = [
     ("system", "system", "{}"),
     ("ett", "ETT", "{:.0%}"),
+    ("sample_ett", "sample ETT", "{:.0%}"),
     ("final_step", "final step", "{}"),
     ("kills", "failures", "{}"),
     ("survivor_crashes", "survivor crashes", "{}"),
@@ -27,7 +28,8 @@ COLUMNS = [
 
 EXPLAIN = """\
 ETT (effective training time) = final committed step / the failure-free run's final step, all
-systems run at the same time on this machine. 'stall' = a surviving replica's longest gap between
+systems run at the same time on this machine; 'sample ETT' = samples in committed steps / the
+failure-free run's (a step with a replica missing trains fewer samples). 'stall' = a surviving replica's longest gap between
 two committed steps after a failure, minus one normal step ({step}); 'rejoin' = a restarted replica's
 process start to its first step that counts its gradients ('w/o imports': from after Python and
 torch imports). 'divergent steps' = steps at which two replicas held different weights (state

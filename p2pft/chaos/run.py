@@ -75,9 +75,12 @@ def run_chaos(cfg: ChaosConfig, workdir: Path, systems: tuple[str, ...] = SYSTEM
             c.stop()
     rows = {name: summarize(c, t_end) for name, c in clusters.items()}
     base = rows.get("failure_free", {}).get("final_step") or 0
+    base_samples = rows.get("failure_free", {}).get("samples") or 0
     for r in rows.values():
         r["ett"] = round(r["final_step"] / base, 3) if base else None
         r["baseline_final_step"] = base
+        # Steps with fewer contributors train fewer samples: report that ratio as well.
+        r["sample_ett"] = round(r["samples"] / base_samples, 3) if base_samples else None
     for c in clusters.values():
         c.cleanup()
     extra["t0"] = t0

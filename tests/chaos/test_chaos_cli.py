@@ -1,0 +1,45 @@
+"""`p2pft chaos` end to end, short: real replica processes, real SIGKILLs, the report files."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def test_short_chaos_run_reports_and_holds_invariants(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "p2pft.cli", "chaos", "--duration", "16", "--kill-every", "6",
+           "--restart-after", "1", "--systems", "p2pft,failure_free", "--no-live", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((out / "chaos.json").read_text())
+    rows = {r["system"]: r for r in report["systems"]}
+    assert set(rows) == {"p2pft", "failure_free"}
+    p2p = rows["p2pft"]
+    for key in ("system", "ett", "final_step", "baseline_final_step", "kills", "survivor_crashes",
+                "stall_p50_s", "stall_max_s", "rejoin_p50_s", "divergent_steps"):
+        assert key in p2p, key
+    assert p2p["kills"] == 2
+    assert p2p["survivor_crashes"] == 0
+    assert p2p["divergent_steps"] == 0
+    assert p2p["digest_steps_checked"] > 0
+    assert rows["failure_free"]["final_step"] > 20
+    # Survivors keep training through both kills (a loose bound: the machine is shared).
+    assert p2p["ett"] is not None and p2p["ett"] > 0.6
+    assert (out / "timeline.png").stat().st_size > 10_000
+    assert "ETT" in proc.stdout
+
+
+def test_chaos_rejects_a_config_that_cannot_work(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "p2pft.cli", "chaos", "--replicas", "1", "--out",
+                           str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "at least 2" in proc.stderr and "Traceback" not in proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "p2pft.cli", "chaos", "--systems", "p2pft,nonsense",
+                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "unknown system" in proc.stderr
