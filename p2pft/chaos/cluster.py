@@ -40,6 +40,7 @@ class ChaosConfig:
     seed: int = 0
     digest_every: int = 10
     witnesses: int = 2                # `p2pft peer` processes: cheap voters that are never killed
+    extra_args: tuple[str, ...] = ()  # passed through to every replica process
 
     def validate(self) -> None:
         if self.replicas < 2:
@@ -117,7 +118,8 @@ class Cluster:
                "--step-delay", str(cfg.step_delay), "--stats", str(stats), "--replicas", str(cfg.replicas),
                "--digest-every", str(cfg.digest_every), "--seed", str(cfg.seed), "--loss-every", "10",
                "--min-replicas", str(cfg.replicas) if inc == 0 or self.system == "sync" else "1",
-               "--go-file", str(self.go_file), "--log-level", os.environ.get("P2PFT_LOG_LEVEL", "INFO")]
+               "--go-file", str(self.go_file), "--log-level", os.environ.get("P2PFT_LOG_LEVEL", "INFO"),
+               *cfg.extra_args]
         if self.system == "sync":
             cmd += ["--checkpoint-dir", str(self.workdir / f"ckpt-r{i}"), "--checkpoint-every",
                     str(cfg.checkpoint_every)]

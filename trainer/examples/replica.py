@@ -40,6 +40,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--stats", default=None, help="JSON-lines file for per-step records")
     p.add_argument("--digest-every", type=int, default=10)
     p.add_argument("--loss-every", type=int, default=0, help="log the training loss every N steps")
+    p.add_argument("--eval-every", type=int, default=0, help="log the loss on a fixed held-out batch every N steps")
     p.add_argument("--checkpoint-dir", default=None)
     p.add_argument("--checkpoint-every", type=int, default=0)
     p.add_argument("--min-replicas", type=int, default=1, help="wait for this many participants before step 0")
@@ -109,6 +110,12 @@ def main(argv: list[str] | None = None) -> int:
 
         def loss_fn(idx: list[int]) -> torch.Tensor:
             return model.loss(data.batch(idx))
+
+        held_out = data.batch(list(range(len(data) - 32, len(data))))
+
+        def eval_loss() -> float:
+            with torch.no_grad():
+                return float(model.loss(held_out))
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.99))
     seeds = [s for s in args.seeds.split(",") if s]
     rt = Runtime(replica_id=args.replica_id, listen=args.listen, seeds=seeds,
@@ -154,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
             rec["tr"] = res.trained
         if loss_val is not None and args.loss_every and res.committed and res.step % args.loss_every == 0:
             rec["loss"] = loss_val
+        if res.committed and args.eval_every and not args.mlp_params and res.step % args.eval_every == 0:
+            rec["eval"] = eval_loss()
         if res.committed and args.digest_every and res.step % args.digest_every == 0:
             rec["digest"] = ft.digest()
         if view["epoch"] != last_epoch:

@@ -1,0 +1,304 @@
+"""Byte layouts of the data plane: connection handshake, ring frames, error payloads.
+
+All integers are little-endian. See docs/transport.md for the full description.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import socket
+import struct
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import msgpack
+
+from .errors import ERROR_CLASSES, CommError, ProtocolMismatch
+
+PROTOCOL_VERSION = 1
+
+KIND_RING = 1      # one lane of a ring edge of a communicator
+KIND_STATE = 2     # a state-streaming request
+
+# --- handshake -------------------------------------------------------------------------------
+HELLO_MAGIC = b"P2FH"
+# magic, version, kind, pad, epoch, shard, src rank, dst rank, world, lane, lanes, chunk bytes, nonce
+HELLO_BODY = struct.Struct("<4sHBxQIIIIHHQ16s")
+MAC_LEN = 32
+HELLO_LEN = HELLO_BODY.size + MAC_LEN
+
+ACK_MAGIC = b"P2FA"
+ACK_BODY = struct.Struct("<4sHBx16s")  # magic, version, status, pad, nonce
+ACK_LEN = ACK_BODY.size + MAC_LEN
+
+ST_OK = 0
+ST_PENDING = 1        # accepted; the communicator does not exist yet on the server
+ST_AUTH = 2           # bad or missing HMAC
+ST_VERSION = 3
+ST_CLOSED = 4         # that communicator was already closed on the server
+ST_BUSY = 5           # pending table full / too many state streams
+ST_MISMATCH = 6       # rank, world, lanes or chunk size disagree
+ST_BAD = 7            # malformed hello
+ST_NO_STATE = 8       # no state provider registered
+
+STATUS_TEXT = {
+    ST_OK: "ok", ST_PENDING: "pending", ST_AUTH: "authentication failed (cluster secret)",
+    ST_VERSION: "protocol version mismatch", ST_CLOSED: "communicator already closed on peer",
+    ST_BUSY: "peer busy", ST_MISMATCH: "communicator parameters differ", ST_BAD: "malformed handshake",
+    ST_NO_STATE: "peer serves no state",
+}
+
+
+@dataclass(frozen=True)
+class Hello:
+    kind: int
+    epoch: int
+    shard: int
+    src: int
+    dst: int
+    world: int
+    lane: int
+    lanes: int
+    chunk: int
+    raw: bytes  # the full hello as sent (MAC input for the ack)
+
+
+def _mac(secret: bytes | None, data: bytes) -> bytes:
+    if secret is None:
+        return bytes(MAC_LEN)
+    return hmac.new(secret, data, hashlib.sha256).digest()
+
+
+def pack_hello(secret: bytes | None, kind: int, epoch: int, shard: int, src: int, dst: int,
+               world: int, lane: int = 0, lanes: int = 1, chunk: int = 0) -> bytes:
+    body = HELLO_BODY.pack(HELLO_MAGIC, PROTOCOL_VERSION, kind, epoch, shard, src, dst, world,
+                           lane, lanes, chunk, os.urandom(16))
+    return body + _mac(secret, body)
+
+
+def parse_hello(secret: bytes | None, raw: bytes) -> tuple[int, Hello | None]:
+    """Return (status, hello); status is ST_OK when the hello is well formed and authenticated."""
+    try:
+        magic, ver, kind, epoch, shard, src, dst, world, lane, lanes, chunk, _nonce = HELLO_BODY.unpack_from(raw)
+    except struct.error:
+        return ST_BAD, None
+    if magic != HELLO_MAGIC:
+        return ST_BAD, None
+    if ver != PROTOCOL_VERSION:
+        return ST_VERSION, None
+    if secret is not None and not hmac.compare_digest(raw[HELLO_BODY.size:], _mac(secret, raw[:HELLO_BODY.size])):
+        return ST_AUTH, None
+    return ST_OK, Hello(kind, epoch, shard, src, dst, world, lane, lanes, chunk, bytes(raw))
+
+
+def pack_ack(secret: bytes | None, hello_raw: bytes, status: int) -> bytes:
+    body = ACK_BODY.pack(ACK_MAGIC, PROTOCOL_VERSION, status, os.urandom(16))
+    return body + _mac(secret, hello_raw + body)
+
+
+def parse_ack(secret: bytes | None, hello_raw: bytes, raw: bytes) -> int:
+    """Return the status of an ack; raise ProtocolMismatch if it is malformed or unauthenticated."""
+    magic, ver, status, _nonce = ACK_BODY.unpack_from(raw)
+    if magic != ACK_MAGIC:
+        raise ProtocolMismatch("peer answered the handshake with garbage (not a p2pft data server?)")
+    if ver != PROTOCOL_VERSION:
+        raise ProtocolMismatch(f"peer speaks data protocol version {ver}, this process {PROTOCOL_VERSION}")
+    if status != ST_AUTH and secret is not None and not hmac.compare_digest(
+            raw[ACK_BODY.size:], _mac(secret, hello_raw + raw[:ACK_BODY.size])):
+        raise ProtocolMismatch("peer failed to authenticate with the cluster secret")
+    return status
+
+
+# --- ring frames -----------------------------------------------------------------------------
+FRAME_MAGIC = b"P2FD"
+# The first 48 bytes are constant for one op in one direction, so a receiver checks them with a
+# single bytes comparison: magic, op, dtype, pad, epoch, shard, src rank, op seq, tag, total bytes.
+FRAME_PREFIX = struct.Struct("<4sBBxxQIIQqQ")
+# Then: step, chunk index, flags, pad, count (contributors so far / broadcast root), payload length.
+FRAME_SUFFIX = struct.Struct("<IIBxxxIQ")
+FRAME_LEN = FRAME_PREFIX.size + FRAME_SUFFIX.size
+PREFIX_LEN = FRAME_PREFIX.size
+
+OP_ALLREDUCE = 1
+OP_BROADCAST = 2
+OP_ERROR = 3       # payload: msgpack error description; ends the stream
+
+F_EMPTY = 1        # no payload: the region holds no contribution (counts as zeros)
+
+MAX_ERROR_PAYLOAD = 64 * 1024
+
+
+def pack_error_frame(epoch: int, shard: int, src: int, err: CommError, origin: int,
+                     tags: dict[int, int] | None = None) -> bytes:
+    """An OP_ERROR frame telling a neighbour why this rank stops, so it can blame the right peer."""
+    body = msgpack.packb({
+        "cls": type(err).__name__, "reason": err.reason[:4000], "peer_rank": err.peer_rank,
+        "peer_addr": err.peer_addr, "origin": origin,
+        "tags": {int(k): int(v) for k, v in (tags or {}).items()},
+    })
+    hdr = FRAME_PREFIX.pack(FRAME_MAGIC, OP_ERROR, 0, epoch, shard, src, 0, 0, 0)
+    return hdr + FRAME_SUFFIX.pack(0, 0, 0, 0, len(body)) + body
+
+
+@dataclass
+class RemoteError:
+    cls: type[CommError]
+    reason: str
+    peer_rank: int | None
+    peer_addr: str | None
+    origin: int
+    tags: dict[int, int]
+
+
+def parse_error_payload(payload: bytes) -> RemoteError:
+    try:
+        d = msgpack.unpackb(payload, strict_map_key=False)
+        cls = ERROR_CLASSES.get(str(d["cls"]), CommError)
+        return RemoteError(cls, str(d["reason"]), d.get("peer_rank"), d.get("peer_addr"),
+                           int(d["origin"]), {int(k): int(v) for k, v in (d.get("tags") or {}).items()})
+    except Exception as e:  # noqa: BLE001 - any garbage is a protocol error
+        raise ProtocolMismatch(f"malformed error frame: {e}") from None
+
+
+def find_error_frame(data: bytes) -> RemoteError | None:
+    """Scan bytes read from the reverse direction of a connection for an OP_ERROR frame."""
+    if len(data) < FRAME_LEN:
+        return None
+    p = FRAME_PREFIX.unpack_from(data)
+    plen = FRAME_SUFFIX.unpack_from(data, PREFIX_LEN)[4]
+    if p[0] != FRAME_MAGIC or p[1] != OP_ERROR or plen > MAX_ERROR_PAYLOAD or len(data) < FRAME_LEN + plen:
+        return None
+    try:
+        return parse_error_payload(data[FRAME_LEN:FRAME_LEN + plen])
+    except ProtocolMismatch:
+        return None
+
+
+# --- socket helpers --------------------------------------------------------------------------
+def recv_exact(sock: socket.socket, view: memoryview) -> None:
+    """Fill `view` from `sock` (Python-level timeout, if any, applies per call); EOFError if the peer closes first."""
+    got = 0
+    n = view.nbytes
+    while got < n:
+        k = sock.recv_into(view[got:], n - got)
+        if k == 0:
+            raise EOFError("connection closed by peer")
+        got += k
+
+
+def send_all(sock: socket.socket, bufs: Sequence[Any]) -> None:
+    """sendmsg() every buffer completely (header and payload in one syscall when possible)."""
+    views = [memoryview(b).cast("B") for b in bufs if len(b)]
+    while views:
+        sent = sock.sendmsg(views)
+        while sent:
+            if sent >= views[0].nbytes:
+                sent -= views[0].nbytes
+                views.pop(0)
+            else:
+                views[0] = views[0][sent:]
+                sent = 0
+
+
+# Ring sockets are blocking (no Python-level timeout, which would cost a poll() per call) with a
+# kernel timeout slice (SO_RCVTIMEO / SO_SNDTIMEO): a call that makes no progress for one slice
+# fails with EAGAIN and the caller compares the time since the last progress to the op timeout.
+# MSG_WAITALL lets the kernel fill a whole chunk before waking the Python thread.
+_TIMEVAL = struct.Struct("@ll")
+
+
+def set_io_slice(sock: socket.socket, seconds: float, *, recv: bool = True, send: bool = True) -> None:
+    """Set the kernel send/receive timeout slice of a blocking socket."""
+    sec = int(seconds)
+    usec = int((seconds - sec) * 1e6)
+    if sec == 0 and usec == 0:
+        usec = 1  # a zero timeval would mean "block forever"
+    tv = _TIMEVAL.pack(sec, usec)
+    if recv:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+    if send:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+
+
+def recv_exact_timed(sock: socket.socket, view: memoryview, timeout: float) -> None:
+    """Fill `view`; TimeoutError after `timeout` s without any byte, EOFError if the peer closes."""
+    got = 0
+    n = view.nbytes
+    last = time.monotonic()
+    while got < n:
+        try:
+            k = sock.recv_into(view[got:], n - got, socket.MSG_WAITALL)
+        except BlockingIOError:  # one slice without data
+            if time.monotonic() - last >= timeout:
+                raise TimeoutError("no data") from None
+            continue
+        if k == 0:
+            raise EOFError("connection closed by peer")
+        got += k
+        last = time.monotonic()
+
+
+def send_all_timed(sock: socket.socket, bufs: Sequence[Any], timeout: float) -> None:
+    """send_all() with TimeoutError after `timeout` s in which the peer took no byte."""
+    views = [memoryview(b).cast("B") for b in bufs if b is not None and len(b)]
+    last = time.monotonic()
+    while views:
+        try:
+            sent = sock.sendmsg(views)
+        except BlockingIOError:
+            if time.monotonic() - last >= timeout:
+                raise TimeoutError("peer takes no data") from None
+            continue
+        last = time.monotonic()
+        while sent:
+            if sent >= views[0].nbytes:
+                sent -= views[0].nbytes
+                views.pop(0)
+            else:
+                views[0] = views[0][sent:]
+                sent = 0
+
+
+def send_nowait(sock: socket.socket, bufs: Sequence[Any]) -> list[memoryview]:
+    """Write as much of `bufs` as the socket takes without blocking; return what is left."""
+    views = [memoryview(b).cast("B") for b in bufs if b is not None and len(b)]
+    while views:
+        try:
+            sent = sock.sendmsg(views, (), socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return views
+        while sent:
+            if sent >= views[0].nbytes:
+                sent -= views[0].nbytes
+                views.pop(0)
+            else:
+                views[0] = views[0][sent:]
+                sent = 0
+    return views
+
+
+def io_slice(timeout: float) -> float:
+    """Kernel timeout slice for an op timeout: fine enough to time out within a few percent."""
+    return max(0.001, min(IO_SLICE_S, timeout / 20))
+
+
+IO_SLICE_S = 0.05
+
+
+def tune_socket(sock: socket.socket, bufsize: int | None) -> None:
+    """TCP_NODELAY for small frames; optionally fixed kernel buffers (None keeps autotuning)."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if bufsize:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, bufsize)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, bufsize)
+
+
+def split_addr(addr: str) -> tuple[str, int]:
+    """'host:port' -> (host, port); raise ValueError with the offending string otherwise."""
+    host, sep, port = addr.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"bad data address {addr!r}, expected 'host:port'")
+    return host.strip("[]"), int(port)
