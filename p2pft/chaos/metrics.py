@@ -60,7 +60,7 @@ def summarize(cluster: "Cluster", t_end: float) -> dict[str, Any]:
                                                         for p in procs}
     kills = [e for e in cluster.events if e["kind"] in ("kill", "pause")]
     crashes = [e for e in cluster.events if e["kind"] == "crash"]
-    final_step = 0
+    last_step: dict[tuple[int, int], int] = {}
     commit_times: dict[tuple[int, int], list[float]] = {}
     digests: dict[int, set[str]] = defaultdict(set)
     step_gaps: list[float] = []
@@ -71,7 +71,7 @@ def summarize(cluster: "Cluster", t_end: float) -> dict[str, Any]:
         for r in rs:
             if "step" in r and r.get("kind") is None:
                 if r["t"] <= t_end:
-                    final_step = max(final_step, int(r["step"]))
+                    last_step[key] = int(r["step"])
                 if r.get("c"):
                     ts.append(float(r["t"]))
                     if r["t"] <= t_end:
@@ -83,6 +83,12 @@ def summarize(cluster: "Cluster", t_end: float) -> dict[str, Any]:
         commit_times[key] = ts
         step_gaps += [b - a for a, b in zip(ts, ts[1:])]
     step_p50 = statistics.median(step_gaps) if step_gaps else 0.0
+    # The final committed step is what the replicas still running at the end hold: a system that
+    # fell back to step 0 is charged for it, whatever peak it reached before.
+    gone = {(p.replica, p.incarnation) for p in procs
+            if any(e["kind"] in ("kill", "stop", "crash") and e["replica"] == p.replica
+                   and p.started <= float(e["t"]) < t_end for e in cluster.events)}
+    final_step = max((s for k, s in last_step.items() if k not in gone), default=0)
     ended_before = {(p.replica, p.incarnation): t for p in procs
                     for t in [next((float(e["t"]) for e in cluster.events if e["kind"] in ("kill", "stop", "crash")
                                     and e["replica"] == p.replica and float(e["t"]) >= p.started), None)]
