@@ -3,8 +3,11 @@
 It runs under the same schedule and the same harness rules as p2pft: the harness restarts a
 replica only when the harness killed it; a replica that exits on its own is a survivor crash
 (``Cluster.reap`` records it) and stays down, exactly as a p2pft replica that crashed would.
-The lighthouse is torchft's central coordinator; it is started before the replicas and stopped
-after them, and is never a failure target (the schedule hits replicas only).
+``P2PFT_TORCHFT_MAX_RESTARTS`` opts in to torchrun-style restarts of crashed replicas (still
+counted as crashes), and ``P2PFT_TORCHFT_GRADS`` picks torchft's DDP wrapper (default) or a
+manual ``manager.allreduce``; docs/torchft.md explains both. The lighthouse is torchft's central
+coordinator; it is started with the replicas and stopped after them, and is never a failure
+target (the schedule hits replicas only).
 """
 from __future__ import annotations
 
@@ -103,8 +106,10 @@ class TorchftCluster(Cluster):
         self.lighthouse_down = False
 
     def start(self) -> None:
+        """Lighthouse and replicas; no p2pft witness peers (torchft's coordinator is the lighthouse)."""
         self.start_lighthouse()
-        super().start()
+        for i in range(self.cfg.replicas):
+            self.spawn(i)
 
     def spawn(self, i: int) -> None:
         cfg = self.cfg
@@ -115,7 +120,8 @@ class TorchftCluster(Cluster):
                "--replicas", str(cfg.replicas), "--lighthouse", self.lighthouse_url, "--model", cfg.model,
                "--batch", str(cfg.batch), "--step-delay", str(cfg.step_delay), "--stats", str(stats),
                "--digest-every", str(cfg.digest_every), "--seed", str(cfg.seed), "--loss-every", "10",
-               "--grads", self.grads, *self.worker_args]
+               "--go-file", str(self.go_file), "--grads", self.grads, *self.worker_args,
+               *cfg.extra_args]
         env: dict[str, Any] = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
                                    TORCHFT_LIGHTHOUSE=self.lighthouse_url, REPLICA_GROUP_ID=str(i),
                                    NUM_REPLICA_GROUPS=str(cfg.replicas))

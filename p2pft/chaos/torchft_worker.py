@@ -47,6 +47,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--stats", default=None, help="JSON-lines file for per-step records")
     p.add_argument("--digest-every", type=int, default=10)
     p.add_argument("--loss-every", type=int, default=10)
+    p.add_argument("--eval-every", type=int, default=0, help="log the loss on a fixed held-out batch every N steps")
+    p.add_argument("--go-file", default=None, help="wait until this file exists before training (a harness "
+                   "starts every replica first, then says go)")
     p.add_argument("--seed", type=int, default=0, help="model init seed (the same on every replica)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     p.add_argument("--transport", choices=["pg", "http"], default="pg",
@@ -58,7 +61,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--pg-timeout", type=float, default=5.0, help="Gloo collective timeout, seconds")
     p.add_argument("--timeout", type=float, default=30.0, help="Manager timeout (should_commit, healing), seconds")
     p.add_argument("--quorum-timeout", type=float, default=60.0, help="Manager quorum timeout, seconds")
-    args = p.parse_args(argv)
+    # The chaos harness passes the same extra flags to every system's replicas; options that only
+    # p2pft's replica has are reported and ignored rather than fatal.
+    args, unknown = p.parse_known_args(argv)
+    if unknown:
+        print(f"torchft_worker: ignoring options for p2pft's replica: {' '.join(unknown)}", file=sys.stderr)
     if not args.lighthouse:
         p.error("--lighthouse is required (or set TORCHFT_LIGHTHOUSE)")
     return args
@@ -139,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     model = mcfg.build()
     data = TextDataset(mcfg.seq_len)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.99))
+    held_out = data.batch(list(range(len(data) - 32, len(data))))  # the same batch p2pft's replica uses
 
     def load_state_dict(sd: dict[str, Any]) -> None:
         model.load_state_dict(sd["model"])
@@ -184,6 +192,10 @@ def main(argv: list[str] | None = None) -> int:
     stats.write({"t": time.time(), "kind": "start", "t_process": T_START, "t_imported": t_imported,
                  "node": f"p2pft_chaos_{args.replica}.{os.getpid()}", "step": manager.current_step(),
                  "pid": os.getpid()})
+    if args.go_file:
+        go_deadline = time.monotonic() + 600
+        while not os.path.exists(args.go_file) and time.monotonic() < go_deadline and not stop["flag"]:
+            time.sleep(0.02)
     deadline = time.monotonic() + args.duration if args.duration else float("inf")
     while not stop["flag"] and time.monotonic() < deadline and (not args.steps or manager.current_step() < args.steps):
         manager.start_quorum()  # asynchronous: the quorum (and any healing) overlaps the forward pass
@@ -213,6 +225,9 @@ def main(argv: list[str] | None = None) -> int:
             rec["err"] = str(manager.errored())[:200]
         if committed and args.loss_every and step % args.loss_every == 0:
             rec["loss"] = float(loss.detach())
+        if committed and args.eval_every and step % args.eval_every == 0:
+            with torch.no_grad():
+                rec["eval"] = float(model.loss(held_out))
         if committed and args.digest_every and step % args.digest_every == 0:
             rec["digest"] = state_digest(model, opt)
         stats.write(rec)
