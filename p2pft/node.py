@@ -25,6 +25,7 @@ from .raft import LEADER, Raft
 log = logging.getLogger(__name__)
 
 PARTICIPANT, JOINER, WITNESS = "participant", "joiner", "witness"
+RESUME_GRACE_S = 5.0       # with no participant left, wait this long for one at the high-water step
 PROMOTE_SLACK_STEPS = 8    # a 'ready' joiner this close to the head is current (see _desired)
 TRAINER_KIND, WITNESS_KIND = "trainer", "witness"
 
@@ -61,6 +62,8 @@ class Node:
         self._next_hello = now
         self._view_asked: dict[str, float] = {}
         self._bootstrapped = False
+        self.high_water = step
+        self._headless_since: float | None = None
         self._next_bootstrap = now + profile.bootstrap_wait   # when to consider bootstrapping next
         self._voter_change: tuple[tuple[str, ...], float] | None = None  # (voter set, decided at)
         self._role: str | None = None          # our role in self.view (cached: asked on every tick)
@@ -296,7 +299,14 @@ class Node:
                 self._ask_view(node, now)
             else:
                 self._dirty = True
+                if kind in (DEAD, LEFT):
+                    self.raft.leader_failed(node, now)
         g.events.clear()
+        if g.declared:
+            # We found a member dead: tell the leader now rather than after gossip reaches it.
+            if self.leader_addr and self.leader != self.id and not self.is_leader():
+                self.outbox.append((self.leader_addr, self._stamp({"t": "g.upd", "pb": list(g.declared)})))
+            g.declared.clear()
         prev = self.view
         for view in self.raft.committed:
             if self.view is not None and view["epoch"] <= self.view["epoch"]:
@@ -395,6 +405,28 @@ class Node:
         part_steps = [self.member_step(n) for n, cm in cur_members.items() if cm["role"] == PARTICIPANT
                       and n in g.members and g.members[n].state in (ALIVE, SUSPECT)]
         head = max(part_steps) if part_steps else None
+        # High water: the furthest committed step this cluster is known to have reached. Dead
+        # members' last steps stay in gossip tombstones for a while, and the view carries it.
+        observed = [m.step for m in g.members.values() if m.meta.get("k") == TRAINER_KIND]
+        self.high_water = max([self.high_water, int(cur.get("hw", 0)), head or 0, self.step] + observed)
+        resume_at = None
+        if head is None:
+            # Every participant is gone. Resume only from a replica at the high-water step, or,
+            # after a grace period for one to come back, from the best state anyone has (a disk
+            # checkpoint), loudly: never silently from an older step.
+            ready = [int(m.meta.get("st", -1)) for _, m in newest.values()
+                     if m.meta.get("k") == TRAINER_KIND and m.meta.get("s") == "ready"]
+            if self._headless_since is None:
+                self._headless_since = now
+            best = max(ready, default=None)
+            if best is not None and (best >= self.high_water or now - self._headless_since >= RESUME_GRACE_S):
+                resume_at = best
+                if best < self.high_water:
+                    self.stats["resumed_below_high_water"] += 1
+                    log.warning("no replica holds step %d any more: resuming from step %d", self.high_water, best,
+                                extra={"node": self.id})
+        else:
+            self._headless_since = None
         epoch = self.raft.last_index + 1
         chosen: list[tuple[Any, str]] = []
         for _, m in newest.values():
@@ -409,9 +441,9 @@ class Node:
                 # but a joiner applies every mean gradient, so it is still current. A fresh
                 # process that merely started 'ready' at an old step stays a joiner.
                 st = int(m.meta.get("st", -1))
-                current = head is None or st >= head - PROMOTE_SLACK_STEPS
+                current = st >= head - PROMOTE_SLACK_STEPS if head is not None else st == resume_at
                 role = PARTICIPANT if status == "ready" and current else JOINER
-            elif status == "ready" and (head is None or int(m.meta.get("st", -1)) == head):
+            elif status == "ready" and int(m.meta.get("st", -1)) == (head if head is not None else resume_at):
                 role = PARTICIPANT  # a fresh replica at the cluster's step: nothing to catch up
             else:
                 role = JOINER
@@ -431,7 +463,11 @@ class Node:
         data = sorted(m["node"] for m in members if m["role"] != WITNESS)
         old = sorted(m["node"] for m in cur["members"] if m["role"] != WITNESS)
         data_epoch = cur.get("data_epoch", cur.get("epoch", 0)) if data == old else epoch
-        return {"members": members, "voters": voters, "data_epoch": data_epoch}
+        # A trainer whose communicator failed with nobody to exclude (a peer paused for less
+        # than the failure timeout) asks for a fresh data epoch by naming the one that failed.
+        if any(int(m.meta.get("rb", 0)) >= data_epoch for _, m in newest.values() if m.node in data):
+            data_epoch = epoch
+        return {"members": members, "voters": voters, "data_epoch": data_epoch, "hw": self.high_water}
 
     def _next_voters(self, cur: dict[str, Any], members: list[dict[str, Any]], now: float) -> list[str]:
         """At most one voter added or removed per view (Raft's single-server change).
@@ -480,8 +516,10 @@ class Node:
                     return new
             return None
         eligible = sorted((m for m in members if g.members.get(m["node"]) is not None
-                           and g.members[m["node"]].state == ALIVE), key=lambda m: (m["since"], m["node"]))
-        target = min(self.p.max_voters, max(1, len(eligible)))
+                           and g.members[m["node"]].state == ALIVE), key=_voter_preference)
+        # An odd number of voters, up to max_voters, sized by the whole view (a member that is
+        # only suspected still counts, so a brief suspicion does not shrink and regrow the set).
+        target = min(self.p.max_voters, max(1, len(members)))
         if target > 1 and target % 2 == 0:
             target -= 1
         if len(voters) < target:
@@ -489,14 +527,21 @@ class Node:
                 if m["node"] not in voters:
                     new = voters + [m["node"]]
                     return new if fresh_majority(new) else None
-        if len(voters) > self.p.max_voters:
-            order = {m["node"]: (m["since"], m["node"]) for m in members}
+        if len(voters) > target:
+            # Shrink (e.g. 2 voters of 2 members -> 1): an even set tolerates no more failures
+            # than the odd one below it, and losing either of 2 voters would stall for good.
+            order = {m["node"]: _voter_preference(m) for m in members}
             newest = max((v for v in voters if v != self.id), key=lambda v: order.get(v, (1 << 62, v)),
                          default=None)
             if newest:
                 new = [v for v in voters if v != newest]
                 return new if fresh_majority(new) else None
         return None
+
+
+def _voter_preference(m: dict[str, Any]) -> tuple[int, int, str]:
+    """Witnesses first (they do not die with a trainer's faults), then the longest-lived."""
+    return (0 if m["role"] == WITNESS else 1, int(m["since"]), m["node"])
 
 
 def _node_key(m: dict[str, Any]) -> str:
@@ -506,7 +551,7 @@ def _node_key(m: dict[str, Any]) -> str:
 def _canonical(view: dict[str, Any]) -> tuple[Any, ...]:
     members = tuple(sorted((m["node"], m["role"], m["slot"], m["addr"], m["data_addr"])
                            for m in view["members"]))
-    return members, tuple(view.get("voters", ()))
+    return members, tuple(view.get("voters", ())), view.get("data_epoch")
 
 
 __all__ = ["Node", "PARTICIPANT", "JOINER", "WITNESS", "TRAINER_KIND", "WITNESS_KIND", "ALIVE", "SUSPECT",

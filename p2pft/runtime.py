@@ -284,6 +284,17 @@ class Runtime:
         self._status = status
         self._call(lambda now: self.server.node.set_status(status, now, step))  # type: ignore[union-attr]
 
+    def request_new_data_epoch(self, failed_data_epoch: int) -> None:
+        """Ask the leader for a fresh data epoch: the communicator of `failed_data_epoch` broke
+        although no member is to be excluded (e.g. a peer paused for less than the failure
+        timeout), so every member needs a new one."""
+        def fn(now: float) -> None:
+            assert self.server is not None and self.server.node is not None
+            n = self.server.node
+            n.gossip.set_meta(now, rb=int(failed_data_epoch))
+            n._hello(now)
+        self._call(fn)
+
     def publish_step(self, step: int) -> None:
         """Committed step count, carried on every gossip probe."""
         self._step = step

@@ -170,9 +170,10 @@ class FaultTolerant:
             return None
         role = (self.rt.me(view) or {}).get("role", "?")
         if not steps:
-            # Nobody contributed (all joiners, or every participant lost its slot): nothing to apply.
+            # Nobody contributed (all joiners, or every participant lost its slot): nothing to
+            # apply. Hand control back to the loop so that begin() reads the next view's roles.
             time.sleep(0.01)
-            return None if not self.synced or self.rt.participants(view) else self._no_participants(view)
+            return StepResult(self.step, False, 0, retries, role)
         lo, hi = min(steps.values()), max(steps.values())
         if lo != hi:
             # An earlier step committed at some ranks only. Those behind fast-forward; all discard.
@@ -239,14 +240,15 @@ class FaultTolerant:
         self.events.append({"t": time.time(), "kind": "comm_error", "error": type(exc).__name__,
                             "peer": peer["node"] if peer else None, "epoch": view["epoch"]})
         log.info("allreduce on data epoch %d failed (%s); waiting for the next view", d, exc)
-        wait = max(0.0, min(deadline - time.monotonic(), 3 * self.rt.profile.suspicion_min * 8))
+        # A dead peer is excluded by the next view within a suspicion timeout or so.
+        wait = max(0.0, min(deadline - time.monotonic(), 6 * self.rt.profile.suspicion_min * 4))
         nv = self.rt.wait_view(lambda v: self.rt.data_epoch(v) > d, wait)
         if nv is None:
-            log.warning("no new view after a failure on data epoch %d; retrying on it", d)
-
-    def _no_participants(self, view: dict[str, Any]) -> StepResult | None:
-        time.sleep(0.05)
-        return None
+            # Nobody was excluded (the peer was only slow or paused briefly): ask for a fresh
+            # data epoch so that every member builds a new communicator.
+            log.warning("no new view after a failure on data epoch %d; asking for a fresh data epoch", d)
+            self.rt.request_new_data_epoch(d)
+            self.rt.wait_view(lambda v: self.rt.data_epoch(v) > d, max(0.0, min(deadline - time.monotonic(), 5.0)))
 
     # ------------------------------------------------------------------ fast-forward
     def _fast_forward(self, target: int, view: dict[str, Any], steps: dict[int, int]) -> int:

@@ -1,0 +1,126 @@
+"""Helpers for tests that run real replica processes of the example job on loopback."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+
+def ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def records(path: Path) -> list[dict[str, Any]]:
+    out = []
+    if not path.exists():
+        return out
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+    return out
+
+
+def steps(path: Path) -> list[dict[str, Any]]:
+    return [r for r in records(path) if r.get("kind") is None and "step" in r]
+
+
+class Replicas:
+    def __init__(self, tmp: Path, n: int, extra: list[str] | None = None, witnesses: int = 0) -> None:
+        self.tmp = tmp
+        all_ports = ports(n + witnesses)
+        self.addrs = [f"127.0.0.1:{p}" for p in all_ports[:n]]
+        self.witness_addrs = [f"127.0.0.1:{p}" for p in all_ports[n:]]
+        self.extra = extra or []
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.stats: dict[str, Path] = {}
+
+    def spawn(self, i: int, name: str) -> None:
+        seeds = ",".join([a for j, a in enumerate(self.addrs) if j != i] + self.witness_addrs)
+        stats = self.tmp / f"{name}.jsonl"
+        cmd = [sys.executable, "-m", "p2pft.trainer.examples.replica", "--replica-id", f"r{i}",
+               "--listen", self.addrs[i], "--seeds", seeds, "--stats", str(stats), "--step-delay", "0.05",
+               "--digest-every", "5", "--batch", "4", "--log-level", "INFO", *self.extra]
+        log = open(self.tmp / f"{name}.log", "wb")
+        self.procs[name] = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log,
+                                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+        log.close()
+        self.stats[name] = stats
+
+    def spawn_witness(self, k: int) -> None:
+        addr = self.witness_addrs[k]
+        seeds = ",".join(a for a in self.addrs + self.witness_addrs if a != addr)
+        log = open(self.tmp / f"w{k}.log", "wb")
+        self.procs[f"w{k}"] = subprocess.Popen(
+            [sys.executable, "-m", "p2pft", "--log-level", "INFO", "peer", "--listen", addr, "--seeds", seeds,
+             "--replica-id", f"w{k}"], stdout=subprocess.DEVNULL, stderr=log)
+        log.close()
+
+    def wait(self, cond: Callable[[], bool], timeout: float, what: str) -> None:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if cond():
+                return
+            for name, p in self.procs.items():
+                if p.poll() is not None and p.returncode != -signal.SIGKILL:
+                    raise AssertionError(f"{name} exited with {p.returncode}: "
+                                         f"{(self.tmp / (name + '.log')).read_text()[-2000:]}")
+            time.sleep(0.1)
+        raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+    def last_step(self, name: str) -> int:
+        st = steps(self.stats[name])
+        return int(st[-1]["step"]) if st else -1
+
+    def stop_all(self) -> dict[str, int | None]:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        rcs = {}
+        for name, p in self.procs.items():
+            try:
+                rcs[name] = p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                rcs[name] = None
+        return rcs
+
+
+
+def check_invariants(stats: dict[str, Path]) -> dict[int, str]:
+    digests: dict[int, set[str]] = {}
+    trained: dict[int, list[tuple[int, int]]] = {}
+    for name, path in stats.items():
+        last = -1
+        for r in steps(path):
+            assert r["step"] >= last, f"{name}: committed step went back from {last} to {r['step']}"
+            last = r["step"]
+            if "digest" in r:
+                digests.setdefault(r["step"], set()).add(r["digest"])
+            if r.get("tr"):
+                trained.setdefault(r["step"], [])
+                trained[r["step"]].extend(tuple(x) for x in r["tr"])
+    bad = {s: d for s, d in digests.items() if len(d) > 1}
+    assert not bad, f"replicas diverged at steps {sorted(bad)}"
+    seen: dict[int, int] = {}
+    for step, ranges in trained.items():
+        for a, b in ranges:
+            for i in range(a, b):
+                assert i not in seen, f"sample {i} trained at step {seen[i]} and again at step {step}"
+                seen[i] = step
+    return {s: next(iter(d)) for s, d in digests.items()}
+
+
