@@ -173,6 +173,17 @@ class Cluster:
     def live(self) -> list[int]:
         return [i for i, p in self.procs.items() if p.popen.poll() is None and not p.paused]
 
+    def training(self, within: float = 2.0) -> list[int]:
+        """Replicas that committed a step recently (not still starting, not paused)."""
+        from .metrics import read_stats
+        now = time.time()
+        out = []
+        for i in self.live():
+            recs = read_stats(self.procs[i].stats)[-20:]
+            if any(r.get("kind") is None and r.get("c") and now - float(r["t"]) < within for r in recs):
+                out.append(i)
+        return out
+
     def reap(self) -> None:
         """Processes that ended without us killing them are crashes (survivor crashes)."""
         for i, p in list(self.procs.items()):

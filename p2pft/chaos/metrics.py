@@ -69,9 +69,9 @@ def summarize(cluster: "Cluster", t_end: float) -> dict[str, Any]:
     for key, rs in recs.items():
         ts = []
         for r in rs:
+            if "step" in r and r.get("kind") in (None, "start") and r["t"] <= t_end:
+                last_step[key] = int(r["step"])  # a start record holds the step it resumed at
             if "step" in r and r.get("kind") is None:
-                if r["t"] <= t_end:
-                    last_step[key] = int(r["step"])
                 if r.get("c"):
                     ts.append(float(r["t"]))
                     if r["t"] <= t_end:

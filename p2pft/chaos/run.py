@@ -55,7 +55,7 @@ def run_chaos(cfg: ChaosConfig, workdir: Path, systems: tuple[str, ...] = SYSTEM
                     c = clusters[item[1]]
                     if item[1] == "sync":
                         c.start()  # the go file exists: they train as soon as all are back
-                    else:
+                    elif item[2] not in c.procs:
                         c.spawn(item[2])
             for item in list(pending_resumes):
                 if now >= item[0]:
@@ -112,7 +112,9 @@ def _inject(cfg: ChaosConfig, clusters: dict[str, Cluster], schedule: Schedule, 
         return
     ref = clusters["p2pft"] if "p2pft" in clusters else clusters[faulty[0]]
     leader = latest_leader(ref) if cfg.fault == "leader" else None
-    live = sorted(set.intersection(*(set(clusters[n].live()) for n in faulty)) or set(ref.live()))
+    # Victims are replicas that are training in the reference system (a failure of a process
+    # that is still importing torch tests nothing); every system loses the same index.
+    live = sorted(ref.training()) or sorted(ref.live())
     targets = schedule.targets(live, leader)
     for name in faulty:
         c = clusters[name]
@@ -128,6 +130,6 @@ def _inject(cfg: ChaosConfig, clusters: dict[str, Cluster], schedule: Schedule, 
                 if i in c.procs:
                     c.procs[i].paused = True
                 pending_resumes.append((now + cfg.pause_for, name, i))
-            else:
+            elif i in c.live():
                 c.signal(i, signal.SIGKILL, "kill")
                 pending_restarts.append((now + cfg.restart_after, name, i))

@@ -82,6 +82,7 @@ class Stats:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import torch
+    import torch._dynamo  # noqa: F401  (imported lazily by the first optimizer: a torch import, ~2 s)
 
     from p2pft import Runtime
     from p2pft.log import setup_logging
