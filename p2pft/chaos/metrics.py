@@ -142,16 +142,17 @@ def summarize(cluster: "Cluster", t_end: float) -> dict[str, Any]:
         "_losses": sorted(losses),
         "_commits": {f"r{r}.{i}": ts for (r, i), ts in commit_times.items()},
         "_events": cluster.events,
-        "_steps": _step_series(recs),
+        "_steps": _step_series(recs, t_end),
     }
 
 
-def _step_series(recs: dict[tuple[int, int], list[dict[str, Any]]]) -> dict[str, list[list[float]]]:
+def _step_series(recs: dict[tuple[int, int], list[dict[str, Any]]], t_end: float) -> dict[str, list[list[float]]]:
+    """Committed steps over time, one series per process incarnation ("r1.2")."""
     out: dict[str, list[list[float]]] = defaultdict(list)
-    for (rep, _inc), rs in recs.items():
+    for (rep, inc), rs in recs.items():
         for r in rs:
-            if r.get("kind") is None and "step" in r:
-                out[f"r{rep}"].append([float(r["t"]), int(r["step"])])
+            if r.get("kind") is None and "step" in r and r.get("c") and float(r["t"]) <= t_end:
+                out[f"r{rep}.{inc}"].append([float(r["t"]), int(r["step"])])
     return {k: sorted(v) for k, v in out.items()}
 
 

@@ -76,9 +76,15 @@ def plot_timeline(report: dict[str, Any], path: Path) -> None:
     t0 = report.get("t0", 0.0)
     fig, axes = plt.subplots(len(systems), 1, figsize=(10, 2.6 * len(systems)), sharex=True, squeeze=False)
     for ax, s in zip(axes[:, 0], systems):
+        colors: dict[str, Any] = {}
         for name, pts in sorted(s.get("_steps", {}).items()):
-            if pts:
-                ax.plot([p[0] - t0 for p in pts], [p[1] for p in pts], lw=1.2, label=name)
+            if not pts:
+                continue
+            replica = name.split(".")[0]
+            first = replica not in colors
+            line, = ax.plot([p[0] - t0 for p in pts], [p[1] for p in pts], lw=1.2,
+                            color=colors.get(replica), label=replica if first else None)
+            colors.setdefault(replica, line.get_color())
         for e in s.get("_events", []):
             x = e["t"] - t0
             if x < 0:
