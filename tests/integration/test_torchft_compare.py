@@ -38,7 +38,9 @@ def test_torchft_row_side_by_side(tmp_path: Path) -> None:
     rows = {r["system"]: r for r in report["systems"]}
     assert set(rows) == {"torchft", "failure_free"}
     tf = rows["torchft"]
-    assert tf["final_step"] > 0
+    # final_step is what torchft's running replicas hold at the end (0 after a restart from
+    # scratch); that it trained at all shows in the samples of its committed steps.
+    assert tf["final_step"] >= 0 and tf["samples"] > 0
     assert tf["kills"] >= 1
     assert tf["survivor_crashes"] >= 0
     assert tf["baseline_final_step"] == rows["failure_free"]["final_step"]
