@@ -22,8 +22,8 @@ from .node import JOINER, PARTICIPANT, TRAINER_KIND, WITNESS
 log = logging.getLogger(__name__)
 
 
-class RuntimeError_(RuntimeError):
-    """The runtime could not start or lost its control plane."""
+class RuntimeStartError(RuntimeError):
+    """The runtime could not start, or was asked for something before it had a view."""
 
 
 class Runtime:
@@ -78,9 +78,9 @@ class Runtime:
                                         name=f"p2pft-control-{self.replica_id}", daemon=True)
         self._thread.start()
         if not self._started.wait(timeout):
-            raise RuntimeError_(f"control plane did not start within {timeout} s")
+            raise RuntimeStartError(f"control plane did not start within {timeout} s")
         if self._start_error is not None:
-            raise RuntimeError_(f"cannot start the control plane on {self.listen}: {self._start_error}")
+            raise RuntimeStartError(f"cannot start the control plane on {self.listen}: {self._start_error}")
         return self
 
     def _run_loop(self, data_addr: str) -> None:
@@ -224,7 +224,7 @@ class Runtime:
         """The communicator of the view's data epoch for this shard (built once, cached)."""
         view = view if view is not None else self._view
         if view is None:
-            raise RuntimeError_("no committed view yet")
+            raise RuntimeStartError("no committed view yet")
         d = self.data_epoch(view)
         key = (d, shard)
         with self._comm_lock:
@@ -235,7 +235,7 @@ class Runtime:
         nid = self.node_id
         ranks = [m["node"] for m in members]
         if nid not in ranks:
-            raise RuntimeError_(f"{nid} is not on the data plane of view e{view['epoch']}")
+            raise RuntimeStartError(f"{nid} is not on the data plane of view e{view['epoch']}")
         peers = [m["data_addr"].split(",")[min(shard, len(m["data_addr"].split(",")) - 1)] for m in members]
         if comm is not None:
             comm.close()
@@ -312,4 +312,4 @@ class Runtime:
         return {"counters": dict(s.counters) if s else {}, "node": dict(s.node.stats) if s and s.node else {}}
 
 
-__all__ = ["Runtime", "RuntimeError_", "PARTICIPANT", "JOINER", "WITNESS"]
+__all__ = ["Runtime", "RuntimeStartError", "PARTICIPANT", "JOINER", "WITNESS"]

@@ -1,7 +1,6 @@
 """AsyncCheckpointer: background, atomic, newest-wins, and damaged files are skipped."""
 from __future__ import annotations
 
-from collections.abc import Iterator
 
 import logging
 import threading
@@ -15,15 +14,6 @@ from p2pft.trainer.checkpoint import AsyncCheckpointer, CorruptCheckpointError, 
 from p2pft.trainer.data import TextDataset
 from p2pft.trainer.model import TinyLM
 from p2pft.trainer.state import capture, restore, state_digest
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread() -> Iterator[None]:
-    """Intra-op threads only fight each other on a small, shared CPU machine; one is fastest."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _tensors() -> dict[str, torch.Tensor]:

@@ -1,22 +1,12 @@
 """GradBuffer: gradients and the contribution mask in one flat tensor."""
 from __future__ import annotations
 
-from collections.abc import Iterator
 
 import pytest
 import torch
 
 from p2pft.trainer.gradbuf import GradBuffer, SlotCollisionError
 from p2pft.trainer.model import TinyLM
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread() -> Iterator[None]:
-    """Intra-op threads only fight each other on a small, shared CPU machine; one is fastest."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 MAX_SLOTS = 8

@@ -1,7 +1,6 @@
 """TinyLM, the MLP builder, the generated corpus and the dataset; and that TinyLM learns from it."""
 from __future__ import annotations
 
-from collections.abc import Iterator
 
 import math
 
@@ -10,15 +9,6 @@ import torch
 
 from p2pft.trainer.data import ByteTokenizer, TextDataset, generate_corpus
 from p2pft.trainer.model import TinyLM, build_mlp_for_params, count_params, model_config_for
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread() -> Iterator[None]:
-    """Intra-op threads only fight each other on a small, shared CPU machine; one is fastest."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 # ----------------------------------------------------------------------------- data

@@ -13,15 +13,6 @@ from p2pft.trainer.model import TinyLM
 from p2pft.trainer.state import capture, restore, state_digest
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread() -> Iterator[None]:
-    """Intra-op threads only fight each other on a small, shared CPU machine; one is fastest."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 SEQ = 16
 DATA = TextDataset(SEQ, n_samples=64)
 
