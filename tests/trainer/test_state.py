@@ -1,7 +1,7 @@
 """capture/restore make a fresh replica bitwise equal to a trained one; the digest proves it."""
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import msgpack
 import pytest
