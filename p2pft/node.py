@@ -25,6 +25,7 @@ from .raft import LEADER, Raft
 log = logging.getLogger(__name__)
 
 PARTICIPANT, JOINER, WITNESS = "participant", "joiner", "witness"
+BOOTSTRAP_GIVE_UP = 10     # bootstrap waits for the lowest seed at most this many bootstrap_waits
 RESUME_GRACE_S = 5.0       # with no participant left, wait this long for one at the high-water step
 PROMOTE_SLACK_STEPS = 8    # a 'ready' joiner this close to the head is current (see _desired)
 TRAINER_KIND, WITNESS_KIND = "trainer", "witness"
@@ -48,6 +49,8 @@ class Node:
         self.gossip = Gossip(self.id, addr, meta, profile, rng, now)
         self.gossip.local_step = step
         self.raft = Raft(self.id, profile, rng, now)
+        self.raft.first_entry = self._first_view
+        self._now = now
         self.view: dict[str, Any] | None = None
         self.view_time: float | None = None
         self.leader: str | None = None
@@ -80,6 +83,7 @@ class Node:
     def handle(self, msg: dict[str, Any], now: float) -> None:
         """One decoded message. Malformed content raises KeyError/TypeError/ValueError: the
         driver counts it and drops the message (never the node)."""
+        self._now = now
         t = msg["t"]
         if t.startswith("g."):
             self.gossip.handle(msg, now)
@@ -100,6 +104,7 @@ class Node:
         self._pump(now)
 
     def tick(self, now: float) -> None:
+        self._now = now
         self.gossip.tick(now)
         self.raft.tick(now)
         if not self._bootstrapped and self.view is None and now >= self._next_bootstrap:
@@ -191,10 +196,16 @@ class Node:
         if any(m.epoch > 0 for m in live if m.node != self.id):
             return  # a cluster exists: wait to be added
         names = set(self.seeds) | {self.addr}
-        if min(names | {m.addr for m in live}) != self.addr:
-            return
         answered = {m.addr for m in live if m.heard and m.addr in names} | {self.addr}
         if len(answered) * 2 <= len(names):
+            return
+        candidates = names | {m.addr for m in live}
+        if now - self.started >= BOOTSTRAP_GIVE_UP * self.p.bootstrap_wait:
+            # A seed that never answered in all this time is not coming soon (never started, or
+            # dead): waiting for the lowest address forever would stall every node. Choose among
+            # those that did answer; a majority of the seed list is still required.
+            candidates = answered | {m.addr for m in live if m.heard}
+        if min(candidates) != self.addr:
             return
         self._bootstrap(now)
 
@@ -391,7 +402,11 @@ class Node:
             # the proposal may have committed at once (single voter): process it
             self._pump(now)
 
-    def _desired(self, cur: dict[str, Any], now: float) -> dict[str, Any]:
+    def _first_view(self, base: dict[str, Any]) -> dict[str, Any]:
+        """A new leader's first entry: the members gossip shows now (Raft keeps the voters)."""
+        return self._desired(base, self._now, keep_voters=True)
+
+    def _desired(self, cur: dict[str, Any], now: float, keep_voters: bool = False) -> dict[str, Any]:
         g = self.gossip
         cur_members = {m["node"]: m for m in cur["members"]}
         newest: dict[str, Any] = {}
@@ -459,7 +474,7 @@ class Node:
                 used.add(slot)
             since = prev["since"] if prev else epoch
             members.append(self._member_entry(m.node, m.addr, m.meta, role, slot, since))
-        voters = self._next_voters(cur, members, now)
+        voters = list(cur.get("voters", ())) if keep_voters else self._next_voters(cur, members, now)
         data = sorted(m["node"] for m in members if m["role"] != WITNESS)
         old = sorted(m["node"] for m in cur["members"] if m["role"] != WITNESS)
         data_epoch = cur.get("data_epoch", cur.get("epoch", 0)) if data == old else epoch
