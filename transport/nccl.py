@@ -59,6 +59,15 @@ def _uid_tuple(uid: bytes) -> tuple[int, ...]:
     return tuple(b - 256 if b > 127 else b for b in uid)  # cupy expects C chars
 
 
+def _current_device() -> int | None:
+    try:
+        from cupy.cuda import runtime
+
+        return int(runtime.getDevice())
+    except Exception:  # noqa: BLE001 - no cupy / no CUDA: the first operation reports it
+        return None
+
+
 class _Device:
     """Pointer, element count, NCCL dtype and stream of a CUDA torch tensor or cupy array."""
 
@@ -98,7 +107,8 @@ class _Device:
 class NcclCommunicator(Communicator):
     """NCCL communicator of one (epoch, shard); every rank passes the same `uid`."""
 
-    def __init__(self, epoch: int, shard: int, rank: int, world: int, uid: bytes, *, timeout: float = 30.0) -> None:
+    def __init__(self, epoch: int, shard: int, rank: int, world: int, uid: bytes, *, timeout: float = 30.0,
+                 device: int | None = None) -> None:
         if not 0 <= rank < world:
             raise ValueError(f"rank {rank} out of range for world {world}")
         if not timeout > 0:
@@ -109,6 +119,9 @@ class NcclCommunicator(Communicator):
         self.world = world
         self.timeout = timeout
         self._uid = _uid_tuple(uid)
+        # NCCL binds the communicator to the calling thread's current CUDA device, which is
+        # per thread: remember the caller's so the init thread can select it.
+        self._device = device if device is not None else _current_device()
         self._lock = threading.Lock()
         self._failed: CommError | None = None
         self._comm: Any = None
@@ -122,8 +135,11 @@ class NcclCommunicator(Communicator):
 
     def _init(self) -> None:
         try:
+            import cupy
             from cupy.cuda import nccl
 
+            if self._device is not None:
+                cupy.cuda.Device(self._device).use()
             comm = nccl.NcclCommunicator(self.world, self._uid, self.rank)
             with self._lock:
                 if self._failed is None:
@@ -193,7 +209,9 @@ class NcclCommunicator(Communicator):
         """allGather a few int64 per rank (tags, contribution flags) so every rank can name a mismatching peer."""
         import cupy
 
-        with cupy.cuda.Device(dev.device.index if dev.device is not None else cupy.cuda.Device().id):
+        device = dev.device.index if dev.device is not None else cupy.cuda.Device().id
+        # Same device and same stream as the tensor, so the copies are ordered with the collective.
+        with cupy.cuda.Device(device), cupy.cuda.ExternalStream(stream):
             send = cupy.asarray(values, dtype=cupy.int64)
             recv = cupy.empty(len(values) * self.world, dtype=cupy.int64)
             comm.allGather(send.data.ptr, recv.data.ptr, len(values), _NCCL_DTYPES["int64"], stream)

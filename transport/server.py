@@ -82,7 +82,9 @@ class DataServer:
         self._lsock.setblocking(False)
         self._host = host
         self._port = self._lsock.getsockname()[1]
-        self._lock = threading.Lock()
+        # Re-entrant: a communicator that fails inside _check_hello (called under this lock)
+        # unregisters itself.
+        self._lock = threading.RLock()
         self._comms: dict[tuple[int, int], TcpCommunicator] = {}
         self._pending: dict[tuple[int, int], list[tuple[socket.socket, Hello, float]]] = {}
         self._npending = 0

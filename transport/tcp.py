@@ -28,9 +28,9 @@ from .buffers import FlatBuffer, as_flat_buffer
 from .errors import CommAborted, CommError, CommTimeout, PeerFailed, ProtocolMismatch
 from .ring import LanePlan, allreduce_plan, broadcast_plan
 from .wire import (
-    FRAME_LEN, FRAME_MAGIC, FRAME_PREFIX, FRAME_SUFFIX, HELLO_LEN, ACK_LEN, KIND_RING, MAX_ERROR_PAYLOAD,
-    OP_ALLREDUCE, OP_BROADCAST, OP_ERROR, PREFIX_LEN, F_EMPTY, ST_OK, ST_PENDING, ST_CLOSED, ST_MISMATCH,
-    ST_BUSY, STATUS_TEXT, Hello, RemoteError, find_error_frame, pack_ack, pack_error_frame, pack_hello,
+    FRAME_LEN, FRAME_MAGIC, FRAME_PREFIX, FRAME_SUFFIX, ACK_LEN, KIND_RING, MAX_ERROR_PAYLOAD,
+    OP_ALLREDUCE, OP_BROADCAST, OP_ERROR, OP_KEEPALIVE, PREFIX_LEN, F_EMPTY, ST_OK, ST_PENDING, ST_CLOSED, ST_MISMATCH,
+    ST_BUSY, STATUS_TEXT, Hello, RemoteError, find_error_frame, pack_error_frame, pack_hello,
     parse_ack, parse_error_payload, recv_exact, recv_exact_timed, send_all_timed, send_nowait, set_io_slice, io_slice,
     split_addr, tune_socket,
 )
@@ -44,9 +44,10 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_CHUNK_BYTES = 1 << 20
 MIN_AUTO_CHUNK = 64 << 10
-# How long a failing rank waits for its sender to finish the frame in flight (so the error frame
-# can follow it) before it shuts the socket. Kept well under the 100 ms abort budget.
+# close(): how long to let a sender finish the frame in flight before shutting its socket.
 SENDER_GRACE_S = 0.05
+# A failing sender's patience for writing the error frame behind the frame in flight.
+ERROR_FRAME_GRACE_S = 1.0
 _REVERSE_READ_CAP = FRAME_LEN + MAX_ERROR_PAYLOAD
 
 _STOP = object()
@@ -57,7 +58,10 @@ class _Sender:
     """Owns one outgoing socket; writes queued frames in order on its own thread.
 
     The queue holds at most the frames of one operation (bounded by the op's plan) plus a few
-    control items; payloads are memoryviews of the caller's tensor, never copies.
+    control items; payloads are memoryviews of the caller's tensor, never copies. Every write to
+    the socket (by this thread or inline by the producer) happens under `wlock`, and a frame the
+    producer started inline is always completed before an error frame, so the receiver can
+    always parse the stream.
     """
 
     def __init__(self, comm: "TcpCommunicator", lane: int, sock: socket.socket, inline: bool) -> None:
@@ -66,12 +70,17 @@ class _Sender:
         self.sock = sock
         self.inline = inline
         # Data jobs handed to the thread and finished by it; each counter has a single writer
-        # (the lane's receive thread / the sender thread), so no lock is needed.
+        # (the lane's receive thread / the sender thread).
         self.submitted = 0
         self.completed = 0
+        self.progress = 0.0  # monotonic time of the last byte written (inline or by the thread)
+        self.wlock = threading.Lock()
+        self.blame_lock = threading.Lock()
+        self.reverse_read = False
+        self.reverse: RemoteError | None = None
         self.q: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.exited = threading.Event()
-        self.timeout: float | None = None
+        self.timeout = 1.0  # op timeout, set by the producer between operations
         self.thread = threading.Thread(
             target=self._run, daemon=True,
             name=f"p2pft-send-e{comm.epoch}s{comm.shard}r{comm.rank}l{lane}")
@@ -83,22 +92,22 @@ class _Sender:
         comm = self.comm
         sock = self.sock
         q = self.q
-        tmo = -1.0
         try:
             while True:
                 job = q.get()
                 if comm._failed is not None:
-                    self._send_error_frame()
+                    self._finish_with_error(job)
                     return
                 if job is _STOP:
                     return
                 if type(job) is tuple:
-                    send_all_timed(sock, job, tmo)
+                    hdr, payload, queued, _rest = job
+                    # No-progress clock: from the later of "this frame was ready" and "the
+                    # last byte moved", so a late wake-up of this thread does not stretch it.
+                    with self.wlock:
+                        self.progress = send_all_timed(sock, (hdr, payload), self.timeout,
+                                                       max(queued, self.progress))
                     self.completed += 1
-                elif type(job) is float:
-                    if job != tmo:
-                        tmo = self.timeout = job
-                        set_io_slice(sock, io_slice(tmo), recv=False)
                 elif isinstance(job, threading.Event):
                     job.set()
         except TimeoutError:
@@ -112,42 +121,82 @@ class _Sender:
             logger.exception("sender thread crashed")
             comm._fail(CommError(f"sender thread crashed: {e!r}"))
         finally:
+            if comm._failed is not None:
+                comm._close_sock(sock)  # after the error frame and FIN: the data in flight still arrives
             self.exited.set()
             comm._wake_waiters()
+
+    def set_timeout(self, tmo: float) -> None:
+        """Called by the lane's receive thread at op start, while no frame of this lane is queued."""
+        if tmo != self.timeout:
+            set_io_slice(self.sock, io_slice(tmo), recv=False)
+            self.timeout = tmo
 
     def submit(self, hdr: bytes, payload: memoryview | None) -> None:
         """Queue a frame; with `inline`, first try to write it from the calling (receive) thread
         without blocking, which saves a thread wake-up per chunk when the socket has room."""
-        job: tuple = (hdr, payload)
-        if self.inline and self.submitted == self.completed:
+        comm = self.comm
+        if self.inline and self.submitted == self.completed and self.wlock.acquire(blocking=False):
             try:
-                rest = send_nowait(self.sock, job)
-            except OSError as e:
-                comm = self.comm
-                if comm._failed is None:
-                    comm._fail(self._blame(e))
-                raise comm._failed from None  # type: ignore[misc]
-            if not rest:
+                if comm._failed is not None:
+                    raise comm._failed
+                try:
+                    rest = send_nowait(self.sock, (hdr, payload))
+                except OSError as e:
+                    if comm._failed is None:
+                        comm._fail(self._blame(e))
+                    raise comm._failed from None  # type: ignore[misc]
+                now = time.monotonic()
+                if not rest:
+                    self.progress = now
+                    return
+                # Partly written: the thread must finish this frame, even after a failure.
+                if len(rest) == 1:
+                    job = (b"", rest[0], now, True)
+                else:
+                    job = (rest[0], rest[1], now, True)
+                self.submitted += 1
+                self.q.put(job)
                 return
-            job = tuple(rest)
+            finally:
+                self.wlock.release()
+        if comm._failed is not None:
+            raise comm._failed
         self.submitted += 1
-        self.q.put(job)
+        self.q.put((hdr, payload, time.monotonic(), False))
 
-    def _send_error_frame(self) -> None:
+    def _finish_with_error(self, job: Any) -> None:
+        """Complete a frame the producer left half-written, then append the error frame."""
         frame = self.comm._error_frame
-        if frame is None:
-            return
-        try:
-            set_io_slice(self.sock, io_slice(SENDER_GRACE_S), recv=False)
-            send_all_timed(self.sock, (frame,), SENDER_GRACE_S)
-            self.sock.shutdown(socket.SHUT_WR)
-        except OSError:
-            pass
+        grace = min(self.timeout, ERROR_FRAME_GRACE_S)
+        with self.wlock:
+            rest = job if type(job) is tuple and job[3] else None
+            while rest is None:
+                try:
+                    j = self.q.get_nowait()
+                except queue.Empty:
+                    break
+                if type(j) is tuple and j[3]:
+                    rest = j
+            try:
+                set_io_slice(self.sock, io_slice(grace), recv=False)
+                if rest is not None:
+                    send_all_timed(self.sock, (rest[0], rest[1]), grace)
+                if frame is not None:
+                    send_all_timed(self.sock, (frame,), grace)
+                self.sock.shutdown(socket.SHUT_WR)
+            except OSError:
+                pass  # the right neighbour is gone or stuck: it will see EOF or time out
 
     def _blame(self, exc: OSError) -> CommError:
-        """The right neighbour went away: use the error frame it left behind, if any."""
+        """The right neighbour went away: use the error frame it left behind, if any. Both the
+        thread and an inline write may fail on the same socket; the frame is read only once."""
         comm = self.comm
-        remote = read_reverse_error(self.sock)
+        with self.blame_lock:
+            if not self.reverse_read:
+                self.reverse = read_reverse_error(self.sock)
+                self.reverse_read = True
+            remote = self.reverse
         if remote is not None:
             return comm._error_from_remote(remote, comm.right)
         return PeerFailed(f"send to rank {comm.right} failed: {exc.strerror or exc!r}",
@@ -223,6 +272,7 @@ class TcpCommunicator(Communicator):
         self._cond = threading.Condition(self._lock)
         self._failed: CommError | None = None
         self._error_frame: bytes | None = None
+        self._fail_io_done = threading.Event()
         self._closed = False
         self._in_op = False
         self._op_seq = 0
@@ -267,6 +317,9 @@ class TcpCommunicator(Communicator):
             return counts
         except CommError:
             raise self._finish_failed_op() from None
+        except OSError as e:  # a socket closed under us by a concurrent failure, or a real I/O error
+            self._fail(CommError(f"socket error: {e!r}"))
+            raise self._finish_failed_op() from None
         except BaseException as e:
             self._fail(CommError(f"operation interrupted: {e!r}"))
             self._finish_failed_op()
@@ -291,6 +344,9 @@ class TcpCommunicator(Communicator):
                                           self.left, self._op_seq, root, buf.nbytes)
             self._run_lanes(self._broadcast_lane, plans, buf, prefix_out, prefix_in, root, tmo)
         except CommError:
+            raise self._finish_failed_op() from None
+        except OSError as e:  # a socket closed under us by a concurrent failure, or a real I/O error
+            self._fail(CommError(f"socket error: {e!r}"))
             raise self._finish_failed_op() from None
         except BaseException as e:
             self._fail(CommError(f"operation interrupted: {e!r}"))
@@ -352,22 +408,21 @@ class TcpCommunicator(Communicator):
 
     def _finish_failed_op(self) -> CommError:
         """Unwind after an error: readers are out of recv, so close incoming sockets (the left
-        neighbour's blocked sender gets a reset and reads our error frame); give senders a short
-        grace to forward the error frame, then shut outgoing sockets."""
+        neighbour's blocked sender gets a reset and reads our error frame). Senders are not
+        waited for: each finishes the frame in flight (so the right neighbour can still parse
+        the stream), appends the error frame and exits by itself, bounded by the op timeout.
+        After a failed op the tensor's content is undefined."""
         err = self._failed
         assert err is not None
         err = _copy(err)  # each raise gets its own traceback; `failed` keeps the original
         for w in self._workers:
             w.done.wait(1.0)
+            w.q.put(_STOP)
+        self._fail_io_done.wait(1.0)  # _fail (maybe on another thread) is done with the left sockets
         for s in self._lefts:
             self._close_sock(s)
-        deadline = time.monotonic() + SENDER_GRACE_S
         for snd in self._senders:
             snd.q.put(_WAKE)
-            snd.exited.wait(max(0.0, deadline - time.monotonic()))
-        for snd in self._senders:
-            if not snd.exited.is_set():
-                _shutdown(snd.sock)
         if not self._senders:
             # Failed while connecting: tell the right neighbour directly, nobody else will.
             for s in self._rights:
@@ -398,20 +453,35 @@ class TcpCommunicator(Communicator):
             logger.info("communicator epoch=%d shard=%d rank=%d: %s", self.epoch, self.shard, self.rank, err)
         else:
             logger.warning("communicator epoch=%d shard=%d rank=%d failed: %s", self.epoch, self.shard, self.rank, err)
-        for s in self._lefts:
-            if s is None:
-                continue
+        lefts = [s for s in self._lefts if s is not None]
+        for s in lefts:  # all frames first: a reader woken below closes every left socket
             try:
                 s.send(frame, socket.MSG_DONTWAIT)  # backward: the reverse direction is always empty
-            except OSError:
-                pass
+            except OSError as e:
+                logger.debug("rank %d: backward error frame to rank %d not sent: %r", self.rank, self.left, e)
+        for s in lefts:
             if in_op:
                 _shutdown(s)          # wakes our reader; it closes the fd when it unwinds
             else:
                 self._close_sock(s)   # nobody reads it: close now so the left's sender sees a reset
+        self._fail_io_done.set()
         for snd in self._senders:
             snd.q.put(_WAKE)
+        if not in_op:
+            for w in self._workers:
+                w.q.put(_STOP)
+            if not self._senders:
+                for s in self._rights:
+                    if s is not None:
+                        try:
+                            s.send(frame, socket.MSG_DONTWAIT)
+                        except OSError:
+                            pass
+                        self._close_sock(s)
         self._wake_waiters()
+        # A failed communicator is dead: new connections for it are refused as "closed", and its
+        # threads and sockets go away by themselves even if the owner never calls close().
+        self._server._unregister(self)
         return err
 
     def _wake_waiters(self) -> None:
@@ -627,6 +697,10 @@ class TcpCommunicator(Communicator):
     def _drain(self, snd: _Sender, tmo: float) -> None:
         """Wait until the sender has written everything queued for this op (the caller may reuse
         the tensor as soon as the op returns)."""
+        if snd.submitted == snd.completed:
+            if self._failed is not None:
+                raise self._failed
+            return  # everything was written inline or the sender already finished
         ev = threading.Event()
         with self._lock:
             self._waiters.add(ev)
@@ -655,22 +729,42 @@ class TcpCommunicator(Communicator):
             set_io_slice(sock, io_slice(tmo), send=False)
             self._recv_tmo[lane] = tmo
 
-    def _recv_header(self, sock: socket.socket, hv: memoryview, prefix_in: bytes, tmo: float) -> tuple:
-        try:
-            recv_exact_timed(sock, hv, tmo)
-        except TimeoutError:
-            raise self._fail(CommTimeout(
-                f"no data from rank {self.left} for {tmo:.3g} s", peer_rank=self.left,
-                peer_addr=self.peers[self.left])) from None
-        except (EOFError, OSError) as e:
-            raise self._reader_lost(e) from None
-        if hv[:PREFIX_LEN] != prefix_in:
-            self._bad_prefix(sock, hv, prefix_in)
-        return FRAME_SUFFIX.unpack_from(hv, PREFIX_LEN)
+    def _recv_header(self, sock: socket.socket, hv: memoryview, prefix_in: bytes, tmo: float,
+                     idle: Any) -> tuple:
+        while True:
+            try:
+                recv_exact_timed(sock, hv, tmo, idle)
+            except TimeoutError:
+                raise self._fail(CommTimeout(
+                    f"no data from rank {self.left} for {tmo:.3g} s", peer_rank=self.left,
+                    peer_addr=self.peers[self.left])) from None
+            except (EOFError, OSError) as e:
+                raise self._reader_lost(e) from None
+            if hv[:PREFIX_LEN] == prefix_in or not self._bad_prefix(sock, hv, prefix_in):
+                return FRAME_SUFFIX.unpack_from(hv, PREFIX_LEN)
+            # A keepalive: the left neighbour is alive and itself starved; keep waiting.
 
-    def _recv_payload(self, sock: socket.socket, view: memoryview, tmo: float) -> None:
+    def _idle_hook(self, snd: _Sender, tmo: float) -> Any:
+        """While this thread starves on its left neighbour, tell the right neighbour every
+        timeout/4 that we are alive (a keepalive frame when nothing else is queued), so that
+        only the rank next to a stalled peer times out on it and the others hear its verdict
+        instead of blaming their own, innocent, left neighbour."""
+        every = tmo / 4
+        frame = FRAME_PREFIX.pack(FRAME_MAGIC, OP_KEEPALIVE, 0, self.epoch, self.shard, self.rank, 0, 0, 0) \
+            + FRAME_SUFFIX.pack(0, 0, 0, 0, 0)
+        state = [every]
+
+        def idle(waited: float) -> None:
+            if waited >= state[0]:
+                state[0] = waited + every
+                if snd.submitted == snd.completed:
+                    snd.submit(frame, None)
+
+        return idle
+
+    def _recv_payload(self, sock: socket.socket, view: memoryview, tmo: float, idle: Any = None) -> None:
         try:
-            recv_exact_timed(sock, view, tmo)
+            recv_exact_timed(sock, view, tmo, idle)
         except TimeoutError:
             raise self._fail(CommTimeout(
                 f"no data from rank {self.left} for {tmo:.3g} s", peer_rank=self.left,
@@ -685,11 +779,15 @@ class TcpCommunicator(Communicator):
         return self._fail(PeerFailed(f"rank {self.left} {why}", peer_rank=self.left,
                                      peer_addr=self.peers[self.left]))
 
-    def _bad_prefix(self, sock: socket.socket, hv: memoryview, expected: bytes) -> None:
-        """Slow path: an error frame from the left, or a frame of another op/epoch/tag."""
+    def _bad_prefix(self, sock: socket.socket, hv: memoryview, expected: bytes) -> bool:
+        """Slow path: True for a keepalive; raises for an error frame from the left or a frame
+        of another op/epoch/tag."""
         got = FRAME_PREFIX.unpack_from(hv)
         exp = FRAME_PREFIX.unpack(expected)
         peer = dict(peer_rank=self.left, peer_addr=self.peers[self.left])
+        if got[0] == FRAME_MAGIC and got[1] == OP_KEEPALIVE and got[3:6] == exp[3:6] \
+                and FRAME_SUFFIX.unpack_from(hv, PREFIX_LEN)[4] == 0:
+            return True
         if got[0] == FRAME_MAGIC and got[1] == OP_ERROR:
             plen = FRAME_SUFFIX.unpack_from(hv, PREFIX_LEN)[4]
             if plen > MAX_ERROR_PAYLOAD:
@@ -722,7 +820,7 @@ class TcpCommunicator(Communicator):
         snd = self._senders[lane]
         assert sock is not None
         self._set_recv_slice(lane, sock, tmo)
-        snd.q.put(float(tmo))
+        snd.set_timeout(tmo)
         mv = buf.mv
         pack = FRAME_SUFFIX.pack
         sends = plan.sends
@@ -738,9 +836,10 @@ class TcpCommunicator(Communicator):
             self._scratch[lane] = bytearray(self.chunk_bytes)
         scratch = memoryview(self._scratch[lane])
         hv = memoryview(self._hdr[lane])
+        idle = self._idle_hook(snd, tmo)
         total = -1
         for f, reduce, nxt in plan.recvs:
-            suffix = self._recv_header(sock, hv, prefix_in, tmo)
+            suffix = self._recv_header(sock, hv, prefix_in, tmo, idle)
             self._check_suffix(suffix, f.step, f.chunk, f.nbytes)
             flags = suffix[2]
             count = suffix[3]
@@ -751,11 +850,11 @@ class TcpCommunicator(Communicator):
                     out_empty = not contrib
                 elif contrib:
                     if n:
-                        self._recv_payload(sock, scratch[:n], tmo)
+                        self._recv_payload(sock, scratch[:n], tmo, idle)
                         buf.add_from(f.off, scratch[:n])
                     out_empty = False
                 else:
-                    self._recv_payload(sock, mv[f.off:f.off + n], tmo)
+                    self._recv_payload(sock, mv[f.off:f.off + n], tmo, idle)
                     out_empty = False
                 count += c0
                 if nxt < 0 or sends[nxt].step == self.world - 1:
@@ -771,7 +870,7 @@ class TcpCommunicator(Communicator):
                     out_empty = True
                 else:
                     if n:
-                        self._recv_payload(sock, mv[f.off:f.off + n], tmo)
+                        self._recv_payload(sock, mv[f.off:f.off + n], tmo, idle)
                     out_empty = False
                 if total >= 0 and count != total:
                     raise self._fail(ProtocolMismatch(
@@ -794,7 +893,7 @@ class TcpCommunicator(Communicator):
         snd = self._senders[lane]
         assert sock is not None
         self._set_recv_slice(lane, sock, tmo)
-        snd.q.put(float(tmo))
+        snd.set_timeout(tmo)
         mv = buf.mv
         pack = FRAME_SUFFIX.pack
         put = snd.submit
@@ -802,11 +901,12 @@ class TcpCommunicator(Communicator):
             f = plan.sends[i]
             put(prefix_out + pack(f.step, f.chunk, 0, root, f.nbytes), mv[f.off:f.off + f.nbytes])
         hv = memoryview(self._hdr[lane])
+        idle = self._idle_hook(snd, tmo)
         for f, _reduce, nxt in plan.recvs:
-            suffix = self._recv_header(sock, hv, prefix_in, tmo)
+            suffix = self._recv_header(sock, hv, prefix_in, tmo, idle)
             self._check_suffix(suffix, f.step, f.chunk, f.nbytes)
             if f.nbytes:
-                self._recv_payload(sock, mv[f.off:f.off + f.nbytes], tmo)
+                self._recv_payload(sock, mv[f.off:f.off + f.nbytes], tmo, idle)
             if nxt >= 0:
                 put(prefix_out + pack(f.step, f.chunk, 0, root, f.nbytes), mv[f.off:f.off + f.nbytes])
         self._drain(snd, tmo)

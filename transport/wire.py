@@ -12,7 +12,7 @@ import socket
 import struct
 import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import msgpack
 
@@ -125,6 +125,7 @@ PREFIX_LEN = FRAME_PREFIX.size
 OP_ALLREDUCE = 1
 OP_BROADCAST = 2
 OP_ERROR = 3       # payload: msgpack error description; ends the stream
+OP_KEEPALIVE = 4   # no payload: "I am alive and waiting on my own left neighbour"
 
 F_EMPTY = 1        # no payload: the region holds no contribution (counts as zeros)
 
@@ -223,8 +224,10 @@ def set_io_slice(sock: socket.socket, seconds: float, *, recv: bool = True, send
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
 
 
-def recv_exact_timed(sock: socket.socket, view: memoryview, timeout: float) -> None:
-    """Fill `view`; TimeoutError after `timeout` s without any byte, EOFError if the peer closes."""
+def recv_exact_timed(sock: socket.socket, view: memoryview, timeout: float,
+                     on_idle: Callable[[float], None] | None = None) -> None:
+    """Fill `view`; TimeoutError after `timeout` s without any byte, EOFError if the peer closes.
+    `on_idle(seconds waited)` runs after every idle slice (used to send keepalives)."""
     got = 0
     n = view.nbytes
     last = time.monotonic()
@@ -232,8 +235,11 @@ def recv_exact_timed(sock: socket.socket, view: memoryview, timeout: float) -> N
         try:
             k = sock.recv_into(view[got:], n - got, socket.MSG_WAITALL)
         except BlockingIOError:  # one slice without data
-            if time.monotonic() - last >= timeout:
+            idle = time.monotonic() - last
+            if idle >= timeout:
                 raise TimeoutError("no data") from None
+            if on_idle is not None:
+                on_idle(idle)
             continue
         if k == 0:
             raise EOFError("connection closed by peer")
@@ -241,10 +247,12 @@ def recv_exact_timed(sock: socket.socket, view: memoryview, timeout: float) -> N
         last = time.monotonic()
 
 
-def send_all_timed(sock: socket.socket, bufs: Sequence[Any], timeout: float) -> None:
-    """send_all() with TimeoutError after `timeout` s in which the peer took no byte."""
+def send_all_timed(sock: socket.socket, bufs: Sequence[Any], timeout: float, since: float = 0.0) -> float:
+    """send_all() with TimeoutError after `timeout` s in which the peer took no byte, counted
+    from `since` (the last progress known to the caller) if later than now - nothing.
+    Returns the time of the last progress."""
     views = [memoryview(b).cast("B") for b in bufs if b is not None and len(b)]
-    last = time.monotonic()
+    last = since or time.monotonic()
     while views:
         try:
             sent = sock.sendmsg(views)
@@ -260,6 +268,7 @@ def send_all_timed(sock: socket.socket, bufs: Sequence[Any], timeout: float) -> 
             else:
                 views[0] = views[0][sent:]
                 sent = 0
+    return last
 
 
 def send_nowait(sock: socket.socket, bufs: Sequence[Any]) -> list[memoryview]:

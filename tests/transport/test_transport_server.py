@@ -1,0 +1,145 @@
+"""DataServer routing: pending table, closed epochs, junk connections, handshake and wire helpers."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from p2pft.transport import CommAborted, CommTimeout, DataServer, ProtocolMismatch
+from p2pft.transport.wire import (
+    ACK_LEN, KIND_RING, ST_AUTH, ST_OK, ST_VERSION, pack_ack, pack_error_frame, pack_hello, parse_ack, parse_hello,
+    find_error_frame, split_addr,
+)
+from transport_testutil import open_fds, p2pft_threads, run_ranks
+
+
+def test_hello_and_ack_round_trip_with_secret() -> None:
+    raw = pack_hello(b"k", KIND_RING, 7, 2, 1, 0, 3, 1, 2, 4096)
+    st, h = parse_hello(b"k", raw)
+    assert st == ST_OK and h is not None
+    assert (h.kind, h.epoch, h.shard, h.src, h.dst, h.world, h.lane, h.lanes, h.chunk) == (KIND_RING, 7, 2, 1, 0, 3, 1, 2, 4096)
+    assert parse_hello(b"other", raw)[0] == ST_AUTH
+    assert parse_hello(None, raw)[0] == ST_OK  # a server without a secret accepts anyone
+    bad_version = bytearray(raw)
+    bad_version[4] = 99
+    assert parse_hello(None, bytes(bad_version))[0] == ST_VERSION
+    ack = pack_ack(b"k", raw, ST_OK)
+    assert parse_ack(b"k", raw, ack) == ST_OK
+    with pytest.raises(ProtocolMismatch):
+        parse_ack(b"k", raw, pack_ack(None, raw, ST_OK))  # server that does not know the secret
+
+
+def test_error_frame_round_trip() -> None:
+    err = CommTimeout("no data", peer_rank=3, peer_addr="127.0.0.1:1")
+    frame = pack_error_frame(1, 0, 2, err, origin=2, tags={1: 5})
+    r = find_error_frame(frame)
+    assert r is not None and r.cls is CommTimeout and r.peer_rank == 3 and r.origin == 2 and r.tags == {1: 5}
+    assert find_error_frame(frame[:-1]) is None
+    assert find_error_frame(b"garbage" * 20) is None
+
+
+def test_split_addr() -> None:
+    assert split_addr("127.0.0.1:80") == ("127.0.0.1", 80)
+    assert split_addr("[::1]:80") == ("::1", 80)
+    for bad in ("", "x", ":80", "h:", "h:p"):
+        with pytest.raises(ValueError):
+            split_addr(bad)
+
+
+def test_connection_before_communicator_waits_in_pending_table() -> None:
+    a, b = DataServer(), DataServer()
+    try:
+        peers = [a.addr, b.addr]
+        ca = a.communicator(1, 0, 0, peers)
+        x, y = np.ones(100, dtype=np.float32), np.full(100, 2.0, dtype=np.float32)
+        box: list = []
+        th = threading.Thread(target=lambda: box.append(ca.allreduce(x)))
+        th.start()
+        time.sleep(0.3)  # rank 0 has connected to b, which has no communicator yet
+        cb = b.communicator(1, 0, 1, peers)
+        assert cb.allreduce(y) == 2
+        th.join(5)
+        assert box == [2] and np.all(x == 3.0) and np.all(y == 3.0)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_pending_connection_expires_with_a_reason() -> None:
+    a, b = DataServer(), DataServer(pending_timeout=0.3)
+    try:
+        ca = a.communicator(1, 0, 0, [a.addr, b.addr], timeout=5.0, connect_timeout=3.0)
+        t0 = time.monotonic()
+        with pytest.raises((CommTimeout, CommAborted)) as ei:
+            ca.allreduce(np.ones(10, dtype=np.float32))
+        assert ei.value.peer_rank == 1
+        assert time.monotonic() - t0 < 1.5  # the expiry (0.3 s), not connect_timeout (3 s)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_connection_for_closed_epoch_is_refused_as_aborted() -> None:
+    a, b = DataServer(), DataServer()
+    try:
+        peers = [a.addr, b.addr]
+        b.communicator(1, 0, 1, peers).close()
+        ca = a.communicator(1, 0, 0, peers, connect_timeout=2.0)
+        with pytest.raises(CommAborted) as ei:
+            ca.allreduce(np.ones(10, dtype=np.float32))
+        assert ei.value.peer_rank == 1 and "closed" in ei.value.reason
+    finally:
+        a.close()
+        b.close()
+
+
+def test_mismatched_world_is_a_protocol_error() -> None:
+    a, b = DataServer(), DataServer()
+    try:
+        ca = a.communicator(1, 0, 0, [a.addr, b.addr], connect_timeout=2.0)
+        cb = b.communicator(1, 0, 1, [a.addr, b.addr, "127.0.0.1:9"], connect_timeout=2.0)
+        errs = run_ranks([lambda: ca.allreduce(np.ones(4)), lambda: cb.allreduce(np.ones(4))])
+        assert isinstance(errs[0], ProtocolMismatch), errs
+    finally:
+        a.close()
+        b.close()
+
+
+def test_junk_and_silent_connections_do_not_hurt_the_server() -> None:
+    s = DataServer(handshake_timeout=0.3)
+    try:
+        host, port = split_addr(s.addr)
+        silent = socket.create_connection((host, port))
+        junk = socket.create_connection((host, port))
+        junk.sendall(b"GET / HTTP/1.1\r\n" * 10)
+        junk.settimeout(2)
+        data = junk.recv(ACK_LEN)  # rejected with an ack carrying an error status, then closed
+        assert len(data) in (0, ACK_LEN)
+        silent.settimeout(2)
+        assert silent.recv(10) == b""  # closed after handshake_timeout
+        silent.close()
+        junk.close()
+        # Still serving real communicators.
+        c = s.communicator(1, 0, 0, [s.addr])
+        assert c.allreduce(np.ones(3)) == 1
+    finally:
+        s.close()
+
+
+def test_server_close_releases_everything() -> None:
+    fds = open_fds()
+    servers = [DataServer() for _ in range(3)]
+    peers = [x.addr for x in servers]
+    comms = [x.communicator(1, 0, r, peers) for r, x in enumerate(servers)]
+    xs = [np.ones(1000, dtype=np.float32) for _ in range(3)]
+    assert run_ranks([lambda r=r: comms[r].allreduce(xs[r]) for r in range(3)]) == [3, 3, 3]
+    for x in servers:
+        x.close()  # closes its communicators too
+    assert all(c.failed is not None for c in comms)
+    time.sleep(0.05)
+    assert p2pft_threads() == []
+    assert open_fds() <= fds
