@@ -5,7 +5,8 @@ random fault hits every ``--fault-every`` seconds: SIGKILL + restart, SIGSTOP fo
 failure timeout, or SIGSTOP for shorter. Every ``--sample-every`` seconds the RSS, open file
 descriptors and threads of every process are read from /proc. After the warm-up, each
 long-lived process (the witnesses and any replica incarnation that lived through the whole
-sample window) must stay within ``--tolerance`` of its level after its own warm-up; the chaos
+sample window) must stay within ``--tolerance`` of its level after its own warm-up (descriptors
+and threads may also move by one communicator's worth: 4 and 2); the chaos
 invariants (no survivor crash, no divergent step) must hold.
 
     python bench/soak.py --minutes 30 --json results/soak.json
@@ -120,7 +121,10 @@ def main() -> int:
             continue
         first, last = after[0], after[-1]
         growth = {k: (last[k] - first[k]) / max(1, first[k]) for k in ("rss_kb", "fds", "threads") if k in first}
-        ok = all(g <= args.tolerance for g in growth.values())
+        # Small counts move by one communicator (its socket pair and lane thread) between two
+        # samples: allow that much absolute slack on descriptors and threads, not on memory.
+        slack = {"rss_kb": 0, "fds": 4, "threads": 2}
+        ok = all(g <= args.tolerance or last[k] - first[k] <= slack[k] for k, g in growth.items())
         flat &= ok
         report["processes"][name] = {"first": first, "last": last, "growth": growth, "flat": ok,
                                      "samples": len(after)}
