@@ -23,6 +23,7 @@ class Profile:
     pushpull_interval: float = 15.0    # periodic full-state sync (scaled by log2 of N/32 above 32)
     awareness_max: int = 8             # Lifeguard local-health multiplier cap
     dead_keep: float = 30.0            # keep tombstones this long to reject stale updates
+    reconnect_interval: float = 1.0    # push-pull with one random dead member this often
     # --- agreement (Raft) ---
     heartbeat: float = 0.05
     election_min: float = 0.3
@@ -36,7 +37,7 @@ class Profile:
     def scaled(self, factor: float) -> "Profile":
         """All durations multiplied by factor (for slow networks)."""
         fields = {k: getattr(self, k) * factor for k in (
-            "probe_interval", "probe_timeout", "suspicion_min", "pushpull_interval", "dead_keep",
+            "probe_interval", "probe_timeout", "suspicion_min", "pushpull_interval", "dead_keep", "reconnect_interval",
             "heartbeat", "election_min", "election_max", "batch_window", "bootstrap_wait", "view_retry")}
         return replace(self, **fields)
 

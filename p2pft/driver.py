@@ -96,6 +96,7 @@ class _Peer:
                         if eof in done:
                             self.server.counters["peer_eof"] += 1
                             self.server.evidence(self.addr, certain=False)
+                            await self._check_refused(host, port)
                             return
                         if not done and not self.queue:
                             return  # idle: let the connection go, reconnect on the next send
@@ -108,6 +109,20 @@ class _Peer:
         finally:
             if self.server._peers.get(self.addr) is self:
                 del self.server._peers[self.addr]
+
+
+    async def _check_refused(self, host: str, port: int) -> None:
+        """After an EOF, knock once: a killed process's port refuses at once, which is certain
+        evidence (milliseconds) where suspicion alone would wait out a timeout."""
+        try:
+            _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), CONNECT_TIMEOUT)
+        except ConnectionRefusedError:
+            self.server.counters["connect_refused"] += 1
+            self.server.evidence(self.addr, certain=True)
+            return
+        except (OSError, asyncio.TimeoutError):
+            return
+        writer.close()
 
 
 class NodeServer:
@@ -227,6 +242,7 @@ class NodeServer:
                     continue
                 peer = self._peers[addr] = _Peer(self, addr)
             peer.send(frame)
+            self.counters["frames_sent"] += 1
         node.outbox.clear()
         for kind, payload in node.events:
             if kind == "view":
@@ -264,6 +280,11 @@ class NodeServer:
                     self.counters["idle_closed"] += 1
                     return
                 if not data:
+                    try:
+                        decoder.eof()
+                    except WireError as exc:
+                        self.counters[f"bad_frame_{exc.kind}"] += 1
+                        log.warning("connection from %s: %s", _fmt_peer(peer), exc)
                     return
                 try:
                     messages = decoder.feed(data)
@@ -296,7 +317,10 @@ class NodeServer:
         body["t"] = mtype
         try:
             node.handle(body, time.monotonic())
-        except (KeyError, TypeError, ValueError, AttributeError, IndexError):
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError, OverflowError):
+            return False
+        except Exception:  # content no check anticipated: still the sender's fault, never fatal
+            log.exception("unexpected error handling a %r message", mtype)
             return False
         finally:
             self._flush()

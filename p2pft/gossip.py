@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +40,7 @@ class Member:
     since: float                      # time of the last state change
     epoch: int = 0                    # last committed epoch this member told us about
     step: int = 0                     # last committed step this member told us about
+    heard: bool = False               # it spoke to us directly (its epoch/step are first-hand)
 
     def row(self) -> list[Any]:
         return [self.node, self.addr, self.inc, self.state, self.meta]
@@ -50,9 +52,13 @@ class _Suspicion:
     start: float
     min_t: float
     max_t: float
-    confirmers: set[str] = field(default_factory=set)
+    confirmers: set[str] = field(default_factory=set)   # independent suspecters, not the first one
+    origin: str = ""                                      # who suspected first
 
     def deadline(self, k: int) -> float:
+        """From max_t down to min_t as confirmations arrive (log-scaled, Lifeguard/memberlist).
+        The first suspicion is not its own confirmation: a lone accuser leaves the full max_t
+        for the suspect to refute."""
         c = len(self.confirmers)
         if k <= 0 or c <= 0:
             return self.start + self.max_t
@@ -84,13 +90,22 @@ class Gossip:
         self.inc = 0
         self.leaving = False
         self.members: dict[str, Member] = {node: Member(node, addr, 0, ALIVE, dict(meta), now)}
+        self._n_live = 1                                   # members ALIVE or SUSPECT (us included)
+        self._live_ids: list[str] = [node]                 # the same members, indexable for sampling
+        self._live_pos: dict[str, int] = {node: 0}
+        self._gone: set[str] = set()                       # members DEAD or LEFT (tombstones)
         self.outbox: list[tuple[str, dict[str, Any]]] = []
         self.events: list[tuple[str, str]] = []
+        self.declared: list[dict[str, Any]] = []       # 'dead' updates we originated (for the node layer)
         self.local_epoch = 0
         self.local_step = 0
         self.awareness = 0
         self.seeds: list[str] = []
-        self._bcast: dict[str, list[Any]] = {}          # node -> [update, transmits]
+        self._bcast: dict[str, list[Any]] = {}          # node -> [update, transmits, priority]
+        # [priority][transmits] -> nodes, oldest first (priority 0: urgent, 1: joins). OrderedDict,
+        # not dict: a dict used as a FIFO keeps dead slots at its front, and iterating it costs
+        # O(everything ever removed).
+        self._bq: tuple[list[OrderedDict[str, None]], list[OrderedDict[str, None]]] = ([], [])
         self._probe_order: list[str] = []
         self._probe: _Probe | None = None
         self._seq = 0
@@ -98,8 +113,13 @@ class Gossip:
         self._susp: dict[str, _Suspicion] = {}
         self._next_probe = now + rng.uniform(0, profile.probe_interval)
         self._next_pp = now + self._pp_interval()
+        self._last_pp = now
         self._next_join = float("inf")
-        self._queue_update({"k": ALIVE, "n": node, "i": 0, "a": addr, "m": dict(meta)})
+        self._quiet = False               # merging our own join answer: do not re-broadcast
+        self._limit_for, self._limit = -1, 0
+        self._awaiting_join = False
+        self._next_reconnect = now + profile.reconnect_interval * rng.uniform(0.5, 1.5)
+        self._queue_update({"k": ALIVE, "n": node, "i": 0, "a": addr, "m": dict(meta)}, urgent=False)
 
     # ------------------------------------------------------------------ public API
     @property
@@ -107,7 +127,7 @@ class Gossip:
         return self.members[self.me].meta
 
     def alive_count(self) -> int:
-        return sum(1 for m in self.members.values() if m.state in (ALIVE, SUSPECT))
+        return self._n_live
 
     def live_members(self) -> list[Member]:
         return [m for m in self.members.values() if m.state in (ALIVE, SUSPECT)]
@@ -131,7 +151,8 @@ class Gossip:
         self.leaving = True
         self.inc += 1
         me = self.members[self.me]
-        me.inc, me.state = self.inc, LEFT
+        me.inc = self.inc
+        self._set_state(me, LEFT, now)
         upd = {"k": LEFT, "n": self.me, "i": self.inc}
         self._queue_update(upd)
         # Tell a few members directly so the leave does not wait for our next probe.
@@ -167,7 +188,7 @@ class Gossip:
 
     # ------------------------------------------------------------------ time
     def next_deadline(self) -> float:
-        t = min(self._next_probe, self._next_pp, self._next_join)
+        t = min(self._next_probe, self._next_pp, self._next_join, self._next_reconnect)
         if self._probe and not self._probe.acked:
             t = min(t, self._probe.end if self._probe.indirect else self._probe.direct_deadline)
         for _, _, dl in self._relay.values():
@@ -195,19 +216,27 @@ class Gossip:
                 del self._susp[node]
                 if m and m.state == SUSPECT and m.inc == s.inc:
                     self._apply_dead({"k": DEAD, "n": node, "i": s.inc, "f": self.me}, now)
+        if now >= self._next_pp and now < self._last_pp + self._pp_interval(jitter=False) * 0.8:
+            # The interval was set when we knew fewer members; it grows with the cluster, so a
+            # thousand peers that joined together do not all sync their full state at once.
+            self._next_pp = self._last_pp + self._pp_interval()
         if now >= self._next_pp:
+            self._last_pp = now
             self._next_pp = now + self._pp_interval()
             peers = [m for m in self.live_members() if m.node != self.me]
             if peers:
                 self._send_pp(self.rng.choice(peers).addr, join=False)
         if now >= self._next_join:
-            if len(self.members) > 1 and any(m.node != self.me for m in self.live_members()):
+            if self._n_live > 1:
                 self._next_join = float("inf")
             else:
                 self._send_join(now)
-        for node, m in list(self.members.items()):
-            if m.state in (DEAD, LEFT) and now - m.since > self.p.dead_keep:
-                del self.members[node]
+        if now >= self._next_reconnect:
+            self._next_reconnect = now + self.p.reconnect_interval * self.rng.uniform(0.8, 1.2)
+            self._reconnect()
+        for node in [n for n in self._gone if n != self.me and now - self.members[n].since > self.p.dead_keep]:
+            self._gone.discard(node)
+            del self.members[node]
 
     # ------------------------------------------------------------------ messages
     def handle(self, msg: dict[str, Any], now: float) -> None:
@@ -218,6 +247,7 @@ class Gossip:
         if isinstance(src, str) and src in self.members:
             m = self.members[src]
             if "e" in msg:
+                m.heard = True
                 m.epoch = max(m.epoch, int(msg["e"]))
                 if m.epoch > self.local_epoch:
                     self.events.append(("epoch", src))
@@ -245,14 +275,30 @@ class Gossip:
             self._relay[self._seq] = (msg["from"], msg["seq"], now + self.p.probe_timeout * 2)
             self._send(msg["ta"], {"t": "g.ping", "seq": self._seq, "to": msg["tn"]})
         elif t == "g.pp":
-            for row in msg.get("state", ()):
-                self._merge_row(row, now)
+            # The answer to our own join holds what everyone else already knows: merge it without
+            # re-broadcasting each row (at 1,000 members that would be 1,000 updates per joiner).
+            self._quiet = bool(msg.get("reply")) and self._awaiting_join
+            try:
+                for row in msg.get("state", ()):
+                    self._merge_row(row, now)
+            finally:
+                self._quiet = False
+            if msg.get("reply"):
+                self._awaiting_join = False
             if msg.get("join") or not msg.get("reply"):
                 self._send_pp(msg["from"], join=False, reply=True)
             if msg.get("join"):
                 self.events.append(("join_request", src or ""))
+        elif t == "g.who":
+            me = self.members[self.me]
+            if not self.leaving and isinstance(msg.get("from"), str):
+                out: dict[str, Any] = {"t": "g.upd"}
+                self._send(msg["from"], out)
+                self._prepend(out, {"k": ALIVE, "n": self.me, "i": self.inc, "a": self.addr, "m": me.meta})
         elif t == "g.upd":
             pass  # updates already applied from "pb"
+        if isinstance(src, str) and t in ("g.ping", "g.pp") and src != self.me:
+            self._answer_stranger(src, msg)
 
     # ------------------------------------------------------------------ probing
     def _pick_target(self) -> str | None:
@@ -272,19 +318,31 @@ class Gossip:
         target = self._pick_target()
         if target is None:
             self._probe = None
+            # Alone (everyone else dead or never met): keep knocking on the seeds and on the
+            # addresses of the dead, or a healed partition would leave us isolated for good.
+            if self._next_join == float("inf") and (self.seeds or self._gone):
+                self._next_join = now
             return
         self._seq += 1
         self._probe = _Probe(target, self._seq, now + self.p.probe_timeout * scale,
                              now + self.p.probe_interval * scale)
-        self._send(self.members[target].addr, {"t": "g.ping", "seq": self._seq, "to": target}, info=True)
+        m = self.members[target]
+        msg: dict[str, Any] = {"t": "g.ping", "seq": self._seq, "to": target}
+        self._send(m.addr, msg, info=True)
+        if m.state == SUSPECT:
+            # Lifeguard's buddy system: tell a suspect so on every probe, so it can refute.
+            self._prepend(msg, {"k": SUSPECT, "n": target, "i": m.inc, "f": self.me})
+
+    def _prepend(self, msg: dict[str, Any], upd: dict[str, Any]) -> None:
+        """Put one update first in a message's piggyback (within the max_piggyback bound)."""
+        msg["pb"] = [upd] + [u for u in msg.get("pb", ()) if u.get("n") != upd["n"]][: self.p.max_piggyback - 1]
 
     def _go_indirect(self, p: _Probe, now: float) -> None:
         p.indirect = True
         target = self.members.get(p.target)
         if target is None:
             return
-        helpers = [m for m in self.live_members() if m.node not in (self.me, p.target) and m.state == ALIVE]
-        chosen = self.rng.sample(helpers, min(self.p.indirect_probes, len(helpers)))
+        chosen = self._sample_alive(self.p.indirect_probes, (self.me, p.target))
         p.nacks_expected = len(chosen)
         for h in chosen:
             self._send(h.addr, {"t": "g.preq", "seq": p.seq, "tn": p.target, "ta": target.addr})
@@ -298,7 +356,13 @@ class Gossip:
             self.awareness = min(self.p.awareness_max, self.awareness + 1)
         m = self.members.get(p.target)
         if m and m.state in (ALIVE, SUSPECT):
-            self._apply_suspect({"k": SUSPECT, "n": p.target, "i": m.inc, "f": self.me}, now)
+            upd = {"k": SUSPECT, "n": p.target, "i": m.inc, "f": self.me}
+            self._apply_suspect(upd, now)
+            # Also tell the suspect directly: if it is alive it refutes at once, before the
+            # suspicion has spread (and timed out) anywhere.
+            out: dict[str, Any] = {"t": "g.upd"}
+            self._send(m.addr, out)
+            self._prepend(out, dict(upd))
 
     # ------------------------------------------------------------------ updates
     def _apply(self, upd: dict[str, Any], now: float) -> None:
@@ -321,7 +385,14 @@ class Gossip:
         self.inc = max(self.inc, int(inc)) + 1
         me = self.members[self.me]
         me.inc = self.inc
-        self._queue_update({"k": ALIVE, "n": self.me, "i": self.inc, "a": self.addr, "m": me.meta})
+        upd = {"k": ALIVE, "n": self.me, "i": self.inc, "a": self.addr, "m": me.meta}
+        self._queue_update(upd)
+        # Seed the refutation's epidemic with a few direct messages: the suspicion has a head
+        # start, and a suspect is often slow to send (its own awareness stretched its probes).
+        for m in self._sample_alive(self.p.indirect_probes, (self.me,)):
+            out: dict[str, Any] = {"t": "g.upd"}
+            self._send(m.addr, out)
+            self._prepend(out, dict(upd))
 
     def _apply_alive(self, u: dict[str, Any], now: float) -> None:
         node, inc = u["n"], int(u["i"])
@@ -332,9 +403,12 @@ class Gossip:
         m = self.members.get(node)
         if m is None:
             self.members[node] = Member(node, str(u["a"]), inc, ALIVE, dict(u.get("m") or {}), now)
+            self._n_live += 1
+            self._live_add(node)
             self._probe_order.insert(self.rng.randrange(len(self._probe_order) + 1), node)
             self.events.append(("join", node))
-            self._queue_update(u)
+            if not self._quiet:
+                self._queue_update(u, urgent=False)
             return
         if inc <= m.inc:
             return
@@ -345,7 +419,7 @@ class Gossip:
         m.meta = meta
         self._susp.pop(node, None)
         if was != ALIVE:
-            m.state, m.since = ALIVE, now
+            self._set_state(m, ALIVE, now)
             self.events.append(("alive", node))
         elif changed:
             self.events.append(("update", node))
@@ -362,16 +436,17 @@ class Gossip:
             return
         if m.state == SUSPECT and inc == m.inc:
             s = self._susp.get(node)
-            if s and frm and frm != self.me and frm not in s.confirmers:
+            # Only a named accuser confirms (our own failed probe names us); a suspicion merged
+            # from a push-pull row names nobody and must not count as anyone's confirmation.
+            if s and frm and frm != s.origin and frm not in s.confirmers:
                 s.confirmers.add(frm)
                 self._queue_update(u)
             return
-        m.inc, m.state, m.since = inc, SUSPECT, now
-        n = max(2, self.alive_count())
+        m.inc = inc
+        self._set_state(m, SUSPECT, now)
+        n = max(2, self._n_live)
         min_t = max(self.p.suspicion_min, self.p.suspicion_mult * math.log10(n) * self.p.probe_interval)
-        s = _Suspicion(inc, now, min_t, min_t * self.p.suspicion_max_mult)
-        if frm and frm != self.me:
-            s.confirmers.add(frm)
+        s = _Suspicion(inc, now, min_t, min_t * self.p.suspicion_max_mult, origin=frm or self.me)
         self._susp[node] = s
         self.events.append(("suspect", node))
         self._queue_update({"k": SUSPECT, "n": node, "i": inc, "f": frm or self.me})
@@ -385,10 +460,13 @@ class Gossip:
         m = self.members.get(node)
         if m is None or inc < m.inc or m.state in (DEAD, LEFT):
             return
-        m.inc, m.state, m.since = inc, DEAD, now
+        m.inc = inc
+        self._set_state(m, DEAD, now)
         self._susp.pop(node, None)
         self.events.append(("dead", node))
         self._queue_update(u)
+        if u.get("f") == self.me:
+            self.declared.append(dict(u))
 
     def _apply_left(self, u: dict[str, Any], now: float) -> None:
         node, inc = u["n"], int(u["i"])
@@ -397,10 +475,89 @@ class Gossip:
         m = self.members.get(node)
         if m is None or inc < m.inc or m.state == LEFT:
             return
-        m.inc, m.state, m.since = inc, LEFT, now
+        m.inc = inc
+        self._set_state(m, LEFT, now)
         self._susp.pop(node, None)
         self.events.append(("left", node))
         self._queue_update(u)
+
+    def _set_state(self, m: Member, state: str, now: float) -> None:
+        """Every state change goes through here so the live count and tombstone set stay exact."""
+        was_live = m.state in (ALIVE, SUSPECT)
+        is_live = state in (ALIVE, SUSPECT)
+        if was_live and not is_live:
+            self._n_live -= 1
+            self._gone.add(m.node)
+            self._live_remove(m.node)
+        elif is_live and not was_live:
+            self._n_live += 1
+            self._gone.discard(m.node)
+            self._live_add(m.node)
+        m.state, m.since = state, now
+
+    def _live_add(self, node: str) -> None:
+        if node not in self._live_pos:
+            self._live_pos[node] = len(self._live_ids)
+            self._live_ids.append(node)
+
+    def _live_remove(self, node: str) -> None:
+        i = self._live_pos.pop(node, None)
+        if i is None:
+            return
+        last = self._live_ids.pop()
+        if last != node:
+            self._live_ids[i] = last
+            self._live_pos[last] = i
+
+    def _sample_alive(self, k: int, exclude: tuple[str, ...]) -> list[Member]:
+        """Up to k distinct ALIVE members not in exclude, uniformly at random, without an O(N) scan."""
+        ids = self._live_ids
+        if len(ids) <= 4 * (k + len(exclude)):
+            pool = [self.members[n] for n in ids if n not in exclude and self.members[n].state == ALIVE]
+            return self.rng.sample(pool, min(k, len(pool)))
+        out: list[Member] = []
+        seen = set(exclude)
+        for _ in range(8 * k):
+            n = ids[self.rng.randrange(len(ids))]
+            if n in seen:
+                continue
+            seen.add(n)
+            m = self.members[n]
+            if m.state == ALIVE:
+                out.append(m)
+                if len(out) == k:
+                    break
+        return out
+
+    def _answer_stranger(self, src: str, msg: dict[str, Any]) -> None:
+        """A probe or sync from a node we think dead, or have forgotten, is healed at once.
+
+        Without this, both sides of a healed partition can hold each other dead forever: nobody
+        probes the dead, and the updates that said so have stopped being piggybacked. Telling a
+        'dead' sender so makes it refute with a higher incarnation; a sender we do not know at
+        all gets a push-pull, which adds it here and tells it everything we know.
+        """
+        frm = msg.get("from")
+        if not isinstance(frm, str):
+            return
+        m = self.members.get(src)
+        if m is None:
+            if msg.get("t") == "g.ping":
+                self._send(frm, {"t": "g.who"})  # O(1): the answer is its own alive update
+        elif m.state == DEAD:
+            out: dict[str, Any] = {"t": "g.upd"}
+            self._send(frm, out)
+            self._prepend(out, {"k": DEAD, "n": src, "i": m.inc, "f": self.me})
+
+    def _reconnect(self) -> None:
+        """Push-pull with one random dead member (Serf's reconnect): heals a partition whose
+        sides have declared each other dead. Addresses now held by a live member are skipped."""
+        dead = [n for n in self._gone if self.members[n].state == DEAD]
+        if not dead:
+            return
+        node = self.members[self.rng.choice(sorted(dead))]
+        if node.addr != self.addr and self.node_at(node.addr) is None:
+            self._send_pp(node.addr, join=False)
 
     def _merge_row(self, row: list[Any], now: float) -> None:
         try:
@@ -419,22 +576,61 @@ class Gossip:
 
     # ------------------------------------------------------------------ sending
     def _retransmit_limit(self) -> int:
-        return self.p.retransmit_mult * max(1, math.ceil(math.log10(self.alive_count() + 1)))
+        n = self._n_live
+        if n != self._limit_for:
+            self._limit_for = n
+            self._limit = self.p.retransmit_mult * max(1, math.ceil(math.log10(n + 1)))
+        return self._limit
 
-    def _queue_update(self, upd: dict[str, Any]) -> None:
-        self._bcast[upd["n"]] = [upd, 0]
+    def _queue_update(self, upd: dict[str, Any], urgent: bool = True) -> None:
+        """Queue an update for piggybacking. News of failures, refutations and metadata changes
+        is urgent; the 'alive' of a member we just learned of (a join) is not, so the backlog of
+        a mass join never delays a suspicion or its refutation."""
+        node = upd["n"]
+        old = self._bcast.get(node)
+        if old is not None:
+            self._bq[old[2]][old[1]].pop(node, None)
+        prio = 0 if urgent else 1
+        self._bcast[node] = [upd, 0, prio]
+        buckets = self._bq[prio]
+        if not buckets:
+            buckets.append(OrderedDict())
+        buckets[0][node] = None
 
     def _piggyback(self) -> list[dict[str, Any]]:
+        """Urgent updates before joins; within each, the least-transmitted first and, among
+        those, the newest first (as memberlist does). Bucketed by count, so O(max_piggyback)
+        per message even with 1,000 updates queued after a mass join."""
         if not self._bcast:
             return []
         limit = self._retransmit_limit()
-        items = sorted(self._bcast.items(), key=lambda kv: kv[1][1])[: self.p.max_piggyback]
+        want = self.p.max_piggyback
+        taken: list[str] = []
+        for buckets in self._bq:
+            for bucket in buckets:
+                for node in reversed(bucket):
+                    taken.append(node)
+                    if len(taken) >= want:
+                        break
+                if len(taken) >= want:
+                    break
+            if len(taken) >= want:
+                break
         out = []
-        for node, entry in items:
-            entry[1] += 1
-            out.append(entry[0])
-            if entry[1] >= limit:
+        for node in taken:
+            entry = self._bcast[node]
+            upd, count, prio = entry
+            buckets = self._bq[prio]
+            del buckets[count][node]
+            out.append(upd)
+            count += 1
+            if count >= limit:
                 del self._bcast[node]
+                continue
+            entry[1] = count
+            while len(buckets) <= count:
+                buckets.append(OrderedDict())
+            buckets[count][node] = None
         return out
 
     def _send(self, addr: str, msg: dict[str, Any], info: bool = False) -> None:
@@ -455,11 +651,16 @@ class Gossip:
         self._send(addr, {"t": "g.pp", "join": join, "reply": reply, "state": self._state_rows()}, info=True)
 
     def _send_join(self, now: float) -> None:
-        for s in self.seeds:
+        self._awaiting_join = True
+        targets = list(self.seeds)
+        if self._n_live <= 1:
+            # Alone: also try where the dead used to live (a healed partition, a restarted cluster).
+            targets += sorted({self.members[n].addr for n in self._gone} - set(targets) - {self.addr})
+        for s in targets:
             self._send_pp(s, join=True)
         self._next_join = now + max(0.5, self.p.probe_interval * 2)
 
-    def _pp_interval(self) -> float:
+    def _pp_interval(self, jitter: bool = True) -> float:
         n = max(1, len(self.members))
         scale = 1.0 if n <= 32 else 1.0 + math.log2(n / 32)
-        return self.p.pushpull_interval * scale * self.rng.uniform(0.8, 1.2)
+        return self.p.pushpull_interval * scale * (self.rng.uniform(0.8, 1.2) if jitter else 1.0)

@@ -70,7 +70,9 @@ class Node:
         self._next_bootstrap = now + profile.bootstrap_wait   # when to consider bootstrapping next
         self._voter_change: tuple[tuple[str, ...], float] | None = None  # (voter set, decided at)
         self._role: str | None = None          # our role in self.view (cached: asked on every tick)
-        self._role_hint: tuple[int, str | None] | None = None  # (epoch, role) worked out from a delta
+        # (epoch, our role, member ids) worked out from a delta, so committing it is O(change)
+        self._role_hint: tuple[int, str | None, set[str]] | None = None
+        self._view_ids: set[str] = set()       # node ids in self.view
         self._dirty = True                     # leader: membership changed since the last reconcile
         self._next_reconcile = now
         if not self.seeds:
@@ -236,16 +238,19 @@ class Node:
             self.outbox.append((str(msg["from"]), self._stamp({"t": "v.get", "e": e})))
             return
         changed = {m["node"]: m for m in msg["set"]}
-        gone = set(msg["del"]) | set(changed)
-        members = [m for m in self.view["members"] if m["node"] not in gone] if gone else list(self.view["members"])
+        present = self._view_ids
+        remove = {n for n in msg["del"] if n in present} | {n for n in changed if n in present}
+        # Only a removal or a changed entry needs a pass over the members; additions (the common
+        # case while a cluster forms) are a list copy plus a binary insertion each.
+        members = [m for m in self.view["members"] if m["node"] not in remove] if remove else list(self.view["members"])
         for m in changed.values():
             bisect.insort(members, m, key=_node_key)
-        if self.id in changed:
-            self._role_hint = (int(hdr["epoch"]), changed[self.id]["role"])
-        elif self.id in gone:
-            self._role_hint = (int(hdr["epoch"]), None)
-        else:
-            self._role_hint = (int(hdr["epoch"]), self._role)
+        ids = set(present)
+        ids.difference_update(msg["del"])
+        ids.update(changed)
+        epoch = int(hdr["epoch"])
+        role = changed[self.id]["role"] if self.id in changed else (None if self.id not in ids else self._role)
+        self._role_hint = (epoch, role, ids)
         self.raft.learn(dict(hdr, members=members))
 
     def _send_view(self, addr: str) -> None:
@@ -326,8 +331,9 @@ class Node:
             self.view_time = now
             hint = self._role_hint
             if hint is not None and hint[0] == view["epoch"]:
-                self._role = hint[1]
+                self._role, self._view_ids = hint[1], hint[2]
             else:
+                self._view_ids = {m["node"] for m in view["members"]}
                 self._role = next((m["role"] for m in view["members"] if m["node"] == self.id), None)
             self._dirty = True
             g.local_epoch = view["epoch"]

@@ -19,7 +19,7 @@ same identity, which is the property Raft's stable storage exists to guarantee.
 from __future__ import annotations
 
 import random
-from typing import Any
+from typing import Any, Callable
 
 from .config import Profile
 
@@ -45,10 +45,14 @@ class Raft:
         self.outbox: list[tuple[str, dict[str, Any]]] = []  # (node id, message)
         self.committed: list[dict[str, Any]] = []            # views, in order, not yet drained
         self.events: list[tuple[str, Any]] = []             # ("leader", term) when we win
+        self.learners: set[str] = set()                     # leader replicates to these, they never vote
+        # Optional: the content of a new leader's first entry, from the last view (pure function).
+        self.first_entry: Callable[[dict[str, Any]], dict[str, Any]] | None = None
         self._votes: set[str] = set()
         self._next: dict[str, int] = {}
         self._match: dict[str, int] = {}
         self._contact: dict[str, float] = {}
+        self._acked: dict[str, float] = {}                # voter -> time of its last append response
         self._last_leader_contact = -1e9
         self._next_hb = float("inf")
         self._reset_election(now)
@@ -121,6 +125,31 @@ class Raft:
 
     def pending(self) -> bool:
         return self.commit < self.last_index
+
+    def leader_failed(self, node: str, now: float) -> None:
+        """Membership says our leader is dead: stop waiting out the election timeout.
+
+        Both our own timer and our leader stickiness (which makes us refuse pre-votes) are
+        cleared, so a new leader can be elected within a heartbeat or so instead of after
+        ``election_min``. Only timing changes; a wrong report costs one needless election.
+        """
+        if self.role == LEADER or node != self.leader:
+            return
+        self._last_leader_contact = -1e9
+        self.leader = None
+        # Stagger the survivors by their rank in the voter list, so they do not all campaign at
+        # once and split the vote (which would cost a full election timeout).
+        others = sorted(v for v in self.voters() if v != node)
+        rank = others.index(self.me) if self.me in others else len(others)
+        delay = self.p.heartbeat * (0.5 * rank + self.rng.uniform(0, 0.25))
+        self._election_deadline = min(self._election_deadline, now + delay)
+
+    def acked_after(self, node: str, t: float) -> bool:
+        """Leader: has this voter (or learner) answered an append at or after time t? We always have."""
+        return node == self.me or self._acked.get(node, -1e9) >= t
+
+    def acked_within(self, node: str, now: float, window: float) -> bool:
+        return self.acked_after(node, now - window)
 
     # ------------------------------------------------------------------ time
     def next_deadline(self) -> float:
@@ -237,10 +266,15 @@ class Raft:
         self._match[self.me] = self.last_index
         self._contact = {v: now for v in self.voters()}
         self.events.append(("leader", self.term))
-        if noop and self.last_view() is not None:
+        base = self.last_view()
+        if noop and base is not None:
             # A fresh entry of our own term lets us commit everything before it (Raft 5.4.2).
+            # Its content may be the node layer's up-to-date view (saving a round on a leader
+            # change), but never with other voters: a new leader commits an entry of its own
+            # term before any configuration change.
+            first = self.first_entry(base) if self.first_entry is not None else base
             epoch = self.last_index + 1
-            self.log.append((self.term, dict(self.last_view() or {}, epoch=epoch, term=self.term)))
+            self.log.append((self.term, dict(first, epoch=epoch, term=self.term, voters=list(base.get("voters", ())))))
             self._match[self.me] = self.last_index
         self._broadcast_append(now)
         self._advance_commit(now)
@@ -268,8 +302,12 @@ class Raft:
     # ------------------------------------------------------------------ replication
     def _broadcast_append(self, now: float) -> None:
         self._next_hb = now + self.p.heartbeat
-        for v in self.voters():
+        voters = self.voters()
+        for v in voters:
             if v != self.me:
+                self._send_append(v)
+        for v in sorted(self.learners):
+            if v != self.me and v not in voters:
                 self._send_append(v)
 
     def _send_append(self, v: str) -> None:
@@ -325,6 +363,7 @@ class Raft:
         if self.role != LEADER or int(msg["term"]) != self.term:
             return
         self._contact[src] = now
+        self._acked[src] = now
         if msg.get("ok"):
             m = int(msg["match"])
             if m > self._match.get(src, 0):

@@ -32,7 +32,7 @@ class WireError(Exception):
 
     def __init__(self, kind: str, detail: str) -> None:
         super().__init__(f"{kind}: {detail}")
-        self.kind = kind  # short counter key: malformed, oversized, bad_mac, no_mac, version, ...
+        self.kind = kind  # counter key: malformed, oversized, truncated, bad_mac, no_mac, unexpected_mac, version
         self.detail = detail
 
 
@@ -107,6 +107,11 @@ class FrameDecoder:
             del self._buf[:4 + length]
             out.append(self._decode_frame(frame))
 
+    def eof(self) -> None:
+        """The stream ended. Raises ``WireError('truncated')`` if it ended inside a frame."""
+        if self._buf:
+            raise WireError("truncated", f"connection closed {len(self._buf)} bytes into a frame")
+
     @property
     def pending(self) -> int:
         """Bytes of an incomplete frame held (bounded by the frame limit)."""
@@ -137,7 +142,7 @@ class FrameDecoder:
         if not isinstance(obj, dict):
             raise WireError("malformed", "payload is not a map")
         version = obj.get("v")
-        if version != self._version:
+        if type(version) is not int or version != self._version:  # True == 1 in Python: be exact
             raise WireError("version", f"protocol version {version!r}, this node speaks {self._version}")
         mtype, sender, body = obj.get("t"), obj.get("s"), obj.get("b")
         if not isinstance(mtype, str) or not isinstance(sender, str) or not isinstance(body, dict):
