@@ -246,6 +246,13 @@ class Runtime:
             self._comms[key] = comm
         return comm
 
+    def abort_communicators(self, reason: str) -> None:
+        """Abort every cached communicator (unblocks an allreduce in flight)."""
+        with self._comm_lock:
+            comms = list(self._comms.values())
+        for c in comms:
+            c.abort(reason)
+
     def peer_of_data_addr(self, data_addr: str | None, view: dict[str, Any] | None = None) -> dict[str, Any] | None:
         view = view if view is not None else self._view
         if not data_addr or view is None:

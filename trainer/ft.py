@@ -43,6 +43,10 @@ class StepTimeout(RuntimeError):
     """No view in which this replica could commit appeared within the step timeout."""
 
 
+class Stopped(RuntimeError):
+    """request_stop() was called while a step was in flight (graceful shutdown)."""
+
+
 @dataclass
 class StepResult:
     step: int                 # committed step count after this call
@@ -95,6 +99,7 @@ class FaultTolerant:
         self._snap_box: "queue.Queue[StateSnapshot | BaseException]" = queue.Queue(1)
         self._fetching = False
         self._snapshot: StateSnapshot | None = None
+        self._stop = threading.Event()
         self.ckpt = AsyncCheckpointer(checkpoint_dir) if checkpoint_dir else None
         self.checkpoint_every = checkpoint_every
         if self.ckpt is not None and resume:
@@ -127,6 +132,8 @@ class FaultTolerant:
         deadline = time.monotonic() + self.step_timeout
         retries = 0
         while True:
+            if self._stop.is_set():
+                raise Stopped(f"stopped while committing step {self.step}")
             if time.monotonic() > deadline:
                 raise StepTimeout(f"no view to commit step {self.step} in within {self.step_timeout} s")
             view = self.rt.view
@@ -226,6 +233,12 @@ class FaultTolerant:
             meta, tensors = capture(self.model, self.opt, self._extra_meta())
             self.ckpt.save_async(self.step, meta, tensors)
         self._serve_donor_requests()
+
+    def request_stop(self) -> None:
+        """Graceful shutdown from a signal handler or another thread: a commit in flight raises
+        Stopped instead of retrying for up to the step timeout."""
+        self._stop.set()
+        self.rt.abort_communicators("stopping")
 
     def digest(self) -> str:
         """Hash of parameters and optimizer state: equal at equal steps, across replicas."""

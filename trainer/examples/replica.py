@@ -87,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     from p2pft import Runtime
     from p2pft.log import setup_logging
     from p2pft.trainer import FaultTolerant
+    from p2pft.trainer.ft import Stopped
     from p2pft.trainer.data import TextDataset
     from p2pft.trainer.model import build_mlp_for_params, model_config_for
     from p2pft.wire import load_secret
@@ -123,14 +124,19 @@ def main(argv: list[str] | None = None) -> int:
                  secret=load_secret(args.secret_file)).start()
     stop = {"flag": False}
 
+    ft_box: list[FaultTolerant] = []
+
     def on_term(signum: int, frame: object) -> None:
         stop["flag"] = True
+        if ft_box:
+            ft_box[0].request_stop()
     signal.signal(signal.SIGTERM, on_term)
     signal.signal(signal.SIGINT, on_term)
 
     ft = FaultTolerant(rt, model, opt, batch_per_replica=args.batch, nominal_replicas=args.replicas,
                        lr_policy=args.lr_policy, checkpoint_dir=args.checkpoint_dir,
                        checkpoint_every=args.checkpoint_every)
+    ft_box.append(ft)
     stats.write({"t": time.time(), "kind": "start", "t_process": T_START, "t_imported": t_imported,
                  "node": rt.node_id, "step": ft.step, "pid": os.getpid()})
     stats.flush()
@@ -152,7 +158,10 @@ def main(argv: list[str] | None = None) -> int:
             loss_val = float(loss.detach())
         if args.step_delay:
             time.sleep(args.step_delay)
-        res = ft.commit()
+        try:
+            res = ft.commit()
+        except Stopped:
+            break
         view = rt.view or {"epoch": 0}
         rec = {"t": time.time(), "step": res.step, "c": int(res.committed), "role": res.role,
                "n": res.contributors, "r": res.retries, "e": view["epoch"]}
