@@ -192,23 +192,28 @@ class Node:
         A node that merely hears nobody (its seeds are dead, or it is partitioned away) must not
         bootstrap: that would be a second cluster with its own epoch 1. So the one bootstrapper
         is the lowest address among itself, its seeds and every member it knows of, and only
-        once a majority of its seed list (itself included) has answered directly without a view.
+        once every seed has answered it directly and none of them, nor anyone else it has heard
+        from, holds a view. (A majority of the seeds is not enough: the seeds that answer may be
+        restarted processes with no memory while the cluster lives on in the others.)
+
+        Liveness fallback: after BOOTSTRAP_GIVE_UP bootstrap waits, a seed that never answered is
+        taken to be gone, and a majority of the seed list that answered without a view suffices,
+        the lowest of those bootstrapping. This trades safety for progress: a cluster that lives
+        only in seeds unreachable for that long (a long partition) can then be duplicated.
         """
         live = self.gossip.live_members()
         if any(m.epoch > 0 for m in live if m.node != self.id):
             return  # a cluster exists: wait to be added
         names = set(self.seeds) | {self.addr}
         answered = {m.addr for m in live if m.heard and m.addr in names} | {self.addr}
-        if len(answered) * 2 <= len(names):
-            return
-        candidates = names | {m.addr for m in live}
-        if now - self.started >= BOOTSTRAP_GIVE_UP * self.p.bootstrap_wait:
-            # A seed that never answered in all this time is not coming soon (never started, or
-            # dead): waiting for the lowest address forever would stall every node. Choose among
-            # those that did answer; a majority of the seed list is still required.
-            candidates = answered | {m.addr for m in live if m.heard}
-        if min(candidates) != self.addr:
-            return
+        if now - self.started < BOOTSTRAP_GIVE_UP * self.p.bootstrap_wait:
+            if answered != names or min(names | {m.addr for m in live}) != self.addr:
+                return
+        else:
+            if len(answered) * 2 <= len(names):
+                return
+            if min(answered | {m.addr for m in live if m.heard}) != self.addr:
+                return
         self._bootstrap(now)
 
     def _member_entry(self, node: str, addr: str, meta: dict[str, Any], role: str, slot: int | None,

@@ -63,14 +63,16 @@ def cut_off(sim: Simulator) -> set[str]:
 
 
 def voter_sets(sim: Simulator) -> list[frozenset[str]]:
-    """Every voter set in any live node's log, committed or not."""
+    """Every voter set in any live node's log, committed or not, and the one a leader has
+    decided to propose next (its two-step voter change is under way)."""
     out: list[frozenset[str]] = []
     for node in sim.nodes.values():
-        for view in (node.raft.last_view(), node.view):
-            if view:
-                s = frozenset(view.get("voters", ()))
-                if s not in out:
-                    out.append(s)
+        pending = node._voter_change[0] if node.is_leader() and node._voter_change else None
+        for voters in (v.get("voters", ()) for v in (node.raft.last_view(), node.view) if v):
+            if frozenset(voters) not in out:
+                out.append(frozenset(voters))
+        if pending is not None and frozenset(pending) not in out:
+            out.append(frozenset(pending))
     return out
 
 
@@ -107,6 +109,11 @@ def run_schedule(seed: int, *, trace: bool = False, keep_sim: bool = False) -> R
             what = f"e{payload['epoch']} {sorted(m['node'] for m in payload['members'])}" if kind == "view" else payload
             print(f"  t={now:8.3f} {node:24} {kind} {what}")
 
+    def note(action: str) -> None:
+        res.applied.append(action)
+        if trace:
+            print(f"  ** {action}")
+
     sim = Simulator(seed, on_event=on_event)
     addrs = [f"10.0.0.{i}:7000" for i in range(n)]
     for i, a in enumerate(addrs):
@@ -123,37 +130,37 @@ def run_schedule(seed: int, *, trace: bool = False, keep_sim: bool = False) -> R
             allowed = sorted(a for a in sim.nodes if may_crash(sim, a))
             if allowed:
                 a = r.choice(allowed)
-                res.applied.append(f"t={sim.now:.3f} crash {a} ({sim.nodes[a].id})")
+                note(f"t={sim.now:.3f} crash {a} ({sim.nodes[a].id})")
                 sim.crash(a)
         elif kind == "restart" and sim.crashed:
             a = r.choice(sorted(sim.crashed))
             sim.restart(a, seeds=[s for s in addrs if s != a])
-            res.applied.append(f"t={sim.now:.3f} restart {a} as {sim.nodes[a].id}")
+            note(f"t={sim.now:.3f} restart {a} as {sim.nodes[a].id}")
         elif kind == "partition":
             shuffled = list(addrs)
             r.shuffle(shuffled)
             k = r.randint(1, len(shuffled) - 1)
             sim.partition(shuffled[:k], shuffled[k:])
-            res.applied.append(f"t={sim.now:.3f} partition {sorted(shuffled[:k])} | {sorted(shuffled[k:])}")
+            note(f"t={sim.now:.3f} partition {sorted(shuffled[:k])} | {sorted(shuffled[k:])}")
         elif kind == "oneway":
             a, b = r.sample(addrs, 2)
             sim.block(a, b)
-            res.applied.append(f"t={sim.now:.3f} block {a} -> {b}")
+            note(f"t={sim.now:.3f} block {a} -> {b}")
         elif kind == "heal":
             sim.heal()
-            res.applied.append(f"t={sim.now:.3f} heal")
+            note(f"t={sim.now:.3f} heal")
         elif kind == "net":
             sim.loss = r.choice([0.0, 0.05, 0.2])
             sim.dup = r.choice([0.0, 0.05])
             sim.delay = r.choice([(0.0002, 0.002), (0.001, 0.05)])
-            res.applied.append(f"t={sim.now:.3f} net loss={sim.loss} dup={sim.dup} delay={sim.delay}")
+            note(f"t={sim.now:.3f} net loss={sim.loss} dup={sim.dup} delay={sim.delay}")
     # Heal everything: no partitions, no loss; each crashed address is restarted or stays dead.
     sim.heal()
     sim.loss, sim.dup, sim.delay = 0.0, 0.0, (0.0002, 0.002)
     for a in sorted(sim.crashed):
         if rng.random() < 0.5:
             sim.restart(a, seeds=[s for s in addrs if s != a])
-            res.applied.append(f"t={sim.now:.3f} heal: restart {a} as {sim.nodes[a].id}")
+            note(f"t={sim.now:.3f} heal: restart {a} as {sim.nodes[a].id}")
     t_heal = sim.now
     sim.run_until(t_heal + LIVENESS_BOUND, stop=sim.converged)
     if sim.converged():

@@ -304,3 +304,27 @@ def test_malformed_updates_are_dropped_not_fatal(junk: list[Any]) -> None:
         pass  # the driver drops such a message; what matters is that our own entry is intact
     assert g.members["me"].state == ALIVE
     assert {k: (m.state, m.inc) for k, m in g.members.items() if k == "me"} == {"me": before["me"]}
+
+
+def test_probe_rounds_cover_everyone_within_two_rounds_and_vary_in_length() -> None:
+    """Rounds are cut at random lengths (so peers that start together do not probe in lockstep),
+    yet every member is probed at least once in any two consecutive rounds."""
+    g = Gossip("me", "m:1", {}, DEFAULT, random.Random(3), 0.0)
+    n = 40
+    for i in range(n):
+        g.handle({"t": "g.upd", "pb": [{"k": ALIVE, "n": f"x{i}", "i": 0, "a": f"x:{i}", "m": {}}]}, 0.0)
+    rounds: list[list[str]] = []
+    picks: list[str] = []
+    for _ in range(20 * n):
+        if not g._probe_order:
+            rounds.append([])
+        target = g._pick_target()
+        assert target is not None
+        picks.append(target)
+        if rounds:
+            rounds[-1].append(target)
+    lengths = [len(r) for r in rounds[1:-1]]
+    assert len(set(lengths)) > 3 and min(lengths) >= n // 2 and max(lengths) <= n
+    for a, b in zip(rounds[1:-1], rounds[2:-1]):
+        assert set(a) | set(b) == {f"x{i}" for i in range(n)}
+    assert all(len(r) == len(set(r)) for r in rounds)          # nobody twice in one round
