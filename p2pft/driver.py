@@ -9,29 +9,40 @@ they came in on.
 Transport errors are evidence for the membership layer: a refused connection to a member's
 address means its process is gone (declared dead at once); an EOF on an outgoing connection
 starts suspicion at once. A bad frame closes only the connection that carried it; the node is
-never taken down by what a peer sends.
+never taken down by what a peer sends. Hostile connections are bounded: at ``max_inbound`` open
+inbound connections the longest-idle one is closed to make room, idle ones are closed after
+``idle_timeout``, and a client that does not read its admin answers for ``drain_timeout`` loses
+its connection; each of these is counted and logged.
+
+A node may advertise an address other than the one it binds (``advertise``: a NAT or, in tests,
+the fault proxy in front of it); when it binds a specific IP, its outgoing connections use that
+IP as their source, so that a proxy can tell the nodes apart by source address.
 """
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
+import os
 import random
 import time
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
 from typing import Any, Callable
 
 from .config import DEFAULT, Profile
 from .log import set_context
 from .node import Node, WITNESS_KIND
-from .wire import DEFAULT_MAX_FRAME, FrameDecoder, WireError, encode
+from .wire import DEFAULT_MAX_FRAME, FrameDecoder, ReplayGuard, WireError, encode
 
 log = logging.getLogger(__name__)
 
 MAX_QUEUE = 1024          # frames queued per peer; the oldest is dropped past it (gossip tolerates loss)
-MAX_INBOUND = 2048        # inbound connections; more are closed at once
-IDLE_TIMEOUT = 60.0       # an inbound connection that sends nothing for this long is closed
+MAX_INBOUND = 2048        # inbound connections; past it the longest-idle one is closed (NodeServer(max_inbound=))
+IDLE_TIMEOUT = 60.0       # an inbound connection that sends nothing for this long is closed (idle_timeout=)
 CONNECT_TIMEOUT = 1.0
-DRAIN_TIMEOUT = 2.0       # a peer that does not read for this long loses its connection
+DRAIN_TIMEOUT = 2.0       # a peer that does not read for this long loses its connection (drain_timeout=)
+REPLAY_WINDOW = 30.0      # accepted send-time skew of control frames, seconds (replay_window=)
+REJECT_LOG_EVERY = 5.0    # seconds between two log lines about the same kind of rejected connection
 
 
 def parse_hostport(text: str) -> tuple[str, int]:
@@ -46,6 +57,21 @@ def parse_hostport(text: str) -> tuple[str, int]:
     if not 0 <= p <= 65535:
         raise ValueError(f"port in {text!r} is out of range")
     return host.strip("[]"), p
+
+
+def source_host(own: str, dest: str) -> str | None:
+    """The source IP for a connection from a process bound to `own` towards `dest`, or None to
+    let the kernel choose. Only a specific IP literal is used, only towards an IP literal of the
+    same family, and a loopback `own` only towards loopback (so the default of binding
+    127.0.0.1 can never make a connection to another host fail). transport/wire.py has the
+    same rule (the data plane does not import the control plane)."""
+    try:
+        o, d = ipaddress.ip_address(own), ipaddress.ip_address(dest)
+    except ValueError:
+        return None
+    if o.is_unspecified or o.version != d.version or (o.is_loopback and not d.is_loopback):
+        return None
+    return own
 
 
 class _Peer:
@@ -72,7 +98,8 @@ class _Peer:
         try:
             while not self.server.closing:
                 try:
-                    reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), CONNECT_TIMEOUT)
+                    reader, writer = await asyncio.wait_for(self.server.open_connection(host, port),
+                                                            CONNECT_TIMEOUT)
                 except ConnectionRefusedError:
                     self.queue.clear()
                     self.server.counters["connect_refused"] += 1
@@ -87,10 +114,10 @@ class _Peer:
                     while not self.server.closing:
                         while self.queue:
                             writer.write(self.queue.popleft())
-                        await asyncio.wait_for(writer.drain(), DRAIN_TIMEOUT)
+                        await asyncio.wait_for(writer.drain(), self.server.drain_timeout)
                         self.wake.clear()
                         waiter = asyncio.get_running_loop().create_task(self.wake.wait())
-                        done, _ = await asyncio.wait({waiter, eof}, timeout=IDLE_TIMEOUT / 2,
+                        done, _ = await asyncio.wait({waiter, eof}, timeout=self.server.idle_timeout / 2,
                                                      return_when=asyncio.FIRST_COMPLETED)
                         waiter.cancel()
                         if eof in done:
@@ -115,7 +142,7 @@ class _Peer:
         """After an EOF, knock once: a killed process's port refuses at once, which is certain
         evidence (milliseconds) where suspicion alone would wait out a timeout."""
         try:
-            _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), CONNECT_TIMEOUT)
+            _, writer = await asyncio.wait_for(self.server.open_connection(host, port), CONNECT_TIMEOUT)
         except ConnectionRefusedError:
             self.server.counters["connect_refused"] += 1
             self.server.evidence(self.addr, certain=True)
@@ -131,9 +158,18 @@ class NodeServer:
     def __init__(self, *, listen: str, replica_id: str | None = None, seeds: list[str] | None = None,
                  kind: str = WITNESS_KIND, data_addr: str = "", shards: int = 1, secret: bytes | None = None,
                  profile: Profile = DEFAULT, max_frame: int = DEFAULT_MAX_FRAME, status: str | None = None,
-                 step: int = 0, seed: int | None = None) -> None:
+                 step: int = 0, seed: int | None = None, advertise: str | None = None,
+                 max_inbound: int = MAX_INBOUND, idle_timeout: float = IDLE_TIMEOUT,
+                 drain_timeout: float = DRAIN_TIMEOUT, replay_window: float = REPLAY_WINDOW) -> None:
         self.listen = listen
         self.host, self.port = parse_hostport(listen)
+        if advertise:
+            parse_hostport(advertise)
+        self.advertise = advertise or None
+        self.max_inbound = int(max_inbound)
+        self.idle_timeout = float(idle_timeout)
+        self.drain_timeout = float(drain_timeout)
+        self.replay = ReplayGuard(window=replay_window)
         self.replica_id = replica_id
         self.seeds = list(seeds or [])
         self.kind = kind
@@ -152,14 +188,29 @@ class NodeServer:
         self.on_view: list[Callable[[dict[str, Any]], None]] = []
         self.log_context = True   # one node per process: show its id/epoch in every log line
         self._peers: dict[str, _Peer] = {}
-        self._inbound: set[asyncio.StreamWriter] = set()
+        # inbound connections, least recently active first (the one to close when full)
+        self._inbound: OrderedDict[asyncio.StreamWriter, float] = OrderedDict()
+        self._last_reject_log: dict[str, float] = {}
         self._server: asyncio.base_events.Server | None = None
         self._timer: asyncio.Task[None] | None = None
         self._wake: asyncio.Event | None = None
 
     @property
     def addr(self) -> str:
+        """The address peers use to reach this node (the advertised one, if any)."""
+        return self.advertise or f"{self.host}:{self.port}"
+
+    @property
+    def bound_addr(self) -> str:
+        """The address this node actually listens on."""
         return f"{self.host}:{self.port}"
+
+    def open_connection(self, host: str, port: int) -> Any:
+        """asyncio.open_connection from this node's own IP when it binds a specific one."""
+        src = source_host(self.host, host)
+        if src is None:
+            return asyncio.open_connection(host, port)
+        return asyncio.open_connection(host, port, local_addr=(src, 0))
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -168,6 +219,7 @@ class NodeServer:
                                                   reuse_address=True)
         if self.port == 0:
             self.port = self._server.sockets[0].getsockname()[1]
+        self.replay = ReplayGuard(window=self.replay.window)   # the start of this process's table
         self.node = Node(replica_id=self.replica_id or self.addr, addr=self.addr, data_addr=self.data_addr,
                          kind=self.kind, shards=self.shards, seeds=self.seeds, profile=self.profile,
                          rng=self.rng, now=time.monotonic(), start_stamp=time.time(), status=self.status,
@@ -175,8 +227,9 @@ class NodeServer:
         self._wake = asyncio.Event()
         self._timer = asyncio.get_running_loop().create_task(self._timer_loop())
         self._flush()
-        log.info("listening on %s as %s (seeds: %s)", self.addr, self.node.id, ",".join(self.seeds) or "none",
-                 extra={"node": self.node.id})
+        log.info("listening on %s%s as %s (seeds: %s)", self.bound_addr,
+                 f" (advertised as {self.advertise})" if self.advertise else "", self.node.id,
+                 ",".join(self.seeds) or "none", extra={"node": self.node.id})
 
     async def stop(self, leave: bool = True, timeout: float = 1.0) -> None:
         if self.closing:
@@ -265,20 +318,35 @@ class NodeServer:
 
     # ------------------------------------------------------------------ inbound
     async def _on_conn(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if len(self._inbound) >= MAX_INBOUND:
-            self.counters["inbound_rejected"] += 1
+        peer = writer.get_extra_info("peername")
+        if self.closing:
             writer.close()
             return
-        self._inbound.add(writer)
-        peer = writer.get_extra_info("peername")
-        decoder = FrameDecoder(secret=self.secret, max_frame=self.max_frame)
+        now = time.monotonic()
+        while len(self._inbound) >= self.max_inbound:
+            # Full: the connection idle longest goes (a flood of idle connections cannot lock out
+            # peers and admin clients; a live peer whose connection goes simply reconnects).
+            old, since = self._inbound.popitem(last=False)
+            self.counters["inbound_evicted"] += 1
+            self._log_reject("inbound_evicted", "%d inbound connections (the limit): closing the one idle "
+                             "longest (%.1f s, from %s)", self.max_inbound, now - since,
+                             _fmt_peer(old.get_extra_info("peername")))
+            old.close()
+        self._inbound[writer] = now
+        decoder = FrameDecoder(secret=self.secret, max_frame=self.max_frame, guard=self.replay)
         try:
             while not self.closing:
                 try:
-                    data = await asyncio.wait_for(reader.read(1 << 16), IDLE_TIMEOUT)
+                    data = await asyncio.wait_for(reader.read(1 << 16), self.idle_timeout)
                 except asyncio.TimeoutError:
                     self.counters["idle_closed"] += 1
+                    self._log_reject("idle_closed", "closing connection from %s: nothing received for %g s",
+                                     _fmt_peer(peer), self.idle_timeout)
                     return
+                if writer not in self._inbound:
+                    return  # evicted to make room
+                self._inbound[writer] = time.monotonic()
+                self._inbound.move_to_end(writer)
                 if not data:
                     try:
                         decoder.eof()
@@ -297,11 +365,31 @@ class NodeServer:
                         self.counters["bad_message"] += 1
                         log.warning("closing connection from %s: malformed %r message", _fmt_peer(peer), m.type)
                         return
+                if writer.transport.get_write_buffer_size():
+                    # Admin answers are waiting: a client that does not read them is not served
+                    # more (no reads meanwhile), and loses the connection after drain_timeout.
+                    try:
+                        await asyncio.wait_for(writer.drain(), self.drain_timeout)
+                    except asyncio.TimeoutError:
+                        self.counters["slow_reader_closed"] += 1
+                        self._log_reject("slow_reader_closed", "closing connection from %s: it has not read "
+                                         "its answers (%d bytes waiting) for %g s", _fmt_peer(peer),
+                                         writer.transport.get_write_buffer_size(), self.drain_timeout)
+                        writer.transport.abort()
+                        return
         except (ConnectionError, OSError):
             return
         finally:
-            self._inbound.discard(writer)
+            self._inbound.pop(writer, None)
             writer.close()
+
+    def _log_reject(self, kind: str, fmt: str, *args: Any) -> None:
+        """One WARNING per kind of rejected connection every REJECT_LOG_EVERY seconds (a flood
+        must not flood the log too); the counters have the exact numbers."""
+        now = time.monotonic()
+        if now - self._last_reject_log.get(kind, -REJECT_LOG_EVERY) >= REJECT_LOG_EVERY:
+            self._last_reject_log[kind] = now
+            log.warning(fmt + " [%s=%d]", *args, kind, self.counters[kind])
 
     def _dispatch(self, mtype: str, body: dict[str, Any], writer: asyncio.StreamWriter) -> bool:
         node = self.node
@@ -377,7 +465,10 @@ async def admin_request(addr: str, mtype: str, *, secret: bytes | None = None, t
     host, port = parse_hostport(addr)
     reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
     try:
-        writer.write(encode(mtype, "admin", {}, secret=secret, max_frame=max_frame))
+        # A sender id of its own: the node's replay table keys on it, and other admin clients
+        # (other processes, with their own sequence numbers) must not look like replays.
+        sender = f"admin.{os.getpid()}.{random.getrandbits(32):08x}"
+        writer.write(encode(mtype, sender, {}, secret=secret, max_frame=max_frame))
         await asyncio.wait_for(writer.drain(), timeout)
         decoder = FrameDecoder(secret=secret, max_frame=max_frame)
         deadline = time.monotonic() + timeout

@@ -5,22 +5,28 @@ Frame layout (all integers big-endian)::
     u32 length | u8 flags | [32-byte HMAC-SHA256 if flags & 1] | msgpack payload
 
 ``length`` counts everything after itself. The payload is a msgpack map
-``{"v": protocol version, "t": message type, "s": sender node id, "b": body}``.
-The HMAC covers the flags byte and the payload. The decoder is sans-IO: feed it bytes, get
-messages or a ``WireError`` that says why the stream must be closed.
+``{"v": protocol version, "t": message type, "s": sender node id, "b": body,
+"q": sender's send sequence number, "w": send wall time}``.
+The HMAC covers the flags byte and the payload, so ``q`` and ``w`` cannot be altered: a
+``ReplayGuard`` on the receiving side rejects a captured frame sent again (same or older
+sequence number of that sender) or sent later than its acceptance window. The decoder is
+sans-IO: feed it bytes, get messages or a ``WireError`` that says why the stream must be closed.
 """
 from __future__ import annotations
 
 import hashlib
 import hmac
+import itertools
 import os
 import struct
-from dataclasses import dataclass
-from typing import Any
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import msgpack
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2   # 2: frames carry a send sequence number and a send time (replay protection)
 DEFAULT_MAX_FRAME = 4 * 1024 * 1024
 FLAG_MAC = 0x01
 _HDR = struct.Struct(">IB")
@@ -32,7 +38,8 @@ class WireError(Exception):
 
     def __init__(self, kind: str, detail: str) -> None:
         super().__init__(f"{kind}: {detail}")
-        self.kind = kind  # counter key: malformed, oversized, truncated, bad_mac, no_mac, unexpected_mac, version
+        # counter key: malformed, oversized, truncated, bad_mac, no_mac, unexpected_mac, version, replay, stale
+        self.kind = kind
         self.detail = detail
 
 
@@ -44,6 +51,13 @@ class Message:
     sender: str
     body: dict[str, Any]
     version: int = PROTOCOL_VERSION
+    seq: int = field(default=0, compare=False)       # sender's send sequence number
+    ts: float = field(default=0.0, compare=False)    # sender's wall clock when it encoded the frame
+
+
+# One counter per process: every frame a process encodes, whatever its node id or destination,
+# gets the next number, so each sender's numbers strictly increase in encoding order.
+_SEND_SEQ = itertools.count(1)
 
 
 def load_secret(path: str | None = None, env: str = "P2PFT_SECRET") -> bytes | None:
@@ -68,9 +82,14 @@ def load_secret(path: str | None = None, env: str = "P2PFT_SECRET") -> bytes | N
 
 
 def encode(msg_type: str, sender: str, body: dict[str, Any], *, secret: bytes | None = None,
-           version: int = PROTOCOL_VERSION, max_frame: int = DEFAULT_MAX_FRAME) -> bytes:
-    """Encode one frame. Raises ``WireError('oversized')`` rather than emit a frame peers would drop."""
-    payload = msgpack.packb({"v": version, "t": msg_type, "s": sender, "b": body}, use_bin_type=True)
+           version: int = PROTOCOL_VERSION, max_frame: int = DEFAULT_MAX_FRAME, seq: int | None = None,
+           ts: float | None = None) -> bytes:
+    """Encode one frame, stamped with the next send sequence number of this process and the wall
+    time (both overridable for tests). Raises ``WireError('oversized')`` rather than emit a frame
+    peers would drop."""
+    payload = msgpack.packb({"v": version, "t": msg_type, "s": sender, "b": body,
+                             "q": next(_SEND_SEQ) if seq is None else seq,
+                             "w": time.time() if ts is None else ts}, use_bin_type=True)
     flags = FLAG_MAC if secret else 0
     mac = hmac.new(secret, bytes([flags]) + payload, hashlib.sha256).digest() if secret else b""
     length = 1 + len(mac) + len(payload)
@@ -83,11 +102,12 @@ class FrameDecoder:
     """Incremental decoder for one byte stream (one TCP connection)."""
 
     def __init__(self, *, secret: bytes | None = None, max_frame: int = DEFAULT_MAX_FRAME,
-                 version: int = PROTOCOL_VERSION) -> None:
+                 version: int = PROTOCOL_VERSION, guard: "ReplayGuard | None" = None) -> None:
         self._buf = bytearray()
         self._secret = secret
         self._max = max_frame
         self._version = version
+        self._guard = guard
 
     def feed(self, data: bytes) -> list[Message]:
         """Append bytes; return every complete message. Raises WireError on the first bad frame."""
@@ -147,4 +167,80 @@ class FrameDecoder:
         mtype, sender, body = obj.get("t"), obj.get("s"), obj.get("b")
         if not isinstance(mtype, str) or not isinstance(sender, str) or not isinstance(body, dict):
             raise WireError("malformed", "missing or mistyped t/s/b fields")
-        return Message(mtype, sender, body, version)
+        seq, ts = obj.get("q"), obj.get("w")
+        if type(seq) is not int or not 0 <= seq < 1 << 63 or type(ts) not in (int, float) or ts != ts:
+            raise WireError("malformed", "missing or mistyped q/w fields")
+        if self._guard is not None:  # after the MAC check: only authentic frames update the table
+            self._guard.check(sender, seq, float(ts))
+        return Message(mtype, sender, body, version, seq, float(ts))
+
+
+class ReplayGuard:
+    """Rejects control frames that were already accepted, or that are outside the time window.
+
+    Per sender node id it keeps the highest sequence number accepted and a bitmap of the
+    ``reorder`` numbers below it (IPsec-style anti-replay window), so frames of one sender that
+    arrive slightly out of order on two connections (a reconnect, two spellings of one address)
+    are still accepted once each. A frame is rejected as
+
+    - ``stale``: its send time is more than ``window`` seconds away from this node's clock (this
+      assumes peers' wall clocks agree to well within the window, e.g. NTP), or it comes from a
+      sender not in the table and is not newer than ``floor`` (this process's start minus
+      ``start_slack``, raised to the newest frame of any entry evicted early);
+    - ``replay``: its sequence number was seen, or is more than ``reorder`` below the highest.
+
+    The table is an LRU bounded by ``max_senders``; an entry whose newest frame is older than the
+    window is dropped (any replay of its frames is stale by then), and an entry evicted early
+    raises ``floor`` so that its frames still cannot come back as an unknown sender's.
+    """
+
+    def __init__(self, *, window: float = 30.0, max_senders: int = 16384, reorder: int = 4096,
+                 start_slack: float = 1.0, clock: Callable[[], float] = time.time) -> None:
+        self.window = float(window)
+        self.max_senders = int(max_senders)
+        self.reorder = int(reorder)
+        self.clock = clock
+        self.floor = clock() - start_slack
+        self._mask = (1 << self.reorder) - 1
+        self._table: OrderedDict[str, list[Any]] = OrderedDict()   # sender -> [highest, bitmap, newest ts]
+        self.evicted = 0
+
+    def __len__(self) -> int:
+        return len(self._table)
+
+    def check(self, sender: str, seq: int, ts: float) -> None:
+        """Accept (and remember) one authentic frame, or raise ``WireError('replay'|'stale')``."""
+        now = self.clock()
+        if abs(now - ts) > self.window:
+            raise WireError("stale", f"frame from {sender} sent {now - ts:+.1f} s from now, outside the "
+                            f"{self.window:g} s window (clocks apart, or a replayed frame)")
+        table = self._table
+        while table:  # drop entries whose frames are all outside the window by now
+            head = next(iter(table.values()))
+            if now - head[2] <= self.window:
+                break
+            table.popitem(last=False)
+        entry = table.get(sender)
+        if entry is None:
+            if ts <= self.floor:
+                raise WireError("stale", f"frame from {sender}, unknown here, is older than this node's "
+                                f"replay table ({self.floor - ts:.1f} s before its floor)")
+            table[sender] = [seq, 1, ts]
+            while len(table) > self.max_senders:
+                _, old = table.popitem(last=False)
+                self.floor = max(self.floor, old[2])
+                self.evicted += 1
+            return
+        high, bits = entry[0], entry[1]
+        if seq > high:
+            entry[0] = seq
+            gap = seq - high
+            entry[1] = ((bits << gap) | 1) & self._mask if gap < self.reorder else 1
+        else:
+            back = high - seq
+            if back >= self.reorder or (bits >> back) & 1:
+                raise WireError("replay", f"frame {seq} from {sender} was already accepted or is too old "
+                                f"(highest seen {high})")
+            entry[1] = bits | (1 << back)
+        entry[2] = max(entry[2], ts)
+        table.move_to_end(sender)

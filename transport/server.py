@@ -4,6 +4,12 @@ One acceptor thread multiplexes (selectors) new connections through their handsh
 each one: ring connections to the communicator of their (epoch, shard) — or, if this process has
 not created it yet, to a bounded pending table that expires entries — and state-streaming
 connections to a bounded pool of donor threads.
+
+Hostile input is bounded and never fatal: at most ``max_handshakes`` connections may be waiting
+for their handshake (more are closed at once), each for ``handshake_timeout``; a hello with a
+bad MAC, another version, or one already seen (``HelloGuard``: replay) is refused; a state
+stream whose joiner stops reading is dropped after ``state_timeout``. Each case has a counter in
+``DataServer.counters`` and a WARNING line (at most one per kind every few seconds).
 """
 
 from __future__ import annotations
@@ -19,8 +25,8 @@ from typing import TYPE_CHECKING, Callable
 from .errors import CommTimeout, ProtocolMismatch
 from .tcp import DEFAULT_CHUNK_BYTES, TcpCommunicator, _close_quietly
 from .wire import (
-    HELLO_LEN, KIND_RING, KIND_STATE, ST_BAD, ST_BUSY, ST_CLOSED, ST_NO_STATE, ST_OK, ST_PENDING,
-    Hello, pack_ack, pack_error_frame, parse_hello, split_addr, tune_socket,
+    HELLO_LEN, KIND_RING, KIND_STATE, ST_BAD, ST_BUSY, ST_CLOSED, ST_NO_STATE, ST_OK, ST_PENDING, ST_REPLAY,
+    Hello, HelloGuard, pack_ack, pack_error_frame, parse_hello, set_local_host, split_addr, tune_socket,
 )
 
 if TYPE_CHECKING:
@@ -33,6 +39,7 @@ logger = logging.getLogger(__name__)
 
 _TICK_S = 0.1
 _CLOSED_KEYS_CAP = 4096
+_LOG_EVERY_S = 5.0
 
 
 class _Handshake:
@@ -56,7 +63,8 @@ class DataServer:
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, lanes: int = 1, sock_bufsize: int | None = None,
                  pending_timeout: float = 30.0, max_pending: int = 256, handshake_timeout: float = 5.0,
                  max_state_streams: int = 2, state_rate_limit: float | None = None,
-                 state_chunk_bytes: int = 4 << 20, state_timeout: float = 60.0, inline_send: bool = True) -> None:
+                 state_chunk_bytes: int = 4 << 20, state_timeout: float = 60.0, inline_send: bool = True,
+                 max_handshakes: int = 1024, replay_window: float = 30.0) -> None:
         if secret is not None and not isinstance(secret, (bytes, bytearray)):
             raise TypeError("secret must be bytes or None")
         if chunk_bytes < 64 or lanes < 1 or lanes > 64:
@@ -78,7 +86,14 @@ class DataServer:
         #: fault-injection hook for tests: (chunk seq, payload) -> payload actually sent.
         self.state_chunk_hook: Callable[[int, memoryview], bytes | memoryview] | None = None
 
+        self.max_handshakes = int(max_handshakes)
+        #: rejections and drops, by kind (see the module docstring)
+        self.counters: collections.Counter[str] = collections.Counter()
+        self._guard = HelloGuard(window=replay_window)
+        self._last_log: dict[str, float] = {}
+
         self._lsock = socket.create_server((host, port), backlog=256)
+        set_local_host(host)  # fetch_state's default source IP (see wire.source_address)
         self._lsock.setblocking(False)
         self._host = host
         self._port = self._lsock.getsockname()[1]
@@ -240,7 +255,9 @@ class DataServer:
             except OSError as e:
                 logger.warning("accept failed: %s", e)
                 return
-            if len(self._handshakes) >= 1024:
+            if len(self._handshakes) >= self.max_handshakes:
+                self._reject("handshakes_full", "%d data connections already wait for their handshake: "
+                             "closing a new one from %s", self.max_handshakes, _peer(sock))
                 _close_quietly(sock)
                 continue
             sock.setblocking(False)
@@ -283,8 +300,16 @@ class DataServer:
     def _route(self, sock: socket.socket, raw: bytes) -> None:
         status, hello = parse_hello(self.secret, raw)
         if hello is None:
-            logger.warning("rejected data connection: %s", {2: "bad secret", 3: "version"}.get(status, "malformed"))
+            kind = {2: "hello_bad_mac", 3: "hello_version"}.get(status, "hello_malformed")
+            self._reject(kind, "rejected data connection from %s: %s", _peer(sock),
+                         {2: "bad secret", 3: "version"}.get(status, "malformed"))
             self._send_ack(sock, raw, status)
+            _close_quietly(sock)
+            return
+        why = self._guard.check(hello)
+        if why is not None:
+            self._reject("hello_replay", "rejected data connection from %s: handshake %s", _peer(sock), why)
+            self._send_ack(sock, raw, ST_REPLAY)
             _close_quietly(sock)
             return
         if hello.kind == KIND_RING:
@@ -347,7 +372,11 @@ class DataServer:
     def _run_stream(self, sid: int, sock: socket.socket, provider: Callable, serve: Callable) -> None:
         try:
             serve(sock, provider, self)
+        except (socket.timeout, TimeoutError):
+            self._reject("state_stream_timeout", "state stream %d dropped: the joiner at %s took no data for "
+                         "%g s", sid, _peer(sock), self.state_timeout)
         except Exception:  # noqa: BLE001 - a bad joiner must never take the donor down
+            self.counters["state_stream_failed"] += 1
             logger.exception("state stream %d failed", sid)
         finally:
             _close_quietly(sock)
@@ -356,7 +385,8 @@ class DataServer:
 
     def _sweep(self, now: float) -> None:
         for hs in [h for h in self._handshakes.values() if h.deadline <= now]:
-            logger.warning("data connection sent no handshake within %.3g s", self.handshake_timeout)
+            self._reject("handshake_timeout", "data connection from %s sent no handshake within %.3g s",
+                         _peer(hs.sock), self.handshake_timeout)
             self._drop_handshake(hs, close=True)
         expired: list[tuple[socket.socket, Hello]] = []
         with self._lock:
@@ -377,6 +407,14 @@ class DataServer:
                               f"shard {hello.shard} within {self.pending_timeout:g} s", peer_rank=hello.dst)
             self._send_farewell(sock, hello, err)
 
+    def _reject(self, kind: str, fmt: str, *args: object) -> None:
+        """Count a rejection; log it, at most once per kind every few seconds (floods)."""
+        self.counters[kind] += 1
+        now = time.monotonic()
+        if now - self._last_log.get(kind, -_LOG_EVERY_S) >= _LOG_EVERY_S:
+            self._last_log[kind] = now
+            logger.warning(fmt + " [%s=%d]", *args, kind, self.counters[kind])
+
     def _reject_pending(self, sock: socket.socket, hello: Hello, why: str) -> None:
         self._send_farewell(sock, hello, ProtocolMismatch(f"rank {hello.dst} rejected the connection: {why}",
                                                           peer_rank=hello.dst))
@@ -389,3 +427,11 @@ class DataServer:
         except OSError:
             pass
         _close_quietly(sock)
+
+
+def _peer(sock: socket.socket) -> str:
+    try:
+        host, port = sock.getpeername()[:2]
+        return f"{host}:{port}"
+    except OSError:
+        return "?"

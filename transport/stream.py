@@ -24,8 +24,8 @@ import numpy as np
 from .buffers import DTYPE_CODES, as_flat_buffer
 from .errors import CommError, CommTimeout, PeerFailed, ProtocolMismatch
 from .wire import (
-    ACK_LEN, KIND_STATE, ST_BUSY, ST_NO_STATE, ST_OK, STATUS_TEXT, pack_hello, parse_ack, recv_exact, send_all,
-    split_addr, tune_socket,
+    ACK_LEN, KIND_STATE, ST_BUSY, ST_NO_STATE, ST_OK, STATUS_TEXT, local_host, pack_hello, parse_ack, recv_exact,
+    send_all, source_address, split_addr, tune_socket,
 )
 
 if TYPE_CHECKING:
@@ -152,7 +152,7 @@ def _alloc(torch: Any, dtype: str, shape: list[int]) -> Any:
 
 def fetch_state(addr: str, request: dict, *, secret: bytes | None = None, timeout: float = 60.0,
                 rate_limit_bytes_per_s: float | None = None,
-                into: "Mapping[str, torch.Tensor] | None" = None) -> StateSnapshot:
+                into: "Mapping[str, torch.Tensor] | None" = None, source_host: str | None = None) -> StateSnapshot:
     """Pull a snapshot from the donor at `addr`; every chunk is crc32-checked.
 
     `timeout` bounds connecting and each wait for data (no progress). `into` optionally maps
@@ -160,6 +160,8 @@ def fetch_state(addr: str, request: dict, *, secret: bytes | None = None, timeou
     bytes in place when name, dtype and shape match; the snapshot then returns those tensors.
     Raises PeerFailed if the donor goes away, CommTimeout if it stalls, ProtocolMismatch on
     corruption or a bad handshake, CommError if the donor has nothing to give.
+    The connection's source IP is `source_host`, by default the listen IP of this process's
+    DataServer (see wire.source_address for when it is used).
     """
     import torch
 
@@ -171,7 +173,8 @@ def fetch_state(addr: str, request: dict, *, secret: bytes | None = None, timeou
         req[_RATE_KEY] = float(rate_limit_bytes_per_s)
     peer = dict(peer_addr=addr)
     try:
-        sock = socket.create_connection((host, port), timeout=timeout)
+        sock = socket.create_connection((host, port), timeout=timeout,
+                                        source_address=source_address(source_host or local_host(), host))
     except ConnectionRefusedError as e:
         raise PeerFailed(f"state donor refused the connection: {e}", **peer) from None
     except OSError as e:

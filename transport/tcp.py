@@ -32,7 +32,7 @@ from .wire import (
     OP_ALLREDUCE, OP_BROADCAST, OP_ERROR, OP_KEEPALIVE, PREFIX_LEN, F_EMPTY, ST_OK, ST_PENDING, ST_CLOSED, ST_MISMATCH,
     ST_BUSY, STATUS_TEXT, Hello, RemoteError, find_error_frame, pack_error_frame, pack_hello,
     parse_ack, parse_error_payload, recv_exact, recv_exact_timed, send_all_timed, send_nowait, set_io_slice, io_slice,
-    split_addr, tune_socket,
+    source_address, split_addr, tune_socket,
 )
 
 if TYPE_CHECKING:
@@ -617,8 +617,7 @@ class TcpCommunicator(Communicator):
     def _connect_lane(self, lane: int, deadline: float) -> socket.socket:
         """Connect to the right neighbour, retrying with backoff while its server is not up."""
         host, port = split_addr(self.peers[self.right])
-        hello = pack_hello(self._secret, KIND_RING, self.epoch, self.shard, self.rank, self.right,
-                           self.world, lane, self.lanes, self.chunk_bytes)
+        source = source_address(getattr(self._server, "_host", None), host)
         backoff = 0.002
         last = "no attempt"
         peer = dict(peer_rank=self.right, peer_addr=self.peers[self.right])
@@ -632,8 +631,11 @@ class TcpCommunicator(Communicator):
                 raise self._fail(CommTimeout(f"cannot connect to rank {self.right} within "
                                              f"connect_timeout={self.connect_timeout:g} s: {last}", **peer))
             sock = None
+            # A fresh hello (time + nonce) per attempt: servers accept each hello only once.
+            hello = pack_hello(self._secret, KIND_RING, self.epoch, self.shard, self.rank, self.right,
+                               self.world, lane, self.lanes, self.chunk_bytes)
             try:
-                sock = socket.create_connection((host, port), timeout=min(remaining, 2.0))
+                sock = socket.create_connection((host, port), timeout=min(remaining, 2.0), source_address=source)
                 tune_socket(sock, self._bufsize)
                 sock.sendall(hello)
                 ack = bytearray(ACK_LEN)

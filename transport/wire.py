@@ -5,8 +5,10 @@ All integers are little-endian. See docs/transport.md for the full description.
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import hmac
+import ipaddress
 import os
 import socket
 import struct
@@ -18,15 +20,16 @@ import msgpack
 
 from .errors import ERROR_CLASSES, CommError, ProtocolMismatch
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2   # 2: the hello's nonce is a send time + 8 random bytes (replay protection)
 
 KIND_RING = 1      # one lane of a ring edge of a communicator
 KIND_STATE = 2     # a state-streaming request
 
 # --- handshake -------------------------------------------------------------------------------
 HELLO_MAGIC = b"P2FH"
-# magic, version, kind, pad, epoch, shard, src rank, dst rank, world, lane, lanes, chunk bytes, nonce
-HELLO_BODY = struct.Struct("<4sHBxQIIIIHHQ16s")
+# magic, version, kind, pad, epoch, shard, src rank, dst rank, world, lane, lanes, chunk bytes,
+# nonce = send time (u64 microseconds since the epoch) + 8 random bytes
+HELLO_BODY = struct.Struct("<4sHBxQIIIIHHQQ8s")
 MAC_LEN = 32
 HELLO_LEN = HELLO_BODY.size + MAC_LEN
 
@@ -43,12 +46,13 @@ ST_BUSY = 5           # pending table full / too many state streams
 ST_MISMATCH = 6       # rank, world, lanes or chunk size disagree
 ST_BAD = 7            # malformed hello
 ST_NO_STATE = 8       # no state provider registered
+ST_REPLAY = 9         # a handshake seen before, or sent outside the acceptance window
 
 STATUS_TEXT = {
     ST_OK: "ok", ST_PENDING: "pending", ST_AUTH: "authentication failed (cluster secret)",
     ST_VERSION: "protocol version mismatch", ST_CLOSED: "communicator already closed on peer",
     ST_BUSY: "peer busy", ST_MISMATCH: "communicator parameters differ", ST_BAD: "malformed handshake",
-    ST_NO_STATE: "peer serves no state",
+    ST_NO_STATE: "peer serves no state", ST_REPLAY: "handshake replayed or outside the time window (clocks apart?)",
 }
 
 
@@ -64,6 +68,8 @@ class Hello:
     lanes: int
     chunk: int
     raw: bytes  # the full hello as sent (MAC input for the ack)
+    ts: float = 0.0         # sender's wall clock, seconds
+    nonce: bytes = b""      # time + random part: unique per handshake
 
 
 def _mac(secret: bytes | None, data: bytes) -> bytes:
@@ -75,14 +81,14 @@ def _mac(secret: bytes | None, data: bytes) -> bytes:
 def pack_hello(secret: bytes | None, kind: int, epoch: int, shard: int, src: int, dst: int,
                world: int, lane: int = 0, lanes: int = 1, chunk: int = 0) -> bytes:
     body = HELLO_BODY.pack(HELLO_MAGIC, PROTOCOL_VERSION, kind, epoch, shard, src, dst, world,
-                           lane, lanes, chunk, os.urandom(16))
+                           lane, lanes, chunk, int(time.time() * 1e6), os.urandom(8))
     return body + _mac(secret, body)
 
 
 def parse_hello(secret: bytes | None, raw: bytes) -> tuple[int, Hello | None]:
     """Return (status, hello); status is ST_OK when the hello is well formed and authenticated."""
     try:
-        magic, ver, kind, epoch, shard, src, dst, world, lane, lanes, chunk, _nonce = HELLO_BODY.unpack_from(raw)
+        magic, ver, kind, epoch, shard, src, dst, world, lane, lanes, chunk, ts_us, _rand = HELLO_BODY.unpack_from(raw)
     except struct.error:
         return ST_BAD, None
     if magic != HELLO_MAGIC:
@@ -91,7 +97,79 @@ def parse_hello(secret: bytes | None, raw: bytes) -> tuple[int, Hello | None]:
         return ST_VERSION, None
     if secret is not None and not hmac.compare_digest(raw[HELLO_BODY.size:], _mac(secret, raw[:HELLO_BODY.size])):
         return ST_AUTH, None
-    return ST_OK, Hello(kind, epoch, shard, src, dst, world, lane, lanes, chunk, bytes(raw))
+    return ST_OK, Hello(kind, epoch, shard, src, dst, world, lane, lanes, chunk, bytes(raw), ts_us / 1e6,
+                        bytes(raw[HELLO_BODY.size - 16:HELLO_BODY.size]))
+
+
+class HelloGuard:
+    """Server-side replay check of authenticated handshakes.
+
+    A captured hello sent again would otherwise attach the sender's socket to a communicator or
+    start a state stream (the bytes after the handshake are not authenticated). A hello is
+    accepted once: its send time must be within ``window`` seconds of this clock (peers' clocks
+    must agree to well within it) and its nonce not seen in that window. Seen nonces are kept
+    until they leave the window, at most ``max_entries``; past that the oldest is dropped and the
+    acceptance floor rises to its send time, so a dropped nonce can never be accepted again.
+    """
+
+    def __init__(self, window: float = 30.0, max_entries: int = 65536, start_slack: float = 1.0) -> None:
+        self.window = float(window)
+        self.max_entries = int(max_entries)
+        self.floor = time.time() - start_slack
+        self._seen: collections.OrderedDict[bytes, float] = collections.OrderedDict()
+
+    def check(self, hello: Hello, now: float | None = None) -> str | None:
+        """None if fresh (and remember it), else the reason to reject it."""
+        now = time.time() if now is None else now
+        if abs(now - hello.ts) > self.window:
+            return f"sent {now - hello.ts:+.1f} s from now, outside the {self.window:g} s window"
+        if hello.ts <= self.floor:
+            return "older than this server's replay table"
+        if hello.nonce in self._seen:
+            return "nonce already used (replayed handshake)"
+        seen = self._seen
+        while seen:
+            first_ts = next(iter(seen.values()))
+            if now - first_ts > self.window:
+                seen.popitem(last=False)          # out of the window: a replay is stale anyway
+            elif len(seen) >= self.max_entries:
+                seen.popitem(last=False)          # full: nothing at or below it may pass again
+                self.floor = max(self.floor, first_ts)
+            else:
+                break
+        seen[hello.nonce] = hello.ts
+        return None
+
+
+def source_address(own: str | None, dest: str) -> tuple[str, int] | None:
+    """(own IP, 0) to bind a connection's source to this process's own listen IP, or None to let
+    the kernel choose: only a specific IP literal, only towards an IP literal of the same family,
+    and a loopback IP only towards loopback (the default 127.0.0.1 never breaks a connection to
+    another host). With one loopback IP per process (127.0.0.N) a fault proxy can tell processes
+    apart by source address. p2pft/driver.py applies the same rule to control connections."""
+    if not own:
+        return None
+    try:
+        o, d = ipaddress.ip_address(own), ipaddress.ip_address(dest)
+    except ValueError:
+        return None
+    if o.is_unspecified or o.version != d.version or (o.is_loopback and not d.is_loopback):
+        return None
+    return (own, 0)
+
+
+# The listen IP of the last DataServer created in this process: the source of outgoing data
+# connections that are not made by a server's own communicators (fetch_state).
+_local_host: str | None = None
+
+
+def set_local_host(host: str | None) -> None:
+    global _local_host
+    _local_host = host
+
+
+def local_host() -> str | None:
+    return _local_host
 
 
 def pack_ack(secret: bytes | None, hello_raw: bytes, status: int) -> bytes:

@@ -98,7 +98,7 @@ def test_truncated_frames() -> None:
         dec.eof()                               # ... but the stream ended inside the frame
     assert info.value.kind == "truncated"
     # A frame whose msgpack payload itself is cut short is malformed.
-    assert decode_error(raw_frame(payload({"v": 1, "t": "x", "s": "y", "b": {}})[:-2])).kind == "malformed"
+    assert decode_error(raw_frame(payload({"v": PROTOCOL_VERSION, "t": "x", "s": "y", "b": {}})[:-2])).kind == "malformed"
     # A signed frame too short to hold its MAC.
     assert decode_error(raw_frame(b"abc", flags=FLAG_MAC), secret=SECRET).kind == "malformed"
     # Zero-length frame.
@@ -112,14 +112,21 @@ def test_wrong_protocol_version() -> None:
     assert decode_error(raw_frame(payload({"v": True, "t": "x", "s": "y", "b": {}}))).kind == "version"
 
 
-@pytest.mark.parametrize("obj", [[1, 2], {"v": 1, "t": 5, "s": "y", "b": {}}, {"v": 1, "t": "x", "s": "y", "b": []},
-                                 {"v": 1, "t": "x", "b": {}}, 42])
+V = PROTOCOL_VERSION
+STAMP = {"q": 1, "w": 0.0}
+
+
+@pytest.mark.parametrize("obj", [[1, 2], {"v": V, "t": 5, "s": "y", "b": {}, **STAMP},
+                                 {"v": V, "t": "x", "s": "y", "b": [], **STAMP}, {"v": V, "t": "x", "b": {}, **STAMP},
+                                 {"v": V, "t": "x", "s": "y", "b": {}}, {"v": V, "t": "x", "s": "y", "b": {}, "q": -1,
+                                                                         "w": 0.0},
+                                 {"v": V, "t": "x", "s": "y", "b": {}, "q": 1, "w": "now"}, 42])
 def test_mistyped_payloads_are_malformed(obj: object) -> None:
     assert decode_error(raw_frame(payload(obj))).kind == "malformed"
 
 
 def test_unknown_flags_are_malformed() -> None:
-    assert decode_error(raw_frame(payload({"v": 1, "t": "x", "s": "y", "b": {}}), flags=0x80)).kind == "malformed"
+    assert decode_error(raw_frame(payload({"v": V, "t": "x", "s": "y", "b": {}, **STAMP}), flags=0x80)).kind == "malformed"
 
 
 def test_secret_mismatches_each_have_their_own_kind() -> None:
