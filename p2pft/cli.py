@@ -1,8 +1,8 @@
 """The ``p2pft`` command line.
 
 Every option that names the cluster can also come from a ``P2PFT_*`` environment variable
-(``P2PFT_LISTEN``, ``P2PFT_SEEDS``, ``P2PFT_REPLICA_ID``, ``P2PFT_SECRET_FILE``,
-``P2PFT_SECRET``); a command-line argument always wins over the environment.
+(``P2PFT_LISTEN``, ``P2PFT_ADVERTISE``, ``P2PFT_SEEDS``, ``P2PFT_REPLICA_ID``,
+``P2PFT_SECRET_FILE``, ``P2PFT_SECRET``); a command-line argument always wins over the environment.
 Errors a user can cause (bad address, port taken, unreadable secret, nobody listening) end
 with one line on stderr and a non-zero exit status, never a traceback.
 """
@@ -62,13 +62,24 @@ def cmd_peer(args: argparse.Namespace) -> int:
         parse_hostport(listen)
     except ValueError as exc:
         raise CliError(f"bad --listen: {exc}") from None
+    advertise = args.advertise or _env("ADVERTISE")
+    if advertise:
+        try:
+            parse_hostport(advertise)
+        except ValueError as exc:
+            raise CliError(f"bad --advertise: {exc}") from None
     seeds = parse_seeds(args.seeds if args.seeds is not None else _env("SEEDS"))
     secret = _secret(args)
     profile = PROFILES[args.profile]
+    for name in ("max_inbound", "idle_timeout", "drain_timeout"):
+        if getattr(args, name) is not None and getattr(args, name) <= 0:
+            raise CliError(f"--{name.replace('_', '-')} must be positive")
+    limits = {k: getattr(args, k) for k in ("max_inbound", "idle_timeout", "drain_timeout")
+              if getattr(args, k) is not None}
 
     async def main() -> int:
         server = NodeServer(listen=listen, replica_id=args.replica_id or _env("REPLICA_ID"), seeds=seeds,
-                            secret=secret, profile=profile)
+                            secret=secret, profile=profile, advertise=advertise, **limits)
         try:
             await server.start()
         except OSError as exc:
@@ -139,12 +150,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     peer = sub.add_parser("peer", help="run a witness peer (a member and possible voter, no trainer)")
     peer.add_argument("--listen", help="HOST:PORT to listen on (env P2PFT_LISTEN)")
+    peer.add_argument("--advertise", default=None, help="HOST:PORT that peers use to reach this one, if not "
+                      "--listen (NAT, proxy; env P2PFT_ADVERTISE)")
     peer.add_argument("--seeds", default=None, help="comma-separated HOST:PORT of existing peers (env P2PFT_SEEDS)")
     peer.add_argument("--secret-file", help="file holding the cluster secret (env P2PFT_SECRET_FILE or "
                       "P2PFT_SECRET)")
     peer.add_argument("--replica-id", default=None, help="stable name of this peer (default: its address)")
     peer.add_argument("--profile", choices=sorted(PROFILES), default="default", help="timing profile")
     peer.add_argument("--ready-file", help=argparse.SUPPRESS)
+    peer.add_argument("--max-inbound", type=int, default=None,
+                      help="inbound connections kept open; past it the longest-idle is closed (default 2048)")
+    peer.add_argument("--idle-timeout", type=float, default=None,
+                      help="seconds before an inbound connection that sends nothing is closed (default 60)")
+    peer.add_argument("--drain-timeout", type=float, default=None,
+                      help="seconds a connection may leave its answers unread before it is closed (default 2)")
     peer.set_defaults(fn=cmd_peer)
 
     mem = sub.add_parser("members", help="print the committed view as one peer sees it")

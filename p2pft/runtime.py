@@ -39,7 +39,8 @@ class Runtime:
     def __init__(self, *, replica_id: str, listen: str = "127.0.0.1:0", seeds: list[str] | tuple[str, ...] = (),
                  data_host: str = "127.0.0.1", data_addrs: list[str] | None = None, shards: int = 1,
                  secret: bytes | None = None, profile: Profile = DEFAULT, comm_timeout: float = 10.0,
-                 kind: str = TRAINER_KIND, status: str = "ready", step: int = 0) -> None:
+                 kind: str = TRAINER_KIND, status: str = "ready", step: int = 0, advertise: str | None = None,
+                 data_listen: str | None = None, advertise_data: str | None = None) -> None:
         self.replica_id = str(replica_id)
         self.listen = listen
         self.seeds = list(seeds)
@@ -52,6 +53,10 @@ class Runtime:
         self._status = status
         self._step = step
         self._extra_data_addrs = data_addrs
+        # Addresses peers use when they differ from the bound ones (NAT, a fault proxy in tests).
+        self.advertise = advertise
+        self.data_listen = data_listen
+        self.advertise_data = advertise_data
         self.data: Any = None                      # transport DataServer (shard 0 of this replica)
         self.server: NodeServer | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -70,8 +75,9 @@ class Runtime:
         """Bind the data and control ports and join the cluster; returns once the node runs."""
         from .transport.server import DataServer
         if self._extra_data_addrs is None:
-            self.data = DataServer(self.data_host, 0, secret=self.secret)
-            data_addrs = [self.data.addr]
+            host, port = (self.data_listen.rsplit(":", 1) if self.data_listen else (self.data_host, 0))
+            self.data = DataServer(host.strip("[]"), int(port), secret=self.secret)
+            data_addrs = [self.advertise_data or self.data.addr]
         else:
             data_addrs = list(self._extra_data_addrs)
         self._thread = threading.Thread(target=self._run_loop, args=(",".join(data_addrs),),
@@ -89,7 +95,7 @@ class Runtime:
         asyncio.set_event_loop(loop)
         server = NodeServer(listen=self.listen, replica_id=self.replica_id, seeds=self.seeds, kind=self.kind,
                             data_addr=data_addr, shards=self.shards, secret=self.secret, profile=self.profile,
-                            status=self._status, step=self._step)
+                            status=self._status, step=self._step, advertise=self.advertise)
         server.on_view.append(self._on_view)
         self.server = server
         try:

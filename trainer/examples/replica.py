@@ -27,6 +27,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--replica-id", default=os.environ.get("P2PFT_REPLICA_ID"), help="env P2PFT_REPLICA_ID")
     p.add_argument("--listen", default=os.environ.get("P2PFT_LISTEN", "127.0.0.1:0"), help="env P2PFT_LISTEN")
     p.add_argument("--seeds", default=os.environ.get("P2PFT_SEEDS", ""), help="env P2PFT_SEEDS")
+    p.add_argument("--advertise", default=os.environ.get("P2PFT_ADVERTISE"),
+                   help="HOST:PORT peers use for the control port, if not --listen (env P2PFT_ADVERTISE)")
+    p.add_argument("--data-listen", default=os.environ.get("P2PFT_DATA_LISTEN"),
+                   help="HOST:PORT of the data port (default: 127.0.0.1, any port; env P2PFT_DATA_LISTEN)")
+    p.add_argument("--advertise-data", default=os.environ.get("P2PFT_ADVERTISE_DATA"),
+                   help="HOST:PORT peers use for the data port, if not its own (env P2PFT_ADVERTISE_DATA)")
     p.add_argument("--secret-file", default=os.environ.get("P2PFT_SECRET_FILE"))
     p.add_argument("--model", default="tiny", choices=["tiny", "small"])
     p.add_argument("--mlp-params", type=int, default=0, help="use a plain MLP of about this many parameters")
@@ -121,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.99))
     seeds = [s for s in args.seeds.split(",") if s]
     rt = Runtime(replica_id=args.replica_id, listen=args.listen, seeds=seeds,
-                 secret=load_secret(args.secret_file)).start()
+                 secret=load_secret(args.secret_file), advertise=args.advertise, data_listen=args.data_listen,
+                 advertise_data=args.advertise_data).start()
     stop = {"flag": False}
 
     ft_box: list[FaultTolerant] = []
