@@ -17,6 +17,7 @@ reduced buffer, so all take the same decision:
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -37,6 +38,19 @@ from .state import capture, restore, state_digest
 from .stepbuf import StepBuffer
 
 log = logging.getLogger(__name__)
+
+
+CATCHUP_NICE = 10  # weight ~1/10 of a normal thread: catch-up still progresses on a busy host
+
+
+def lower_thread_priority(nice: int = CATCHUP_NICE) -> None:
+    """Lower the calling thread's CPU priority (Linux: nice is per thread), so that background
+    catch-up work takes mostly idle CPU rather than the training threads' (at nice 10 a busy
+    core gives it about a tenth), yet still finishes on an oversubscribed host."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+    except (AttributeError, OSError):
+        pass
 
 
 class StepTimeout(RuntimeError):
@@ -96,9 +110,9 @@ class FaultTolerant:
         self._ranges_step = -1
         self._lock = threading.Lock()
         self._donor_q: "queue.Queue[tuple[dict[str, Any], queue.Queue[StateSnapshot | None]]]" = queue.Queue(16)
-        self._snap_box: "queue.Queue[StateSnapshot | BaseException]" = queue.Queue(1)
-        self._fetching = False
-        self._snapshot: StateSnapshot | None = None
+        self._catchup_gen = 0          # bumped by every catch-up start; a stale worker stops
+        self._catchup_running = False  # a background catch-up worker owns model and optimizer
+        self.catchup_timeout = 600.0   # one worker's budget; the next logged step starts another
         self._stop = threading.Event()
         self.ckpt = AsyncCheckpointer(checkpoint_dir) if checkpoint_dir else None
         self.checkpoint_every = checkpoint_every
@@ -121,7 +135,8 @@ class FaultTolerant:
         return []
 
     def zero_grad(self) -> None:
-        self.opt.zero_grad(set_to_none=True)
+        if self.synced:  # while catching up, the background worker owns the gradients
+            self.opt.zero_grad(set_to_none=True)
 
     def commit(self) -> StepResult:
         """Allreduce, retry across views, apply; see the module docstring."""
@@ -192,9 +207,11 @@ class FaultTolerant:
             return None
         s = hi
         entry = _Entry(s, self.buf.flat.clone(), self.buf.contributors(), self.buf.mask())
-        if not self.synced:
-            self._log_for_replay(entry)
-            self._try_finish_catchup()
+        with self._lock:
+            logged = not self.synced
+            if logged:  # checked and logged under the lock the catch-up worker finishes under
+                self._log_for_replay(entry)
+        if logged:
             return StepResult(self.step, False, entry.count, retries, role)
         if self.step < s:
             n = self._fast_forward(s, view, steps)
@@ -215,9 +232,7 @@ class FaultTolerant:
         """One optimizer update from a reduced buffer: identical inputs give identical weights."""
         if e.step != self.step:
             raise AssertionError(f"applying step {e.step} at step {self.step}")
-        if e.flat is not self.buf.flat:
-            self.buf.flat.copy_(e.flat)
-        self.buf.unpack(float(e.count))
+        self.buf.unpack(float(e.count), source=e.flat)
         nominal = self.nominal or e.count
         apply_lr_scale(self.opt, self.base_lrs, lr_scale(self.policy, e.count, nominal))
         self.opt.step()
@@ -294,14 +309,17 @@ class FaultTolerant:
 
     # ------------------------------------------------------------------ catch-up (joiner side)
     def _start_catchup(self, view: dict[str, Any]) -> None:
-        if self.synced:
+        with self._lock:
+            if not self.synced:
+                return
             self.synced = False
             self.replay.clear()
-            self._snapshot = None
-            self.rt.set_status("joining", self.step)
-            self.events.append({"t": time.time(), "kind": "catchup_start", "step": self.step})
+            self._catchup_gen += 1
+        self.rt.set_status("joining", self.step)
+        self.events.append({"t": time.time(), "kind": "catchup_start", "step": self.step})
 
     def _log_for_replay(self, e: _Entry) -> None:
+        """Training thread, under the lock: keep a reduced step for the catch-up worker."""
         if self.replay and e.step != self.replay[-1].step + 1:
             self.replay.clear()  # a gap: those entries can no longer be replayed in order
         self.replay.append(e)
@@ -309,63 +327,93 @@ class FaultTolerant:
         while self.replay and size > self.replay_cap:
             size -= self.replay[0].flat.numel() * 4
             self.replay.pop(0)
-        if not self._fetching and self._snapshot is None and self.replay:
-            self._fetching = True
-            min_step = self.replay[0].step
-            threading.Thread(target=self._fetch_snapshot, args=(self.rt.view, min_step), daemon=True,
+        if not self._catchup_running:
+            self._catchup_running = True
+            threading.Thread(target=self._catchup, args=(self._catchup_gen,), daemon=True,
                              name="p2pft-catchup").start()
 
-    def _fetch_snapshot(self, view: dict[str, Any] | None, min_step: int) -> None:
-        try:
-            donors = [m for m in (view or {"members": []})["members"]
-                      if m["role"] == PARTICIPANT and m["node"] != self.rt.node_id]
-            if not donors:
-                raise CommError("no participant to pull a snapshot from")
-            donor = min(donors, key=lambda m: m["slot"] if m["slot"] is not None else 1 << 30)
-            t0 = time.monotonic()
-            snap = fetch_state(donor["data_addr"].split(",")[0], {"kind": "snapshot", "min_step": min_step},
-                               secret=self.rt.secret, timeout=120.0, rate_limit_bytes_per_s=self.state_rate_limit)
-            snap.meta["_donor"] = donor["node"]
-            snap.meta["_fetch_s"] = time.monotonic() - t0
-            self._snap_box.put(snap)
-        except BaseException as exc:  # reported to the training thread, which retries
-            self._snap_box.put(exc)
+    def _catchup(self, gen: int) -> None:
+        """Background worker: pull a snapshot, restore it, replay the log, hand over.
 
-    def _try_finish_catchup(self) -> None:
-        if self._snapshot is None:
-            try:
-                got = self._snap_box.get_nowait()
-            except queue.Empty:
-                return
-            self._fetching = False
-            if isinstance(got, BaseException):
-                log.info("snapshot fetch failed (%s); will retry", got)
-                return
-            self._snapshot = got
-        snap = self._snapshot
+        It runs at the lowest CPU priority and never touches the step buffer, so that the
+        joiner's training thread keeps answering the survivors' allreduces on time while the
+        transfer, the restore and the replay use whatever CPU is left (survivors never wait for
+        a joiner, even on an oversubscribed host). The handover happens under the lock the
+        training thread logs under, when the log is empty: no reduced step is lost or applied
+        twice."""
+        lower_thread_priority()
+        deadline = time.monotonic() + self.catchup_timeout
+        try:
+            while not self._stop.is_set() and gen == self._catchup_gen and time.monotonic() < deadline:
+                with self._lock:
+                    if not self.replay:
+                        return  # the next logged step starts a new worker
+                    min_step = self.replay[0].step
+                try:
+                    snap = self._fetch_snapshot(self.rt.view, min_step)
+                except Exception as exc:
+                    log.info("snapshot fetch failed (%s); will retry", exc)
+                    time.sleep(0.2)
+                    continue
+                if self._restore_and_replay(snap, gen, deadline):
+                    return
+        finally:
+            with self._lock:
+                if gen == self._catchup_gen:
+                    self._catchup_running = False
+
+    def _fetch_snapshot(self, view: dict[str, Any] | None, min_step: int) -> StateSnapshot:
+        donors = [m for m in (view or {"members": []})["members"]
+                  if m["role"] == PARTICIPANT and m["node"] != self.rt.node_id]
+        if not donors:
+            raise CommError("no participant to pull a snapshot from")
+        donor = min(donors, key=lambda m: m["slot"] if m["slot"] is not None else 1 << 30)
+        t0 = time.monotonic()
+        snap = fetch_state(donor["data_addr"].split(",")[0], {"kind": "snapshot", "min_step": min_step},
+                           secret=self.rt.secret, timeout=120.0, rate_limit_bytes_per_s=self.state_rate_limit)
+        snap.meta["_donor"] = donor["node"]
+        snap.meta["_fetch_s"] = time.monotonic() - t0
+        return snap
+
+    def _restore_and_replay(self, snap: StateSnapshot, gen: int, deadline: float) -> bool:
+        """True once caught up; False when a newer snapshot is needed (the log moved past it)."""
         s0 = int(snap.meta["step"])
-        if not self.replay or self.replay[-1].step < s0:
-            return  # the snapshot is ahead of our log: wait for the log to reach it
-        if self.replay[0].step > s0:
-            log.info("snapshot of step %d predates the replay log (%d..); pulling a newer one", s0,
-                     self.replay[0].step)
-            self._snapshot = None
-            return
-        pending = [e for e in self.replay if e.step >= s0]
+        while True:  # the snapshot may be ahead of our log: wait for the log to reach it
+            with self._lock:
+                if not self.replay or self.replay[0].step > s0:
+                    log.info("snapshot of step %d predates the replay log; pulling a newer one", s0)
+                    return False
+                if self.replay[-1].step >= s0:
+                    while self.replay[0].step < s0:
+                        self.replay.pop(0)
+                    break
+            if self._stop.is_set() or gen != self._catchup_gen or time.monotonic() > deadline:
+                return True
+            time.sleep(0.01)
         restore(self.model, self.opt, snap.meta["state"], snap.tensors)
         self.cursor.load_state_dict(snap.meta["cursor"])
         self.step = s0
-        for e in pending:
+        replayed = 0
+        while True:
+            with self._lock:
+                if gen != self._catchup_gen:
+                    return True
+                if not self.replay:
+                    self.synced = True  # the next reduced step is applied by the training thread
+                    break
+                e = self.replay.pop(0)
+            if e.step != self.step:
+                log.info("replay log has a gap at step %d (want %d); pulling a newer snapshot", e.step, self.step)
+                return False
             self._apply(e)
-        self.replay.clear()
-        self._snapshot = None
-        self.synced = True
+            replayed += 1
         self.rt.set_status("ready", self.step)
         self.rt.publish_step(self.step)
         self.events.append({"t": time.time(), "kind": "catchup_done", "step": self.step, "snapshot_step": s0,
-                            "replayed": len(pending), "fetch_s": snap.meta.get("_fetch_s")})
+                            "replayed": replayed, "fetch_s": snap.meta.get("_fetch_s")})
         log.info("caught up: snapshot of step %d from %s (%.2f s), replayed %d step(s)", s0,
-                 snap.meta.get("_donor"), snap.meta.get("_fetch_s", 0.0), len(pending))
+                 snap.meta.get("_donor"), snap.meta.get("_fetch_s", 0.0), replayed)
+        return True
 
     # ------------------------------------------------------------------ donor side
     def _provide(self, request: dict[str, Any]) -> StateSnapshot | None:
@@ -381,6 +429,7 @@ class FaultTolerant:
                                        "masks": [[int(b) for b in e.mask] for e in entries]},
                                  tensors={f"g{e.step}": e.flat for e in entries})
         if kind == "snapshot":
+            lower_thread_priority()  # this stream's thread: serving a joiner must not slow our steps
             box: "queue.Queue[StateSnapshot | None]" = queue.Queue(1)
             try:
                 self._donor_q.put_nowait((request, box))

@@ -41,9 +41,11 @@ class GradBuffer:
         self.grad_numel = sum(p.numel() for p in self.params)
         self.flat = torch.zeros(self.grad_numel + max_slots + 1, dtype=torch.float32, device=device)
         self._views: list[torch.Tensor] = []
+        self._offsets: list[int] = []
         offset = 0
         for p in self.params:
             self._views.append(self.flat[offset:offset + p.numel()].view(p.shape))
+            self._offsets.append(offset)
             offset += p.numel()
         self._saved: torch.Tensor | None = None
 
@@ -85,11 +87,19 @@ class GradBuffer:
             raise SlotCollisionError(f"contributor count {count} disagrees with {sum(out)} marked slots")
         return out
 
-    def unpack(self, divisor: float) -> None:
-        """Write buffer / divisor into each p.grad (allocating grads that are None)."""
+    def unpack(self, divisor: float, source: torch.Tensor | None = None) -> None:
+        """Write buffer / divisor into each p.grad (allocating grads that are None).
+
+        `source` (same layout as `flat`) reads another reduced buffer, e.g. a logged step, so
+        that a background catch-up never touches the buffer the training thread allreduces."""
         if isinstance(divisor, bool) or not isinstance(divisor, (int, float)) or not math.isfinite(divisor) or divisor <= 0:
             raise ValueError(f"divisor must be a finite positive number, got {divisor!r}")
-        for p, view in zip(self.params, self._views):
+        views = self._views
+        if source is not None and source is not self.flat:
+            if source.shape != self.flat.shape:
+                raise ValueError(f"source of shape {tuple(source.shape)} does not match the buffer {tuple(self.flat.shape)}")
+            views = [source[o:o + p.numel()].view(p.shape) for p, o in zip(self.params, self._offsets)]
+        for p, view in zip(self.params, views):
             if p.grad is None:
                 p.grad = torch.empty_like(p)
             if p.grad.dtype == torch.float32 and p.grad.device == self.flat.device:

@@ -146,3 +146,24 @@ def test_bad_construction_is_rejected() -> None:
         GradBuffer([])
     with pytest.raises(ValueError, match="max_slots"):
         GradBuffer([torch.nn.Parameter(torch.ones(1))], max_slots=0)
+
+
+def test_unpack_from_another_buffer_leaves_flat_alone_and_matches() -> None:
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(3, 5)), torch.nn.Parameter(torch.randn(7))]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    buf = GradBuffer(params, max_slots=4)
+    buf.pack(1)
+    logged = buf.flat.clone() * 3.0
+    before = buf.flat.clone()
+    buf.unpack(3.0, source=logged)
+    assert torch.equal(buf.flat, before)  # the training thread's buffer is untouched
+    ref = GradBuffer(params, max_slots=4)
+    ref.flat.copy_(logged)
+    expect = [p.grad.clone() for p in params]
+    ref.unpack(3.0)
+    for p, e in zip(params, expect):
+        assert torch.equal(p.grad, e)  # bit-identical to unpacking a copy in place
+    with pytest.raises(ValueError, match="does not match"):
+        buf.unpack(1.0, source=torch.zeros(5))
