@@ -1,0 +1,221 @@
+"""One HSDP replica of the example language-model job: R ranks, FSDP2 inside, p2pft across.
+
+Start it with torchrun (one torchrun per replica; it restarts the replica as a whole)::
+
+    torchrun --nproc-per-node 2 -m p2pft.trainer.examples.hsdp_replica --replica-id a --listen 127.0.0.1:7100
+    torchrun --nproc-per-node 2 --master-port 29501 -m p2pft.trainer.examples.hsdp_replica \\
+        --replica-id b --listen 127.0.0.1:7101 --seeds 127.0.0.1:7100
+
+or with the small local launcher built in (``--nproc-per-node 2`` without torchrun's RANK
+environment): it spawns the ranks with RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and
+MASTER_PORT set and, when any rank dies, kills the others and exits non-zero: the replica fails
+and restarts as a whole (the test harness restarts it). Rank 0 appends one JSON line per step
+to ``--stats``, with every rank's shard digest every ``--digest-every`` steps.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+T_START = time.time()
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--replica-id", default=os.environ.get("P2PFT_REPLICA_ID"), help="env P2PFT_REPLICA_ID")
+    p.add_argument("--listen", default=os.environ.get("P2PFT_LISTEN", "127.0.0.1:0"), help="env P2PFT_LISTEN")
+    p.add_argument("--seeds", default=os.environ.get("P2PFT_SEEDS", ""), help="env P2PFT_SEEDS")
+    p.add_argument("--secret-file", default=os.environ.get("P2PFT_SECRET_FILE"))
+    p.add_argument("--nproc-per-node", type=int, default=0, help="local launcher: spawn this many ranks")
+    p.add_argument("--model", default="tiny", choices=["tiny", "small"])
+    p.add_argument("--batch", type=int, default=8, help="samples per replica per step (split over the ranks)")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--lr-policy", default="sqrt", choices=["none", "linear", "sqrt"])
+    p.add_argument("--replicas", type=int, default=2, help="nominal number of replicas (learning-rate policy)")
+    p.add_argument("--step-delay", type=float, default=0.0, help="emulated accelerator seconds per step")
+    p.add_argument("--steps", type=int, default=0, help="stop after this many committed steps (0: no limit)")
+    p.add_argument("--duration", type=float, default=0.0, help="stop after this many seconds (0: no limit)")
+    p.add_argument("--stats", default=None, help="JSON-lines file for per-step records (rank 0)")
+    p.add_argument("--digest-every", type=int, default=5)
+    p.add_argument("--min-replicas", type=int, default=1, help="wait for this many participants before step 0")
+    p.add_argument("--go-file", default=None, help="wait until this file exists before training")
+    p.add_argument("--seed", type=int, default=0, help="model init seed (the same on every replica)")
+    p.add_argument("--log-level", default=os.environ.get("P2PFT_LOG_LEVEL", "WARNING"))
+    args = p.parse_args(argv)
+    if not args.replica_id:
+        p.error("--replica-id is required (or set P2PFT_REPLICA_ID)")
+    return args
+
+
+# ---------------------------------------------------------------------- local launcher
+def _die_with_parent() -> None:
+    """Child side: SIGKILL when the launcher dies, so a killed launcher leaves no orphan rank."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def launch(nproc: int, argv: list[str]) -> int:
+    """Spawn `nproc` ranks of this script; any rank dying kills the whole replica."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for r in range(nproc):
+        env = dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+        procs.append(subprocess.Popen([sys.executable, "-m", "p2pft.trainer.examples.hsdp_replica", *argv],
+                                      env=env, preexec_fn=_die_with_parent))
+    stopping = {"t": None}
+
+    def on_term(signum: int, frame: object) -> None:
+        stopping["t"] = time.monotonic()
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGINT, on_term)
+    while True:
+        rcs = [p.poll() for p in procs]
+        failed = [rc for rc in rcs if rc is not None and rc != 0]
+        if failed or (stopping["t"] is not None and time.monotonic() - stopping["t"] > 30):
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+            for p in procs:
+                p.wait()
+            print(f"hsdp launcher: a rank exited with {failed}; replica torn down", file=sys.stderr, flush=True)
+            return 1
+        if all(rc == 0 for rc in rcs):
+            return 0
+        time.sleep(0.02)
+
+
+# ---------------------------------------------------------------------- one rank
+def worker(args: argparse.Namespace) -> int:
+    from datetime import timedelta
+
+    import torch
+    import torch._dynamo  # noqa: F401  (imported lazily by the first optimizer step otherwise)
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:  # torch < 2.6
+        from torch.distributed._composable.fsdp import fully_shard  # type: ignore[no-redef]
+
+    from p2pft.log import setup_logging
+    from p2pft.trainer.data import TextDataset
+    from p2pft.trainer.hsdp import HSDP, Stopped
+    from p2pft.trainer.model import model_config_for
+    from p2pft.wire import load_secret
+
+    setup_logging(args.log_level)
+    torch.set_num_threads(1)
+    cuda = torch.cuda.is_available()
+    backend = "nccl" if cuda else "gloo"
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend, timeout=timedelta(seconds=300))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    t_imported = time.time()
+    torch.manual_seed(args.seed)
+    cfg = model_config_for(args.model)
+    model = cfg.build()
+    data = TextDataset(cfg.seq_len)
+    mesh = init_device_mesh("cuda" if cuda else "cpu", (world,))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.99))
+    stop = {"flag": False}
+
+    box: list[HSDP] = []
+
+    def on_term(signum: int, frame: object) -> None:
+        stop["flag"] = True
+        if box:
+            box[0].request_stop()
+    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGINT, on_term)
+    rep = HSDP.start(model, opt, replica_id=args.replica_id, listen=args.listen,
+                     seeds=[s for s in args.seeds.split(",") if s], secret=load_secret(args.secret_file),
+                     batch_per_replica=args.batch, nominal_replicas=args.replicas, lr_policy=args.lr_policy)
+    box.append(rep)
+    pids: list[int | None] = [None] * world
+    dist.all_gather_object(pids, os.getpid())
+    fh = open(args.stats, "a", buffering=1) if (args.stats and rank == 0) else None
+
+    def write(rec: dict) -> None:
+        if fh is not None:
+            fh.write(json.dumps(rec, separators=(",", ":")) + "\n")
+
+    if rep.rt is not None:
+        write({"t": time.time(), "kind": "start", "t_process": T_START, "t_imported": t_imported,
+               "node": rep.rt.node_id, "pids": pids, "step": rep.step})
+    if args.go_file:
+        deadline = time.monotonic() + 600
+        while not os.path.exists(args.go_file) and time.monotonic() < deadline and not stop["flag"]:
+            time.sleep(0.02)
+    if rep.rt is not None and args.min_replicas > 1:
+        rt = rep.rt  # a restarted replica is made a joiner: it has nobody to wait for
+        rt.wait_view(lambda v: len(rt.participants(v)) >= args.min_replicas
+                     or (rt.me(v) or {}).get("role") == "joiner", timeout=60.0)
+    dist.barrier()
+    deadline = time.monotonic() + args.duration if args.duration else float("inf")
+    last_epoch = -1
+    while True:
+        done = stop["flag"] or time.monotonic() > deadline or bool(args.steps and rep.step >= args.steps)
+        try:
+            idx = rep.begin(stop=done)
+            rep.zero_grad()
+            if idx:
+                model.loss(data.batch(idx).to("cuda" if cuda else "cpu")).backward()
+            if args.step_delay:
+                time.sleep(args.step_delay)
+            res = rep.commit()
+        except Stopped:
+            break
+        digests = rep.digests() if res.committed and args.digest_every and res.step % args.digest_every == 0 else None
+        if rep.rt is not None:
+            view = rep.rt.view or {"epoch": 0}
+            rec = {"t": time.time(), "step": res.step, "c": int(res.committed), "role": res.role,
+                   "n": res.contributors, "r": res.retries, "e": view["epoch"]}
+            if res.trained:
+                rec["tr"] = res.trained
+            if digests:
+                rec["digest"] = ",".join(digests)  # shard digests in rank order
+            if view["epoch"] != last_epoch:
+                last_epoch = view["epoch"]
+                rec["view"] = [[m["replica_id"], m["role"][0]] for m in view.get("members", [])]
+            write(rec)
+            for ev in list(rep.events):
+                write({**ev, "kind": "event", "event": ev["kind"]})
+        rep.events.clear()
+    digests = rep.digests()
+    write({"t": time.time(), "kind": "exit", "step": rep.step, "digest": ",".join(digests)})
+    if fh is not None:
+        fh.close()
+    rep.close()
+    dist.destroy_process_group()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    if args.nproc_per_node and "RANK" not in os.environ:
+        return launch(args.nproc_per_node, argv)
+    return worker(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
