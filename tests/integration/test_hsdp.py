@@ -95,7 +95,8 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def test_hsdp_rank_kill_survivor_continues_and_replica_rejoins(tmp_path: Path) -> None:
+@pytest.mark.parametrize("victim", [1, 0], ids=["rank1", "leader"])
+def test_hsdp_rank_kill_survivor_continues_and_replica_rejoins(tmp_path: Path, victim: int) -> None:
     t0 = time.time()
     c = Cluster(tmp_path)
     c.spawn_witnesses()
@@ -106,7 +107,7 @@ def test_hsdp_rank_kill_survivor_continues_and_replica_rejoins(tmp_path: Path) -
         c.wait(lambda: c.last_step("a") >= 6 and c.last_step("b0") >= 6, 60, "6 steps on both replicas")
         start = [r for r in records(c.stats["b0"]) if r.get("kind") == "start"][0]
         b_pids = [int(p) for p in start["pids"]]
-        os.kill(b_pids[1], signal.SIGKILL)  # one rank of replica B
+        os.kill(b_pids[victim], signal.SIGKILL)  # one rank of replica B
         t_kill = time.time()
         at_kill = c.last_step("a")
         c.wait(lambda: c.procs["b0"].poll() is not None, 10, "B's launcher to tear B down", allow_exit=("b0",))
@@ -152,6 +153,9 @@ def test_hsdp_rank_kill_survivor_continues_and_replica_rejoins(tmp_path: Path) -
     a_steps_d = {r["step"] for r in steps(c.stats["a"]) if "digest" in r}
     compared = sorted(b1_steps & a_steps_d)
     assert len(compared) >= 2 and all(len(digests[s].split(",")) == 2 for s in compared)
-    print(f"\nHSDP: kill->A alone {during[0]['t'] - t_kill:.2f} s, A's longest gap {longest:.2f} s, "
-          f"restart->B contributes {t_back - t_restart:.2f} s, catch-up {done[0].get('fetch_s')} s fetch, "
-          f"digests equal at steps {compared}, total {time.time() - t0:.1f} s")
+    b1_start = [r for r in records(c.stats["b1"]) if r.get("kind") == "start"][0]
+    print(f"\nHSDP, rank {victim} of B killed: first commit of A alone {during[0]['t'] - t_kill:.2f} s after the "
+          f"kill, A's longest gap {longest:.2f} s; restart -> B contributes {t_back - t_restart:.2f} s (launch -> "
+          f"ranks up {b1_start['t'] - b1_start['t_launch']:.2f} s, then {t_back - b1_start['t']:.2f} s: join, "
+          f"snapshot {done[0].get('fetch_s', 0):.3f} s, replay {done[0].get('replayed')}, promotion); digests "
+          f"equal at steps {compared}; total {time.time() - t0:.1f} s")

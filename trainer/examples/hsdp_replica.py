@@ -71,7 +71,8 @@ def launch(nproc: int, argv: list[str]) -> int:
     procs = []
     for r in range(nproc):
         env = dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+                   P2PFT_T_LAUNCH=str(T_START))
         procs.append(subprocess.Popen([sys.executable, "-m", "p2pft.trainer.examples.hsdp_replica", *argv],
                                       env=env, preexec_fn=_die_with_parent))
     stopping = {"t": None}
@@ -160,7 +161,8 @@ def worker(args: argparse.Namespace) -> int:
 
     if rep.rt is not None:
         write({"t": time.time(), "kind": "start", "t_process": T_START, "t_imported": t_imported,
-               "node": rep.rt.node_id, "pids": pids, "step": rep.step})
+               "node": rep.rt.node_id, "pids": pids, "step": rep.step,
+               "t_launch": float(os.environ.get("P2PFT_T_LAUNCH", T_START))})
     if args.go_file:
         deadline = time.monotonic() + 600
         while not os.path.exists(args.go_file) and time.monotonic() < deadline and not stop["flag"]:
