@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import logging
 import queue
+import socket
+import struct
 import threading
 import time
 from collections import deque
@@ -111,6 +113,15 @@ class HSDP:
         self._plan_view: dict[str, Any] | None = None
         self._deadline = 0.0
         self.ds.serve_state(self._provide)
+        # Newer data epochs reach the non-leader ranks over a tiny side channel (a blocked
+        # collective could not deliver them), so their stale communicators abort as rank 0's do.
+        self._listener: socket.socket | None = None
+        host = self.ds.addr.rsplit(":", 1)[0].strip("[]")
+        if self.rank != 0:
+            self._listener = socket.create_server((host, 0))
+            threading.Thread(target=self._epoch_listener, daemon=True, name="p2pft-hsdp-epochs").start()
+        port = self._listener.getsockname()[1] if self._listener is not None else 0
+        self._notify = [tuple(a) for a in agree((host, port), group)[1:]]
         if self.rt is not None:
             self.rt.set_status("ready", self.step)
             self.rt.publish_step(self.step)
@@ -202,6 +213,8 @@ class HSDP:
             c.close()
         if self.rt is not None:
             self.rt.close(leave=True)
+        if self._listener is not None:
+            self._listener.close()
         self.ds.close()
 
     # ------------------------------------------------------------------ one attempt
@@ -365,21 +378,58 @@ class HSDP:
             rt.request_new_data_epoch(d)
             rt.wait_view(lambda v: rt.data_epoch(v) > d, max(0.0, min(self._deadline - time.monotonic(), 5.0)))
 
+    def _abort_below(self, d: int) -> None:
+        with self._comm_lock:
+            stale = [c for k, c in self._comms.items() if k < d]
+        for c in stale:
+            c.abort(f"superseded by data epoch {d}")
+
     def _abort_superseded(self) -> None:
-        """Rank 0: a newer data epoch aborts this rank's older communicator (unblocks an
-        allreduce waiting on a dead peer). Other ranks rely on the transport's own errors."""
+        """Rank 0: a newer data epoch aborts the older communicators of every rank of the
+        replica (unblocks an allreduce waiting on a dead or stalled peer at once)."""
         rt = self.rt
         assert rt is not None
         seen = -1
+        socks: dict[int, socket.socket] = {}
         while not rt._closed:
             v = rt.wait_view(lambda v: rt.data_epoch(v) > seen, 1.0)
             if v is None:
                 continue
             seen = rt.data_epoch(v)
-            with self._comm_lock:
-                stale = [c for k, c in self._comms.items() if k < seen]
-            for c in stale:
-                c.abort(f"superseded by data epoch {seen}")
+            self._abort_below(seen)
+            for i, addr in enumerate(self._notify):
+                for _ in range(2):  # one reconnect: the rank may have restarted its accept
+                    try:
+                        if i not in socks:
+                            socks[i] = socket.create_connection(addr, timeout=1.0)
+                        socks[i].sendall(struct.pack(">q", seen))
+                        break
+                    except OSError:
+                        old = socks.pop(i, None)
+                        if old is not None:
+                            old.close()
+
+    def _epoch_listener(self) -> None:
+        """Non-leader ranks: abort communicators older than each data epoch rank 0 announces."""
+        assert self._listener is not None
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return  # closed
+            with conn:
+                buf = b""
+                while True:
+                    try:
+                        chunk = conn.recv(64)
+                    except OSError:
+                        break
+                    if not chunk:
+                        break
+                    buf += chunk
+                    while len(buf) >= 8:
+                        (d,), buf = struct.unpack(">q", buf[:8]), buf[8:]
+                        self._abort_below(d)
 
     # ------------------------------------------------------------------ catch-up (per shard)
     def _start_catchup(self) -> None:
