@@ -16,7 +16,8 @@ A rule (``Rule``) combines:
   and new ones are still accepted (a dead link whose endpoints have not noticed). Because TCP
   never loses bytes from the middle of a stream, a connection that lost bytes cannot carry a
   valid stream afterwards: when the cut heals the proxy resets it (as a connection that hit its
-  retransmission timeout during a long outage would be), and the endpoints reconnect.
+  retransmission timeout during a long outage would be), and the endpoints reconnect. A close
+  or reset in a cut direction is not passed on either: the other end learns of it at the heal.
 - ``delay`` and ``jitter``: every chunk (one ``read()`` of up to 64 KiB) is held for
   ``delay ± uniform(jitter)`` seconds; order is kept (a chunk never overtakes the one before).
 - ``drop`` with probability p: TCP cannot lose bytes either, so a lost segment is modelled as
@@ -99,7 +100,16 @@ class _Pipe:
         nf = self.conn.nf
         loop = asyncio.get_running_loop()
         while True:
-            data = await self.reader.read(READ_CHUNK)
+            try:
+                data = await self.reader.read(READ_CHUNK)
+            except (ConnectionError, OSError):
+                if nf.rule_for(self.src, self.dst).blackhole:
+                    self.tainted = True    # a reset cannot cross a dead link either: hold until healed
+                    return
+                raise
+            if not data and nf.rule_for(self.src, self.dst).blackhole:
+                self.tainted = True        # nor can a FIN: the other end learns at the heal (reset)
+                return
             if not data:
                 break
             rule = nf.rule_for(self.src, self.dst)

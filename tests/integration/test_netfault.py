@@ -156,6 +156,25 @@ def test_blackhole_discards_keeps_connections_open_and_resets_them_on_heal(nf: N
         x.close()
 
 
+def test_a_close_does_not_cross_a_cut(nf: NetFault, server: Server) -> None:
+    """The node closing its end during a cut is not seen by the client until the heal."""
+    proxy = nf.add_proxy(f"{ip(2)}:0", server.addr)
+    a = ip(1)
+    s = client(proxy, a)
+    assert recv_n(s, 2) == b"hi"
+    nf.isolate(a)
+    for c in server.conns:
+        c.shutdown(socket.SHUT_RDWR)
+    assert silent_for(s, 0.5)                  # no FIN through a dead link
+    nf.heal()
+    s.settimeout(2.0)
+    try:
+        assert s.recv(1) == b""
+    except ConnectionResetError:
+        pass
+    s.close()
+
+
 def test_one_way_cut_blocks_one_direction_only(nf: NetFault, server: Server) -> None:
     proxy = nf.add_proxy(f"{ip(2)}:0", server.addr)
     a, b = ip(1), ip(2)
