@@ -22,13 +22,14 @@ agree on (every rank reports readiness in the verdict).
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import socket
 import struct
 import threading
 import time
 from collections import deque
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -43,6 +44,16 @@ from .lr import LRPolicy, apply_lr_scale, base_lrs, lr_scale
 from .shardstate import ShardStepBuffer, capture_shard, restore_shard, shard_digest
 
 log = logging.getLogger(__name__)
+
+_PING = struct.pack(">q", -1)  # on the side channel: "answer if you are running"
+RANK_TIMEOUT_S = 10.0          # a rank silent for this long takes its replica down
+
+
+def _exit_replica(rank: int, silent_s: float) -> None:
+    """Default reaction to a stalled rank: end this process; the launcher then ends the rest of
+    the replica and restarts it whole (the replica is the unit of failure)."""
+    logging.shutdown()
+    os._exit(75)
 
 __all__ = ["HSDP", "StepResult", "StepTimeout", "Stopped", "agree", "append_replay"]
 
@@ -75,7 +86,8 @@ class HSDP:
                  runtime: Runtime | None, batch_per_replica: int, nominal_replicas: int | None = None,
                  lr_policy: str = "sqrt", max_slots: int = 256, replay_cap_bytes: int = 1 << 30,
                  step_timeout: float = 120.0, comm_timeout: float = 10.0, secret: bytes | None = None,
-                 state_rate_limit: float | None = None, group: Any = None) -> None:
+                 state_rate_limit: float | None = None, group: Any = None, rank_timeout: float = RANK_TIMEOUT_S,
+                 on_rank_lost: Callable[[int, float], None] = _exit_replica) -> None:
         self.group = group
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
@@ -116,16 +128,21 @@ class HSDP:
         # Newer data epochs reach the non-leader ranks over a tiny side channel (a blocked
         # collective could not deliver them), so their stale communicators abort as rank 0's do.
         self._listener: socket.socket | None = None
+        self._side_slots = threading.BoundedSemaphore(8)
         host = self.ds.addr.rsplit(":", 1)[0].strip("[]")
         if self.rank != 0:
             self._listener = socket.create_server((host, 0))
             threading.Thread(target=self._epoch_listener, daemon=True, name="p2pft-hsdp-epochs").start()
         port = self._listener.getsockname()[1] if self._listener is not None else 0
         self._notify = [tuple(a) for a in agree((host, port), group)[1:]]
+        self.rank_timeout = rank_timeout
+        self._on_rank_lost = on_rank_lost
         if self.rt is not None:
             self.rt.set_status("ready", self.step)
             self.rt.publish_step(self.step)
             threading.Thread(target=self._abort_superseded, daemon=True, name="p2pft-hsdp-views").start()
+            if self._notify:
+                threading.Thread(target=self._watch_ranks, daemon=True, name="p2pft-hsdp-watch").start()
 
     @classmethod
     def start(cls, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, replica_id: str, listen: str,
@@ -409,27 +426,82 @@ class HSDP:
                         if old is not None:
                             old.close()
 
+    def _watch_ranks(self) -> None:
+        """Rank 0: ping every other rank on the side channel. A rank that is stopped or wedged
+        keeps its sockets open, so no peer sees an error, and rank 0 (which still answers
+        gossip) would keep the replica in the view while the other replicas' allreduces time
+        out again and again. Past `rank_timeout` of silence, rank 0 leaves the view at once and
+        takes the replica down, to be restarted whole."""
+        rt = self.rt
+        assert rt is not None
+        conns: dict[int, socket.socket] = {}
+        last_ok = {i: time.monotonic() for i in range(len(self._notify))}
+        while not self._stop.is_set() and not rt._closed:
+            for i, addr in enumerate(self._notify):
+                try:
+                    if i not in conns:
+                        conns[i] = socket.create_connection(addr, timeout=1.0)
+                    conns[i].settimeout(1.0)
+                    conns[i].sendall(_PING)
+                    if not conns[i].recv(1):
+                        raise ConnectionError("closed")
+                    last_ok[i] = time.monotonic()
+                except OSError:
+                    old = conns.pop(i, None)
+                    if old is not None:
+                        old.close()
+                silent = time.monotonic() - last_ok[i]
+                if silent > self.rank_timeout and not self._stop.is_set() and not rt._closed:
+                    log.error("rank %d of this replica has not answered for %.1f s: leaving the view and "
+                              "taking the replica down (it restarts whole)", i + 1, silent)
+                    rt.close(leave=True, timeout=2.0)
+                    self._on_rank_lost(i + 1, silent)
+                    return
+            time.sleep(0.5)
+        for c in conns.values():
+            c.close()
+
     def _epoch_listener(self) -> None:
-        """Non-leader ranks: abort communicators older than each data epoch rank 0 announces."""
+        """Non-leader ranks: accept rank 0's side-channel connections (epochs, pings)."""
         assert self._listener is not None
         while True:
             try:
                 conn, _ = self._listener.accept()
             except OSError:
                 return  # closed
-            with conn:
-                buf = b""
-                while True:
+            if not self._side_slots.acquire(blocking=False):
+                conn.close()  # only rank 0 connects here (two connections); refuse a flood
+                continue
+            threading.Thread(target=self._side_channel, args=(conn,), daemon=True,
+                             name="p2pft-hsdp-side").start()
+
+    def _side_channel(self, conn: socket.socket) -> None:
+        """Abort communicators older than each data epoch rank 0 announces; answer pings."""
+        try:
+            self._serve_side(conn)
+        finally:
+            conn.close()
+            self._side_slots.release()
+
+    def _serve_side(self, conn: socket.socket) -> None:
+        buf = b""
+        while True:
+            try:
+                chunk = conn.recv(64)
+            except OSError:
+                return
+            if not chunk:
+                return
+            buf += chunk
+            while len(buf) >= 8:
+                (d,), buf = struct.unpack(">q", buf[:8]), buf[8:]
+                if d < 0:
                     try:
-                        chunk = conn.recv(64)
+                        conn.sendall(b"\x01")
                     except OSError:
-                        break
-                    if not chunk:
-                        break
-                    buf += chunk
-                    while len(buf) >= 8:
-                        (d,), buf = struct.unpack(">q", buf[:8]), buf[8:]
-                        self._abort_below(d)
+                        return
+                else:
+                    self._abort_below(d)
 
     # ------------------------------------------------------------------ catch-up (per shard)
     def _start_catchup(self) -> None:

@@ -47,6 +47,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--min-replicas", type=int, default=1, help="wait for this many participants before step 0")
     p.add_argument("--go-file", default=None, help="wait until this file exists before training")
     p.add_argument("--seed", type=int, default=0, help="model init seed (the same on every replica)")
+    p.add_argument("--intra-timeout", type=float, default=300.0,
+                   help="seconds an in-replica collective may wait for a rank before this rank fails "
+                        "(a stalled rank then takes its whole replica down, to be restarted); keep it "
+                        "above the step timeout, since ranks also wait while rank 0 waits for a view")
+    p.add_argument("--rank-timeout", type=float, default=10.0,
+                   help="rank 0 takes the replica down when another rank has not answered its pings "
+                        "for this long (a stopped or wedged rank)")
     p.add_argument("--log-level", default=os.environ.get("P2PFT_LOG_LEVEL", "WARNING"))
     args = p.parse_args(argv)
     if not args.replica_id:
@@ -125,7 +132,7 @@ def worker(args: argparse.Namespace) -> int:
     backend = "nccl" if cuda else "gloo"
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend, timeout=timedelta(seconds=300))
+    dist.init_process_group(backend, timeout=timedelta(seconds=args.intra_timeout))
     rank, world = dist.get_rank(), dist.get_world_size()
     t_imported = time.time()
     torch.manual_seed(args.seed)
@@ -149,7 +156,8 @@ def worker(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, on_term)
     rep = HSDP.start(model, opt, replica_id=args.replica_id, listen=args.listen,
                      seeds=[s for s in args.seeds.split(",") if s], secret=load_secret(args.secret_file),
-                     batch_per_replica=args.batch, nominal_replicas=args.replicas, lr_policy=args.lr_policy)
+                     batch_per_replica=args.batch, nominal_replicas=args.replicas, lr_policy=args.lr_policy,
+                     rank_timeout=args.rank_timeout)
     box.append(rep)
     pids: list[int | None] = [None] * world
     dist.all_gather_object(pids, os.getpid())
