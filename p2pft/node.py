@@ -28,6 +28,7 @@ PARTICIPANT, JOINER, WITNESS = "participant", "joiner", "witness"
 BOOTSTRAP_GIVE_UP = 10     # bootstrap waits for the lowest seed at most this many bootstrap_waits
 RESUME_GRACE_S = 5.0       # with no participant left, wait this long for one at the high-water step
 PROMOTE_SLACK_STEPS = 8    # a 'ready' joiner this close to the head is current (see _desired)
+LEFT_KEEP = 128            # trainers recently left out of a view, carried in the view ("left")
 TRAINER_KIND, WITNESS_KIND = "trainer", "witness"
 
 
@@ -454,6 +455,8 @@ class Node:
         else:
             self._headless_since = None
         epoch = self.raft.last_index + 1
+        left_list = [str(n) for n in cur.get("left", ())]
+        left = set(left_list)
         chosen: list[tuple[Any, str]] = []
         for _, m in newest.values():
             prev = cur_members.get(m.node)
@@ -469,8 +472,12 @@ class Node:
                 st = int(m.meta.get("st", -1))
                 current = st >= head - PROMOTE_SLACK_STEPS if head is not None else st == resume_at
                 role = PARTICIPANT if status == "ready" and current else JOINER
-            elif status == "ready" and int(m.meta.get("st", -1)) == (head if head is not None else resume_at):
-                role = PARTICIPANT  # a fresh replica at the cluster's step: nothing to catch up
+            elif (status == "ready" and int(m.meta.get("st", -1)) == (head if head is not None else resume_at)
+                  and (head is None or m.node not in left)):
+                # A fresh replica at the cluster's step: nothing to catch up. Not one that was
+                # left out of an earlier view: it may hold a step the others redid without it
+                # (its allreduce finished, theirs failed), so it comes back through catch-up.
+                role = PARTICIPANT
             else:
                 role = JOINER
             chosen.append((m, role))
@@ -493,7 +500,12 @@ class Node:
         # than the failure timeout) asks for a fresh data epoch by naming the one that failed.
         if any(int(m.meta.get("rb", 0)) >= data_epoch for _, m in newest.values() if m.node in data):
             data_epoch = epoch
-        return {"members": members, "voters": voters, "data_epoch": data_epoch, "hw": self.high_water}
+        now_in = {m["node"] for m in members}
+        dropped = sorted(m["node"] for m in cur["members"] if m["role"] != WITNESS and m["node"] not in now_in
+                         and m["node"] not in left)
+        left_list = (left_list + dropped)[-LEFT_KEEP:]
+        return {"members": members, "voters": voters, "data_epoch": data_epoch, "hw": self.high_water,
+                "left": left_list}
 
     def _next_voters(self, cur: dict[str, Any], members: list[dict[str, Any]], now: float) -> list[str]:
         """At most one voter added or removed per view (Raft's single-server change).

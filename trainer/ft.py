@@ -114,6 +114,7 @@ class FaultTolerant:
         self._catchup_running = False  # a background catch-up worker owns model and optimizer
         self.catchup_timeout = 600.0   # one worker's budget; the next logged step starts another
         self._stop = threading.Event()
+        self._was_participant = False
         self.ckpt = AsyncCheckpointer(checkpoint_dir) if checkpoint_dir else None
         self.checkpoint_every = checkpoint_every
         if self.ckpt is not None and resume:
@@ -125,7 +126,9 @@ class FaultTolerant:
     # ------------------------------------------------------------------ public loop API
     def begin(self) -> list[int]:
         """Sample indices this replica trains on for the current step ([] = contribute nothing)."""
-        me = self.rt.me()
+        view = self.rt.view
+        me = self.rt.me(view)
+        self._note_role(me, view)
         if me is not None and me["role"] == PARTICIPANT and self.synced and me["slot"] is not None:
             self._slot = int(me["slot"])
             self._ranges = self.cursor.assign(self._slot)
@@ -153,6 +156,7 @@ class FaultTolerant:
                 raise StepTimeout(f"no view to commit step {self.step} in within {self.step_timeout} s")
             view = self.rt.view
             me = self.rt.me(view)
+            self._note_role(me, view)
             if me is None or me["role"] not in (PARTICIPANT, JOINER):
                 self.rt.wait_view(lambda v: (self.rt.me(v) or {}).get("role") in (PARTICIPANT, JOINER),
                                   timeout=min(1.0, max(0.0, deadline - time.monotonic())))
@@ -260,6 +264,23 @@ class FaultTolerant:
         return state_digest(self.model, self.opt)
 
     # ------------------------------------------------------------------ errors and views
+    def _note_role(self, me: dict[str, Any] | None, view: dict[str, Any] | None) -> None:
+        """A participant that finds itself left out of a view (absent, or a joiner it did not
+        ask to be) may hold a step the others redid without it: its allreduce can finish while
+        theirs fail. It must not contribute again from that state: it catches up from a
+        snapshot first (the leader, for its part, never re-admits it directly)."""
+        role = me["role"] if me is not None else None
+        if role == PARTICIPANT:
+            self._was_participant = True
+        elif self._was_participant and view is not None:
+            self._was_participant = False
+            if self.synced:
+                log.warning("left out of view %d after being a participant at step %d: catching up from a "
+                            "snapshot before contributing again", view["epoch"], self.step)
+                self.events.append({"t": time.time(), "kind": "excluded", "step": self.step,
+                                    "epoch": view["epoch"]})
+                self._start_catchup(view)
+
     def _on_comm_error(self, exc: CommError, view: dict[str, Any], deadline: float) -> None:
         d = self.rt.data_epoch(view)
         peer = self.rt.peer_of_data_addr(exc.peer_addr, view)

@@ -123,6 +123,8 @@ class HSDP:
         self._snapshot: StateSnapshot | None = None
         self._stop = threading.Event()
         self._plan_view: dict[str, Any] | None = None
+        self._was_participant = False  # rank 0: see _plan
+        self._rejoin_pending = False
         self._deadline = 0.0
         self.ds.serve_state(self._provide)
         # Newer data epochs reach the non-leader ranks over a tiny side channel (a blocked
@@ -201,6 +203,10 @@ class HSDP:
                 raise StepTimeout(f"no view to commit step {self.step} in within {self.step_timeout} s")
             if plan["kind"] == "wait":
                 continue
+            if plan["rejoin"] and self.synced:
+                log.warning("left out of a view after being a participant at step %d: catching up from a "
+                            "snapshot before contributing again", self.step)
+                self._start_catchup()
             if plan["demote"] and slot is not None:
                 slot = None  # demoted or re-slotted while computing: these gradients must not count
                 self.buf.pack_step(None, self.step)
@@ -245,6 +251,14 @@ class HSDP:
             return {"kind": "timeout"}
         view = rt.view
         me = rt.me(view)
+        # Left out of a view after being a participant (absent, or a joiner it did not ask to
+        # be): this replica may hold a step the others redid without it, so every rank catches
+        # up from a snapshot before contributing again (see FaultTolerant._note_role).
+        if me is not None and me["role"] == PARTICIPANT:
+            self._was_participant = True
+        elif self._was_participant and view is not None:
+            self._was_participant = False
+            self._rejoin_pending = True
         if view is None or me is None or me["role"] not in (PARTICIPANT, JOINER):
             rt.wait_view(lambda v: (rt.me(v) or {}).get("role") in (PARTICIPANT, JOINER),
                          timeout=min(1.0, max(0.0, self._deadline - time.monotonic())))
@@ -255,14 +269,16 @@ class HSDP:
             log.error("data-plane members %s do not have %d shards; waiting for another view", bad, self.world)
             rt.wait_view(lambda v: v["epoch"] > view["epoch"], 0.5)
             return {"kind": "wait"}
-        still_mine = slot is not None and self.synced and me["role"] == PARTICIPANT and me["slot"] == slot
+        rejoin, self._rejoin_pending = self._rejoin_pending, False
+        still_mine = (slot is not None and self.synced and not rejoin and me["role"] == PARTICIPANT
+                      and me["slot"] == slot)
         donors = [m for m in view["members"] if m["role"] == PARTICIPANT and m["node"] != rt.node_id]
         donor = min(donors, key=lambda m: m["slot"] if m["slot"] is not None else 1 << 30) if donors else None
         self._plan_view = view
         return {"kind": "allreduce", "epoch": view["epoch"], "d": rt.data_epoch(view),
                 "rank": [m["node"] for m in members].index(rt.node_id),
                 "addrs": [m["data_addr"] for m in members], "contribute": still_mine,
-                "demote": slot is not None and not still_mine, "role": me["role"],
+                "demote": slot is not None and not still_mine, "role": me["role"], "rejoin": rejoin,
                 "donor": (donor["node"], donor["data_addr"]) if donor else None}
 
     def _comm(self, d: int, rank: int, peers: list[str]) -> Any:
