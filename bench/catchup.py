@@ -123,6 +123,11 @@ def main() -> int:
 
     before = step_times(0, t_join)
     during = step_times(t_start, t_done)
+    # Once promoted the joiner trains too: on a host with fewer cores than replicas that alone
+    # slows every replica, so the steps after promotion are the baseline for what a third
+    # replica costs, separate from what the catch-up costs.
+    t_three = min((float(r["t"]) for r in r0 if r.get("n") == 3), default=float("inf"))
+    after = step_times(t_three, float("inf"))
     steps_during = sum(1 for r in r0 if t_start <= r["t"] <= t_done)
     digests: dict[int, set[str]] = {}
     for i in range(3):
@@ -135,12 +140,16 @@ def main() -> int:
     equal = all(len(digests[s]) == 1 for s in compared) and bool(compared)
     med_before = statistics.median(before) if before else float("nan")
     med_during = statistics.median(during) if during else float("nan")
+    med_after = statistics.median(after) if after else float("nan")
     out = {
         "params": args.params, "state_mb": round(args.params * 3 * 4 / 1e6, 1),
         "step_delay_s": args.step_delay,
         "survivor_step_p50_before_s": round(med_before, 4),
         "survivor_step_p50_during_s": round(med_during, 4),
         "slowdown": round(med_during / med_before - 1.0, 4) if before and during else None,
+        "survivor_step_p50_after_s": round(med_after, 4),
+        "slowdown_vs_after": round(med_during / med_after - 1.0, 4) if after and during else None,
+        "cpus": os.cpu_count(),
         "catchup_s": round(t_done - t_start, 3), "catchup_steps": steps_during,
         "snapshot_fetch_s": done.get("fetch_s"), "replayed_steps": done.get("replayed"),
         "joiner_bitwise_equal": equal, "steps_compared": len(compared),
@@ -150,6 +159,8 @@ def main() -> int:
     print(f"{'survivor step p50 before (s)':<32}{out['survivor_step_p50_before_s']:>14}")
     print(f"{'survivor step p50 during (s)':<32}{out['survivor_step_p50_during_s']:>14}")
     print(f"{'slowdown during catch-up':<32}{(out['slowdown'] or 0) * 100:>13.1f}%")
+    print(f"{'survivor step p50 after (s)':<32}{out['survivor_step_p50_after_s']:>14}  (3 replicas training)")
+    print(f"{'during vs after promotion':<32}{(out['slowdown_vs_after'] or 0) * 100:>13.1f}%")
     print(f"{'catch-up time (s)':<32}{out['catchup_s']:>14}")
     print(f"{'survivor steps during catch-up':<32}{out['catchup_steps']:>14}")
     print(f"{'snapshot fetch (s)':<32}{out['snapshot_fetch_s'] or 0:>14.2f}")

@@ -17,8 +17,6 @@ reduced buffer, so all take the same decision:
 from __future__ import annotations
 
 import logging
-import os
-import queue
 import threading
 import time
 from collections import deque
@@ -33,24 +31,12 @@ from ..transport import CommError, CommAborted
 from ..transport.stream import StateSnapshot, fetch_state
 from .checkpoint import AsyncCheckpointer
 from .cursor import DataCursor
+from .donor import SnapshotRequests, lower_thread_priority
 from .lr import LRPolicy, apply_lr_scale, base_lrs, lr_scale
 from .state import capture, restore, state_digest
 from .stepbuf import StepBuffer
 
 log = logging.getLogger(__name__)
-
-
-CATCHUP_NICE = 10  # weight ~1/10 of a normal thread: catch-up still progresses on a busy host
-
-
-def lower_thread_priority(nice: int = CATCHUP_NICE) -> None:
-    """Lower the calling thread's CPU priority (Linux: nice is per thread), so that background
-    catch-up work takes mostly idle CPU rather than the training threads' (at nice 10 a busy
-    core gives it about a tenth), yet still finishes on an oversubscribed host."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
-    except (AttributeError, OSError):
-        pass
 
 
 class StepTimeout(RuntimeError):
@@ -109,7 +95,7 @@ class FaultTolerant:
         self._ranges: list[tuple[int, int]] = []
         self._ranges_step = -1
         self._lock = threading.Lock()
-        self._donor_q: "queue.Queue[tuple[dict[str, Any], queue.Queue[StateSnapshot | None]]]" = queue.Queue(16)
+        self._donors = SnapshotRequests()
         self._catchup_gen = 0          # bumped by every catch-up start; a stale worker stops
         self._catchup_running = False  # a background catch-up worker owns model and optimizer
         self.catchup_timeout = 600.0   # one worker's budget; the next logged step starts another
@@ -356,13 +342,13 @@ class FaultTolerant:
     def _catchup(self, gen: int) -> None:
         """Background worker: pull a snapshot, restore it, replay the log, hand over.
 
-        It runs at the lowest CPU priority and never touches the step buffer, so that the
-        joiner's training thread keeps answering the survivors' allreduces on time while the
-        transfer, the restore and the replay use whatever CPU is left (survivors never wait for
-        a joiner, even on an oversubscribed host). The handover happens under the lock the
-        training thread logs under, when the log is empty: no reduced step is lost or applied
-        twice."""
-        lower_thread_priority()
+        It never touches the step buffer, so the joiner's training thread keeps answering the
+        survivors' allreduces on time (survivors never wait for a joiner). The transfer, the
+        long part, runs at a lower CPU priority (here and on the donor), so on an
+        oversubscribed host it takes mostly idle CPU; the restore and the replay run at normal
+        priority, since the replay must outrun the survivors' steps to ever finish. The
+        handover happens under the lock the training thread logs under, when the log is empty:
+        no reduced step is lost or applied twice."""
         deadline = time.monotonic() + self.catchup_timeout
         try:
             while not self._stop.is_set() and gen == self._catchup_gen and time.monotonic() < deadline:
@@ -371,7 +357,7 @@ class FaultTolerant:
                         return  # the next logged step starts a new worker
                     min_step = self.replay[0].step
                 try:
-                    snap = self._fetch_snapshot(self.rt.view, min_step)
+                    snap = self._fetch_snapshot_low_priority(self.rt.view, min_step)
                 except Exception as exc:
                     log.info("snapshot fetch failed (%s); will retry", exc)
                     time.sleep(0.2)
@@ -382,6 +368,24 @@ class FaultTolerant:
             with self._lock:
                 if gen == self._catchup_gen:
                     self._catchup_running = False
+
+    def _fetch_snapshot_low_priority(self, view: dict[str, Any] | None, min_step: int) -> StateSnapshot:
+        """Fetch on a thread of its own whose priority is lowered (a thread cannot raise its
+        priority back without privileges)."""
+        box: "list[StateSnapshot | BaseException]" = []
+
+        def run() -> None:
+            lower_thread_priority()
+            try:
+                box.append(self._fetch_snapshot(view, min_step))
+            except BaseException as exc:  # handed to the worker, which retries
+                box.append(exc)
+        th = threading.Thread(target=run, daemon=True, name="p2pft-catchup-fetch")
+        th.start()
+        th.join()  # fetch_state's own timeout bounds it
+        if isinstance(box[0], BaseException):
+            raise box[0]
+        return box[0]
 
     def _fetch_snapshot(self, view: dict[str, Any] | None, min_step: int) -> StateSnapshot:
         donors = [m for m in (view or {"members": []})["members"]
@@ -450,30 +454,15 @@ class FaultTolerant:
                                        "masks": [[int(b) for b in e.mask] for e in entries]},
                                  tensors={f"g{e.step}": e.flat for e in entries})
         if kind == "snapshot":
-            lower_thread_priority()  # this stream's thread: serving a joiner must not slow our steps
-            box: "queue.Queue[StateSnapshot | None]" = queue.Queue(1)
-            try:
-                self._donor_q.put_nowait((request, box))
-            except queue.Full:
-                return None
-            try:
-                return box.get(timeout=60.0)
-            except queue.Empty:
-                return None
+            return self._donors.request(request)
         return None
 
     def _serve_donor_requests(self) -> None:
-        while True:
-            try:
-                request, box = self._donor_q.get_nowait()
-            except queue.Empty:
-                return
-            if not self.synced or self.step < int(request.get("min_step", 0)):
-                box.put(None)
-                continue
+        def take() -> StateSnapshot:
             meta, tensors = capture(self.model, self.opt, {})
-            box.put(StateSnapshot(meta={"step": self.step, "state": meta, "cursor": self.cursor.state_dict()},
-                                  tensors=tensors))
+            return StateSnapshot(meta={"step": self.step, "state": meta, "cursor": self.cursor.state_dict()},
+                                 tensors=tensors)
+        self._donors.serve(lambda req: self.synced and self.step >= int(req.get("min_step", 0)), take)
 
     # ------------------------------------------------------------------ checkpoints
     def _extra_meta(self) -> dict[str, Any]:

@@ -39,6 +39,7 @@ from ..runtime import Runtime
 from ..transport import CommAborted, CommError, DataServer
 from ..transport.stream import StateSnapshot, fetch_state
 from .cursor import DataCursor
+from .donor import SnapshotRequests
 from .ft import StepResult, StepTimeout, Stopped, _Entry
 from .lr import LRPolicy, apply_lr_scale, base_lrs, lr_scale
 from .shardstate import ShardStepBuffer, capture_shard, restore_shard, shard_digest
@@ -117,7 +118,7 @@ class HSDP:
         self._ranges: list[tuple[int, int]] = []
         self._comms: dict[int, Any] = {}
         self._comm_lock = threading.Lock()
-        self._donor_q: "queue.Queue[tuple[dict[str, Any], queue.Queue[StateSnapshot | None]]]" = queue.Queue(16)
+        self._donors = SnapshotRequests()
         self._snap_box: "queue.Queue[StateSnapshot | BaseException]" = queue.Queue(1)
         self._fetching = False
         self._snapshot: StateSnapshot | None = None
@@ -598,25 +599,11 @@ class HSDP:
         """Transport thread: hand a shard snapshot taken by the training thread at a step boundary."""
         if request.get("kind") != "snapshot" or int(request.get("shard", self.rank)) != self.rank:
             return None
-        box: "queue.Queue[StateSnapshot | None]" = queue.Queue(1)
-        try:
-            self._donor_q.put_nowait((request, box))
-        except queue.Full:
-            return None
-        try:
-            return box.get(timeout=60.0)
-        except queue.Empty:
-            return None
+        return self._donors.request(request)
 
     def _serve_donor_requests(self) -> None:
-        while True:
-            try:
-                request, box = self._donor_q.get_nowait()
-            except queue.Empty:
-                return
-            if not self.synced or self.step < int(request.get("min_step", 0)):
-                box.put(None)
-                continue
+        def take() -> StateSnapshot:
             meta, tensors = capture_shard(self.model, self.opt, {})
-            box.put(StateSnapshot(meta={"step": self.step, "shard": self.rank, "state": meta,
-                                        "cursor": self.cursor.state_dict()}, tensors=tensors))
+            return StateSnapshot(meta={"step": self.step, "shard": self.rank, "state": meta,
+                                       "cursor": self.cursor.state_dict()}, tensors=tensors)
+        self._donors.serve(lambda req: self.synced and self.step >= int(req.get("min_step", 0)), take)
