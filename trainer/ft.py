@@ -393,6 +393,9 @@ class FaultTolerant:
         if not donors:
             raise CommError("no participant to pull a snapshot from")
         donor = min(donors, key=lambda m: m["slot"] if m["slot"] is not None else 1 << 30)
+        log.info("fetching a snapshot of step >= %d from %s (%s)", min_step, donor.get("replica_id"), donor["node"])
+        self.events.append({"t": time.time(), "kind": "catchup_fetch", "donor": donor.get("replica_id"),
+                            "min_step": min_step})
         t0 = time.monotonic()
         snap = fetch_state(donor["data_addr"].split(",")[0], {"kind": "snapshot", "min_step": min_step},
                            secret=self.rt.secret, timeout=120.0, rate_limit_bytes_per_s=self.state_rate_limit)

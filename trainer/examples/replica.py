@@ -47,6 +47,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--digest-every", type=int, default=10)
     p.add_argument("--loss-every", type=int, default=0, help="log the training loss every N steps")
     p.add_argument("--eval-every", type=int, default=0, help="log the loss on a fixed held-out batch every N steps")
+    p.add_argument("--state-rate-limit", type=float, default=0.0,
+                   help="bytes/s cap for snapshot transfers this replica pulls as a joiner (0: no cap)")
     p.add_argument("--checkpoint-dir", default=None)
     p.add_argument("--checkpoint-every", type=int, default=0)
     p.add_argument("--min-replicas", type=int, default=1, help="wait for this many participants before step 0")
@@ -142,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
 
     ft = FaultTolerant(rt, model, opt, batch_per_replica=args.batch, nominal_replicas=args.replicas,
                        lr_policy=args.lr_policy, checkpoint_dir=args.checkpoint_dir,
-                       checkpoint_every=args.checkpoint_every)
+                       checkpoint_every=args.checkpoint_every, state_rate_limit=args.state_rate_limit or None)
     ft_box.append(ft)
     stats.write({"t": time.time(), "kind": "start", "t_process": T_START, "t_imported": t_imported,
                  "node": rt.node_id, "step": ft.step, "pid": os.getpid()})
@@ -186,11 +188,11 @@ def main(argv: list[str] | None = None) -> int:
             last_epoch = view["epoch"]
             rec["view"] = [[m["replica_id"], m["role"][0]] for m in view.get("members", [])]
         stats.write(rec)
-        for ev in list(ft.events):
+        while ft.events:  # popleft: the catch-up worker appends concurrently
+            ev = ft.events.popleft()
             stats.write({**ev, "kind": "event", "event": ev["kind"]})
-        ft.events.clear()
     stats.write({"t": time.time(), "kind": "exit", "step": ft.step, "cursor": ft.cursor.state_dict(),
-                 "digest": ft.digest()})
+                 "digest": ft.digest(), "data_counters": dict(rt.data.counters)})
     stats.close()
     ft.close()
     rt.close(leave=True)
