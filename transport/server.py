@@ -375,6 +375,9 @@ class DataServer:
         except (socket.timeout, TimeoutError):
             self._reject("state_stream_timeout", "state stream %d dropped: the joiner at %s took no data for "
                          "%g s", sid, _peer(sock), self.state_timeout)
+        except (ConnectionError, BrokenPipeError) as e:  # the joiner went away: normal, no traceback
+            self._reject("state_stream_lost", "state stream %d ended: the joiner at %s went away (%s)",
+                         sid, _peer(sock), e.__class__.__name__)
         except Exception:  # noqa: BLE001 - a bad joiner must never take the donor down
             self.counters["state_stream_failed"] += 1
             logger.exception("state stream %d failed", sid)

@@ -154,7 +154,10 @@ def main(argv: list[str] | None = None) -> int:
         while not os.path.exists(args.go_file) and time.monotonic() < go_deadline and not stop["flag"]:
             time.sleep(0.02)
     if args.min_replicas > 1 and ft.step == 0:
-        rt.wait_view(lambda v: len(rt.participants(v)) >= args.min_replicas, timeout=30.0)
+        # A replica the view already makes a joiner (a restart) has nobody to wait for, and must
+        # not: it is in the data plane, and the participants' allreduces need its loop running.
+        rt.wait_view(lambda v: len(rt.participants(v)) >= args.min_replicas
+                     or (rt.me(v) or {}).get("role") == "joiner", timeout=30.0)
     deadline = time.monotonic() + args.duration if args.duration else float("inf")
     last_epoch = -1
     while not stop["flag"] and time.monotonic() < deadline and (not args.steps or ft.step < args.steps):
