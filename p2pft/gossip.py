@@ -41,6 +41,8 @@ class Member:
     epoch: int = 0                    # last committed epoch this member told us about
     step: int = 0                     # last committed step this member told us about
     heard: bool = False               # it spoke to us directly (its epoch/step are first-hand)
+    beat: int = -1                    # last training-loop beat it sent us directly (trainers)
+    beat_at: float | None = None      # our clock when that beat last changed
 
     def row(self) -> list[Any]:
         return [self.node, self.addr, self.inc, self.state, self.meta]
@@ -255,6 +257,9 @@ class Gossip:
                     self.events.append(("epoch", src))
             if "st" in msg:
                 m.step = int(msg["st"])
+            if "lb" in msg and int(msg["lb"]) != m.beat:
+                m.beat = int(msg["lb"])
+                m.beat_at = now
         if t == "g.ping":
             if msg.get("to") != self.me:
                 return  # addressed to an earlier process at this address: stay silent

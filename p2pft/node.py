@@ -29,6 +29,7 @@ BOOTSTRAP_GIVE_UP = 10     # bootstrap waits for the lowest seed at most this ma
 RESUME_GRACE_S = 5.0       # with no participant left, wait this long for one at the high-water step
 PROMOTE_SLACK_STEPS = 8    # a 'ready' joiner this close to the head is current (see _desired)
 LEFT_KEEP = 128            # trainers recently left out of a view, carried in the view ("left")
+BEAT_EVERY_MAX = 1.0       # a trainer's loop beats reach the leader at least this often
 TRAINER_KIND, WITNESS_KIND = "trainer", "witness"
 
 
@@ -54,6 +55,10 @@ class Node:
         self._now = now
         self.view: dict[str, Any] | None = None
         self.view_time: float | None = None
+        self._beat = 0
+        self._next_beat = now
+        self._stalled: set[str] = set()    # leader: trainers left out for a stalled loop (logged once)
+        self._lt_seen: dict[str, float] = {}  # leader: when it first saw a trainer's declared loop timeout
         self.leader: str | None = None
         self.leader_addr: str | None = None
         self.outbox: list[tuple[str, dict[str, Any]]] = []
@@ -108,6 +113,7 @@ class Node:
 
     def tick(self, now: float) -> None:
         self._now = now
+        self._check_own_loop(now)
         self.gossip.tick(now)
         self.raft.tick(now)
         if not self._bootstrapped and self.view is None and now >= self._next_bootstrap:
@@ -145,6 +151,37 @@ class Node:
             self.set_step(step)
         self.gossip.set_meta(now, **fields)
         self._hello(now)
+        self._pump(now)
+
+    def _check_own_loop(self, now: float) -> None:
+        """A leader cannot leave itself out of the view: when its own training loop has stalled
+        past the timeout it declared, it steps down and stops campaigning, so that another
+        leader leaves it out (see _loop_stalled)."""
+        me = self.gossip.members[self.id]
+        lt = me.meta.get("lt")
+        stalled = bool(lt) and me.beat_at is not None and now - me.beat_at > float(lt)
+        self.raft.abstain = stalled and len(self.raft.voters()) > 1
+        if self.raft.abstain and self.is_leader():
+            log.warning("own training loop has not run for %.1f s: stepping down as Raft leader",
+                        now - (me.beat_at or now), extra={"node": self.id})
+            self.raft.step_down(now)
+
+    def loop_beat(self, now: float, timeout: float) -> None:
+        """Trainer: its training loop ran. The process may gossip perfectly while its loop is
+        wedged (a hung data loader, a deadlock), and every allreduce of the data plane then
+        waits for it; so the loop's own progress is reported to the leader, which leaves a
+        trainer out of the view when its beats stop for longer than the `timeout` it declared
+        (meta ``lt``; a trainer that declares none is never left out for this)."""
+        self._beat += 1
+        if self.gossip.members[self.id].meta.get("lt") != timeout:
+            self.gossip.set_meta(now, lt=float(timeout))
+        if now < self._next_beat:
+            return
+        self._next_beat = now + min(BEAT_EVERY_MAX, timeout / 4)
+        me = self.gossip.members[self.id]
+        me.beat, me.beat_at = self._beat, now
+        if self.leader_addr and self.leader != self.id:
+            self.outbox.append((self.leader_addr, self._stamp({"t": "g.upd", "pb": [], "lb": self._beat})))
         self._pump(now)
 
     def set_step(self, step: int) -> None:
@@ -459,6 +496,8 @@ class Node:
         left = set(left_list)
         chosen: list[tuple[Any, str]] = []
         for _, m in newest.values():
+            if self._loop_stalled(m.node, m.meta, now):
+                continue
             prev = cur_members.get(m.node)
             status = m.meta.get("s")
             if m.meta.get("k") == WITNESS_KIND:
@@ -506,6 +545,28 @@ class Node:
         left_list = (left_list + dropped)[-LEFT_KEEP:]
         return {"members": members, "voters": voters, "data_epoch": data_epoch, "hw": self.high_water,
                 "left": left_list}
+
+    def _loop_stalled(self, node: str, meta: dict[str, Any], now: float) -> bool:
+        """Leader: a trainer whose training loop has not beaten for longer than it declared."""
+        lt = meta.get("lt")
+        gm = self.gossip.members.get(node)
+        if not lt or node == self.id or gm is None:
+            return False
+        # No beat from it yet (a new leader, or a loop that wedged before its first beat got
+        # here): count from when this leader first saw the declaration.
+        since = gm.beat_at if gm.beat_at is not None else self._lt_seen.setdefault(node, now)
+        stalled = now - since > float(lt)
+        if stalled and node not in self._stalled:
+            self._stalled.add(node)
+            self.stats["loop_stalled"] += 1
+            log.warning("the training loop of %s has not run for %.1f s (it declared %.1f s): leaving it out of "
+                        "the view", node, now - since, float(lt), extra={"node": self.id})
+        elif not stalled:
+            self._stalled.discard(node)
+        if len(self._stalled) > 4096 or len(self._lt_seen) > 4096:  # nodes long gone: forget them
+            self._stalled.clear()
+            self._lt_seen.clear()
+        return stalled
 
     def _next_voters(self, cur: dict[str, Any], members: list[dict[str, Any]], now: float) -> list[str]:
         """At most one voter added or removed per view (Raft's single-server change).

@@ -29,6 +29,7 @@ MAX_ENTRIES = 16
 
 class Raft:
     def __init__(self, me: str, profile: Profile, rng: random.Random, now: float) -> None:
+        self.abstain = False  # do not campaign (the node's own trainer loop is stalled); still votes
         self.me = me
         self.p = profile
         self.rng = rng
@@ -161,7 +162,7 @@ class Raft:
                 self._broadcast_append(now)
             self._check_quorum(now)
         elif now >= self._election_deadline:
-            if self.is_voter():
+            if self.is_voter() and not self.abstain:
                 self._start_prevote(now)
             else:
                 self._reset_election(now)
@@ -278,6 +279,11 @@ class Raft:
             self._match[self.me] = self.last_index
         self._broadcast_append(now)
         self._advance_commit(now)
+
+    def step_down(self, now: float) -> None:
+        """Give up leadership (the followers elect another leader after their timeout)."""
+        if self.role == LEADER:
+            self._step_down(self.term, now)
 
     def _step_down(self, term: int, now: float, leader: str | None = None) -> None:
         if term > self.term:

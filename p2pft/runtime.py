@@ -68,6 +68,7 @@ class Runtime:
         self._started = threading.Event()
         self._start_error: BaseException | None = None
         self._closed = False
+        self._next_beat = 0.0
         self.view_log: list[tuple[float, int, int]] = []   # (wall time, epoch, data_epoch), bounded
 
     # ------------------------------------------------------------------ lifecycle
@@ -184,11 +185,15 @@ class Runtime:
         with self._view_cv:
             self._view_cv.notify_all()
 
-    def wait_view(self, pred: Callable[[dict[str, Any]], bool], timeout: float) -> dict[str, Any] | None:
-        """Block until the latest view satisfies pred (or timeout); returns it or None."""
+    def wait_view(self, pred: Callable[[dict[str, Any]], bool], timeout: float,
+                  loop_timeout: float | None = None) -> dict[str, Any] | None:
+        """Block until the latest view satisfies pred (or timeout); returns it or None.
+
+        The training thread passes its `loop_timeout`: waiting for a view is the loop working,
+        so it keeps beating meanwhile (see loop_beat)."""
         deadline = time.monotonic() + timeout
-        with self._view_cv:
-            while True:
+        while True:
+            with self._view_cv:
                 v = self._view
                 if v is not None and pred(v):
                     return v
@@ -196,6 +201,8 @@ class Runtime:
                 if left <= 0 or self._closed:
                     return None
                 self._view_cv.wait(min(left, 0.05))
+            if loop_timeout:
+                self.loop_beat(loop_timeout)
 
     def me(self, view: dict[str, Any] | None = None) -> dict[str, Any] | None:
         view = view if view is not None else self._view
@@ -291,6 +298,17 @@ class Runtime:
             if addr and not certain:
                 n.outbox.append((addr, n._stamp({"t": "v.get", "e": 1 << 62})))
         self._call(fn)
+
+    def loop_beat(self, timeout: float) -> None:
+        """Training thread: the loop is running. If beats stop for `timeout` seconds while this
+        process keeps gossiping (a wedged loop), the leader leaves this replica out of the view
+        so the others' allreduces stop waiting for it; the next beat brings it back as a joiner.
+        Cheap: forwarded to the control plane at most every 0.25 s."""
+        t = time.monotonic()
+        if t < self._next_beat or self.server is None:
+            return
+        self._next_beat = t + 0.25
+        self._call(lambda now: self.server.node.loop_beat(now, timeout))  # type: ignore[union-attr]
 
     def set_status(self, status: str, step: int | None = None) -> None:
         """'ready' (holds the cluster's current state) or 'joining' (needs catch-up)."""

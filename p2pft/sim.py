@@ -132,6 +132,13 @@ class Simulator:
     def at(self, t: float, fn: Callable[[], None]) -> None:
         heapq.heappush(self._q, (t, next(self._seq), "call", fn))
 
+    def call(self, addr: str, fn: Callable[[Node, float], None]) -> None:
+        """Run `fn(node, now)` on a live node (an API call from its trainer) and deliver what it sends."""
+        node = self.nodes.get(addr)
+        if node is not None:
+            fn(node, self.now)
+            self._after(addr, node)
+
     def run_until(self, t_end: float, stop: Callable[[], bool] | None = None) -> None:
         while self._q and self._q[0][0] <= t_end:
             t, _, kind, payload = heapq.heappop(self._q)

@@ -73,7 +73,8 @@ class FaultTolerant:
                  batch_per_replica: int, nominal_replicas: int | None = None, lr_policy: str = "sqrt",
                  max_slots: int = 256, recent_keep: int = 2, replay_cap_bytes: int = 2 << 30,
                  step_timeout: float = 120.0, checkpoint_dir: str | None = None, checkpoint_every: int = 0,
-                 resume: bool = True, state_rate_limit: float | None = None) -> None:
+                 resume: bool = True, state_rate_limit: float | None = None,
+                 loop_timeout: float | None = 60.0) -> None:
         self.rt = runtime
         self.model = model
         self.opt = optimizer
@@ -101,6 +102,12 @@ class FaultTolerant:
         self.catchup_timeout = 600.0   # one worker's budget; the next logged step starts another
         self._stop = threading.Event()
         self._was_participant = False
+        # Longest this loop may go between begin()/commit() calls before the leader leaves the
+        # replica out (see Runtime.loop_beat); above the longest step. None: never.
+        if loop_timeout is not None and loop_timeout <= runtime.comm_timeout:
+            raise ValueError(f"loop_timeout={loop_timeout} s must exceed the communicator timeout "
+                             f"({runtime.comm_timeout} s): an allreduce may block that long without a beat")
+        self.loop_timeout = loop_timeout
         self.ckpt = AsyncCheckpointer(checkpoint_dir) if checkpoint_dir else None
         self.checkpoint_every = checkpoint_every
         if self.ckpt is not None and resume:
@@ -108,10 +115,12 @@ class FaultTolerant:
         runtime.data.serve_state(self._provide)
         runtime.set_status("ready", self.step)
         runtime.publish_step(self.step)
+        self._beat()
 
     # ------------------------------------------------------------------ public loop API
     def begin(self) -> list[int]:
         """Sample indices this replica trains on for the current step ([] = contribute nothing)."""
+        self._beat()
         view = self.rt.view
         me = self.rt.me(view)
         self._note_role(me, view)
@@ -140,12 +149,14 @@ class FaultTolerant:
                 raise Stopped(f"stopped while committing step {self.step}")
             if time.monotonic() > deadline:
                 raise StepTimeout(f"no view to commit step {self.step} in within {self.step_timeout} s")
+            self._beat()
             view = self.rt.view
             me = self.rt.me(view)
             self._note_role(me, view)
             if me is None or me["role"] not in (PARTICIPANT, JOINER):
                 self.rt.wait_view(lambda v: (self.rt.me(v) or {}).get("role") in (PARTICIPANT, JOINER),
-                                  timeout=min(1.0, max(0.0, deadline - time.monotonic())))
+                                  timeout=min(1.0, max(0.0, deadline - time.monotonic())),
+                                  loop_timeout=self.loop_timeout)
                 continue
             still_mine = (slot is not None and self.synced and me["role"] == PARTICIPANT and me["slot"] == slot)
             if slot is not None and not still_mine:
@@ -164,7 +175,8 @@ class FaultTolerant:
                 retries += 1
                 log.debug("allreduce not possible yet: %s", exc)
                 self.buf.restore()
-                self.rt.wait_view(lambda v: self.rt.data_epoch(v) > self.rt.data_epoch(view), 0.2)
+                self.rt.wait_view(lambda v: self.rt.data_epoch(v) > self.rt.data_epoch(view), 0.2,
+                                  loop_timeout=self.loop_timeout)
                 continue
             outcome = self._after_allreduce(view, retries, slot if still_mine else None)
             if outcome is not None:
@@ -178,7 +190,7 @@ class FaultTolerant:
             steps = self.buf.slot_steps()
         except Exception as exc:
             log.error("inconsistent step buffer (%s); retrying on the next view", exc)
-            self.rt.wait_view(lambda v: v["epoch"] > view["epoch"], 1.0)
+            self.rt.wait_view(lambda v: v["epoch"] > view["epoch"], 1.0, loop_timeout=self.loop_timeout)
             return None
         role = (self.rt.me(view) or {}).get("role", "?")
         if not steps:
@@ -249,6 +261,10 @@ class FaultTolerant:
         """Hash of parameters and optimizer state: equal at equal steps, across replicas."""
         return state_digest(self.model, self.opt)
 
+    def _beat(self) -> None:
+        if self.loop_timeout:
+            self.rt.loop_beat(self.loop_timeout)
+
     # ------------------------------------------------------------------ errors and views
     def _note_role(self, me: dict[str, Any] | None, view: dict[str, Any] | None) -> None:
         """A participant that finds itself left out of a view (absent, or a joiner it did not
@@ -277,13 +293,14 @@ class FaultTolerant:
         log.info("allreduce on data epoch %d failed (%s); waiting for the next view", d, exc)
         # A dead peer is excluded by the next view within a suspicion timeout or so.
         wait = max(0.0, min(deadline - time.monotonic(), 6 * self.rt.profile.suspicion_min * 4))
-        nv = self.rt.wait_view(lambda v: self.rt.data_epoch(v) > d, wait)
+        nv = self.rt.wait_view(lambda v: self.rt.data_epoch(v) > d, wait, loop_timeout=self.loop_timeout)
         if nv is None:
             # Nobody was excluded (the peer was only slow or paused briefly): ask for a fresh
             # data epoch so that every member builds a new communicator.
             log.warning("no new view after a failure on data epoch %d; asking for a fresh data epoch", d)
             self.rt.request_new_data_epoch(d)
-            self.rt.wait_view(lambda v: self.rt.data_epoch(v) > d, max(0.0, min(deadline - time.monotonic(), 5.0)))
+            self.rt.wait_view(lambda v: self.rt.data_epoch(v) > d, max(0.0, min(deadline - time.monotonic(), 5.0)),
+                              loop_timeout=self.loop_timeout)
 
     # ------------------------------------------------------------------ fast-forward
     def _fast_forward(self, target: int, view: dict[str, Any], steps: dict[int, int]) -> int:

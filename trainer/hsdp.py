@@ -88,7 +88,8 @@ class HSDP:
                  lr_policy: str = "sqrt", max_slots: int = 256, replay_cap_bytes: int = 1 << 30,
                  step_timeout: float = 120.0, comm_timeout: float = 10.0, secret: bytes | None = None,
                  state_rate_limit: float | None = None, group: Any = None, rank_timeout: float = RANK_TIMEOUT_S,
-                 on_rank_lost: Callable[[int, float], None] = _exit_replica) -> None:
+                 on_rank_lost: Callable[[int, float], None] = _exit_replica,
+                 loop_timeout: float | None = 60.0) -> None:
         self.group = group
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
@@ -139,6 +140,7 @@ class HSDP:
         port = self._listener.getsockname()[1] if self._listener is not None else 0
         self._notify = [tuple(a) for a in agree((host, port), group)[1:]]
         self.rank_timeout = rank_timeout
+        self.loop_timeout = loop_timeout  # see FaultTolerant: rank 0 reports the loop's beats
         self._on_rank_lost = on_rank_lost
         if self.rt is not None:
             self.rt.set_status("ready", self.step)
@@ -250,6 +252,8 @@ class HSDP:
             return {"kind": "stop"}
         if time.monotonic() > self._deadline:
             return {"kind": "timeout"}
+        if self.loop_timeout:
+            rt.loop_beat(self.loop_timeout)
         view = rt.view
         me = rt.me(view)
         # Left out of a view after being a participant (absent, or a joiner it did not ask to
@@ -262,13 +266,13 @@ class HSDP:
             self._rejoin_pending = True
         if view is None or me is None or me["role"] not in (PARTICIPANT, JOINER):
             rt.wait_view(lambda v: (rt.me(v) or {}).get("role") in (PARTICIPANT, JOINER),
-                         timeout=min(1.0, max(0.0, self._deadline - time.monotonic())))
+                         timeout=min(1.0, max(0.0, self._deadline - time.monotonic())), loop_timeout=self.loop_timeout)
             return {"kind": "wait"}
         members = rt.data_members(view)
         bad = [m["node"] for m in members if len(m["data_addr"].split(",")) != self.world]
         if bad:
             log.error("data-plane members %s do not have %d shards; waiting for another view", bad, self.world)
-            rt.wait_view(lambda v: v["epoch"] > view["epoch"], 0.5)
+            rt.wait_view(lambda v: v["epoch"] > view["epoch"], 0.5, loop_timeout=self.loop_timeout)
             return {"kind": "wait"}
         rejoin, self._rejoin_pending = self._rejoin_pending, False
         still_mine = (slot is not None and self.synced and not rejoin and me["role"] == PARTICIPANT
@@ -404,13 +408,14 @@ class HSDP:
         log.info("step %d failed on data epoch %d (%s); waiting for the next view", self.step, d,
                  "; ".join(v["why"] for v in bad)[:300])
         if not any(v["comm"] for v in bad):
-            rt.wait_view(lambda v: rt.data_epoch(v) > d, 0.2)
+            rt.wait_view(lambda v: rt.data_epoch(v) > d, 0.2, loop_timeout=self.loop_timeout)
             return
         wait = max(0.0, min(self._deadline - time.monotonic(), 6 * rt.profile.suspicion_min * 4))
-        if rt.wait_view(lambda v: rt.data_epoch(v) > d, wait) is None:
+        if rt.wait_view(lambda v: rt.data_epoch(v) > d, wait, loop_timeout=self.loop_timeout) is None:
             log.warning("no new view after a failure on data epoch %d; asking for a fresh data epoch", d)
             rt.request_new_data_epoch(d)
-            rt.wait_view(lambda v: rt.data_epoch(v) > d, max(0.0, min(self._deadline - time.monotonic(), 5.0)))
+            rt.wait_view(lambda v: rt.data_epoch(v) > d, max(0.0, min(self._deadline - time.monotonic(), 5.0)),
+                         loop_timeout=self.loop_timeout)
 
     def _abort_below(self, d: int) -> None:
         with self._comm_lock:

@@ -91,3 +91,35 @@ def test_all_replicas_killed_resume_from_checkpoint_not_from_zero(tmp_path: Path
     # brings the newer state: what counts is the step the cluster went on from.)
     if first - 1 < before:
         assert "resuming from step" in leader_logs, "a resume below the high-water mark was not announced"
+
+
+def test_wedged_training_loop_is_left_out_and_the_others_go_on(tmp_path: Path) -> None:
+    """r2's training loop hangs at step 12 while its process keeps gossiping (a hung data
+    loader, a deadlock): without the loop beats, gossip would keep it in the view and every
+    allreduce would wait for it. With a 5 s loop timeout the leader leaves it out and r0 and r1
+    go on; nobody crashes."""
+    base = ["--min-replicas", "3", "--comm-timeout", "2", "--loop-timeout", "5"]
+    rs = Replicas(tmp_path, 3, base, witnesses=2)
+    rs.spawn_witness(0)
+    rs.spawn_witness(1)
+    for i in range(3):
+        rs.extra = base + (["--hang-at-step", "12"] if i == 2 else [])
+        rs.spawn(i, f"r{i}")
+    try:
+        rs.wait(lambda: any(r.get("event") == "hang" for r in records(rs.stats["r2"])), 90, "r2's loop to hang")
+        t_hang = next(r["t"] for r in records(rs.stats["r2"]) if r.get("event") == "hang")
+        rs.wait(lambda: any(r["c"] and r["n"] == 2 and r["t"] > t_hang for r in steps(rs.stats["r0"])), 30,
+                "r0 and r1 to commit without the wedged r2")
+        t_alone = min(r["t"] for r in steps(rs.stats["r0"]) if r["c"] and r["n"] == 2 and r["t"] > t_hang)
+        target = rs.last_step("r0") + 10
+        rs.wait(lambda: rs.last_step("r0") >= target and rs.last_step("r1") >= target, 30, "10 more steps")
+        assert rs.procs["r2"].poll() is None, "the wedged replica's process should still be running"
+    finally:
+        rcs = rs.stop_all()
+    assert all(rc == 0 for rc in rcs.values()), rcs
+    check_invariants(rs.stats)
+    logs = "".join((tmp_path / f"{n}.log").read_text() for n in ("w0", "w1", "r0", "r1"))
+    assert "has not run for" in logs, "the leader did not say why it left r2 out"
+    # Bounded: loop timeout (5 s) + beat period + one failed allreduce (2 s) + a view, with slack.
+    assert t_alone - t_hang < 15.0, t_alone - t_hang
+    print(f"\nwedged loop: r0 committed without r2 {t_alone - t_hang:.2f} s after r2's loop hung")

@@ -56,6 +56,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "starts every replica first, then says go)")
     p.add_argument("--seed", type=int, default=0, help="model init seed (the same on every replica)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    p.add_argument("--comm-timeout", type=float, default=10.0, help="data-plane operation timeout (s)")
+    p.add_argument("--loop-timeout", type=float, default=60.0,
+                   help="the leader leaves this replica out when its training loop stalls this long (s)")
+    p.add_argument("--hang-at-step", type=int, default=0,
+                   help="fault injection: at this committed step the training loop hangs (the process "
+                        "keeps gossiping) until SIGTERM")
     p.add_argument("--log-level", default=os.environ.get("P2PFT_LOG_LEVEL", "WARNING"))
     args = p.parse_args(argv)
     if not args.replica_id:
@@ -130,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     seeds = [s for s in args.seeds.split(",") if s]
     rt = Runtime(replica_id=args.replica_id, listen=args.listen, seeds=seeds,
                  secret=load_secret(args.secret_file), advertise=args.advertise, data_listen=args.data_listen,
-                 advertise_data=args.advertise_data).start()
+                 advertise_data=args.advertise_data, comm_timeout=args.comm_timeout).start()
     stop = {"flag": False}
 
     ft_box: list[FaultTolerant] = []
@@ -144,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
 
     ft = FaultTolerant(rt, model, opt, batch_per_replica=args.batch, nominal_replicas=args.replicas,
                        lr_policy=args.lr_policy, checkpoint_dir=args.checkpoint_dir,
-                       checkpoint_every=args.checkpoint_every, state_rate_limit=args.state_rate_limit or None)
+                       checkpoint_every=args.checkpoint_every, state_rate_limit=args.state_rate_limit or None,
+                       loop_timeout=args.loop_timeout or None)
     ft_box.append(ft)
     stats.write({"t": time.time(), "kind": "start", "t_process": T_START, "t_imported": t_imported,
                  "node": rt.node_id, "step": ft.step, "pid": os.getpid()})
@@ -161,6 +168,12 @@ def main(argv: list[str] | None = None) -> int:
     deadline = time.monotonic() + args.duration if args.duration else float("inf")
     last_epoch = -1
     while not stop["flag"] and time.monotonic() < deadline and (not args.steps or ft.step < args.steps):
+        if args.hang_at_step and ft.step >= args.hang_at_step:
+            stats.write({"t": time.time(), "kind": "event", "event": "hang", "step": ft.step})
+            stats.flush()
+            while not stop["flag"]:  # a wedged loop: the runtime thread keeps gossiping
+                time.sleep(0.05)
+            break
         idx = ft.begin()
         ft.zero_grad()
         loss_val = None
