@@ -181,7 +181,10 @@ class Node:
         me = self.gossip.members[self.id]
         me.beat, me.beat_at = self._beat, now
         if self.leader_addr and self.leader != self.id:
-            self.outbox.append((self.leader_addr, self._stamp({"t": "g.upd", "pb": [], "lb": self._beat})))
+            # The step rides along: the leader's high-water mark (which says whether a resume
+            # from disk loses progress) is then at most one beat period old.
+            self.outbox.append((self.leader_addr, self._stamp({"t": "g.upd", "pb": [], "lb": self._beat,
+                                                                "st": self.step})))
         self._pump(now)
 
     def set_step(self, step: int) -> None:

@@ -88,8 +88,10 @@ def test_all_replicas_killed_resume_from_checkpoint_not_from_zero(tmp_path: Path
         (tmp_path / f"r{i}-1.log").read_text() for i in range(2))
     # Resuming below the last step the cluster reached must be announced. (A replica that came
     # back with an older checkpoint may be made a participant for a moment, before the other
-    # brings the newer state: what counts is the step the cluster went on from.)
-    if first - 1 < before:
+    # brings the newer state: what counts is the step the cluster went on from.) The leader
+    # learns steps with the loop beats, at most a second old: a resume within the last
+    # checkpoint interval of progress may go unannounced, one that loses more may not.
+    if first - 1 < before - 5:
         assert "resuming from step" in leader_logs, "a resume below the high-water mark was not announced"
 
 
