@@ -21,7 +21,6 @@ IP as their source, so that a proxy can tell the nodes apart by source address.
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
 import os
 import random
@@ -32,6 +31,7 @@ from typing import Any, Callable
 from .config import DEFAULT, Profile
 from .log import set_context
 from .node import Node, WITNESS_KIND
+from .transport.wire import source_address
 from .wire import DEFAULT_MAX_FRAME, FrameDecoder, ReplayGuard, WireError, encode
 
 log = logging.getLogger(__name__)
@@ -57,21 +57,6 @@ def parse_hostport(text: str) -> tuple[str, int]:
     if not 0 <= p <= 65535:
         raise ValueError(f"port in {text!r} is out of range")
     return host.strip("[]"), p
-
-
-def source_host(own: str, dest: str) -> str | None:
-    """The source IP for a connection from a process bound to `own` towards `dest`, or None to
-    let the kernel choose. Only a specific IP literal is used, only towards an IP literal of the
-    same family, and a loopback `own` only towards loopback (so the default of binding
-    127.0.0.1 can never make a connection to another host fail). transport/wire.py has the
-    same rule (the data plane does not import the control plane)."""
-    try:
-        o, d = ipaddress.ip_address(own), ipaddress.ip_address(dest)
-    except ValueError:
-        return None
-    if o.is_unspecified or o.version != d.version or (o.is_loopback and not d.is_loopback):
-        return None
-    return own
 
 
 class _Peer:
@@ -207,10 +192,10 @@ class NodeServer:
 
     def open_connection(self, host: str, port: int) -> Any:
         """asyncio.open_connection from this node's own IP when it binds a specific one."""
-        src = source_host(self.host, host)
+        src = source_address(self.host, host)  # the data plane's rule, shared
         if src is None:
             return asyncio.open_connection(host, port)
-        return asyncio.open_connection(host, port, local_addr=(src, 0))
+        return asyncio.open_connection(host, port, local_addr=src)
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:

@@ -10,13 +10,12 @@ mean gradients: each rank can restore and replay its own shard independently.
 """
 from __future__ import annotations
 
-import hashlib
 from typing import Any
 
 import torch
 from torch import nn
 
-from .state import _cpu_copy, _hash_tensor, _msgpack_check, _plain, _tuples
+from .state import _cpu_copy, _group_names, _msgpack_check, _plain, _tuples, state_digest
 from .stepbuf import StepBuffer
 
 FORMAT = "p2pft-shard-1"
@@ -64,11 +63,6 @@ class ShardStepBuffer(StepBuffer):
             torch.div(view, divisor, out=local(p.grad).view(view.shape))
 
 
-def _names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
-    by_id = {id(p): n for n, p in model.named_parameters()}
-    return [[by_id[id(p)] for p in g["params"]] for g in optimizer.param_groups]
-
-
 def capture_shard(model: nn.Module, optimizer: torch.optim.Optimizer,
                   extra: dict[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """CPU copies of this rank's parameter and optimizer shards (call at a step boundary)."""
@@ -77,7 +71,7 @@ def capture_shard(model: nn.Module, optimizer: torch.optim.Optimizer,
         tensors[f"param/{name}"] = _cpu_copy(local(p))
     groups: list[dict[str, Any]] = []
     state: dict[str, dict[str, Any]] = {}
-    for group, names in zip(optimizer.param_groups, _names(model, optimizer)):
+    for group, names in zip(optimizer.param_groups, _group_names(model, optimizer)):
         groups.append({k: _plain(v) for k, v in group.items() if k not in _GROUP_SKIP
                        and not isinstance(v, torch.Tensor)})
         for p, name in zip(group["params"], names):
@@ -107,7 +101,7 @@ def restore_shard(model: nn.Module, optimizer: torch.optim.Optimizer, meta: dict
     with torch.no_grad():
         for name, p in params.items():
             local(p).copy_(tensors[f"param/{name}"])
-        for group, saved, names in zip(optimizer.param_groups, meta["groups"], _names(model, optimizer)):
+        for group, saved, names in zip(optimizer.param_groups, meta["groups"], _group_names(model, optimizer)):
             for k, v in saved.items():
                 group[k] = _tuples(v)
             for p, name in zip(group["params"], names):
@@ -131,23 +125,4 @@ def restore_shard(model: nn.Module, optimizer: torch.optim.Optimizer, meta: dict
 
 def shard_digest(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> str:
     """blake2b over this rank's parameter shards, optimizer shards and group hyperparameters."""
-    h = hashlib.blake2b(digest_size=32)
-    for name, p in model.named_parameters():
-        _hash_tensor(h, f"param/{name}", local(p))
-    if optimizer is not None:
-        for g, (group, names) in enumerate(zip(optimizer.param_groups, _names(model, optimizer))):
-            for key in sorted(k for k in group if k not in _GROUP_SKIP):
-                value = group[key]
-                if isinstance(value, torch.Tensor):
-                    _hash_tensor(h, f"group/{g}/{key}", value)
-                else:
-                    h.update(f"group/{g}/{key}={_plain(value)!r}|".encode())
-            for p, name in zip(group["params"], names):
-                entry = optimizer.state.get(p, {})
-                for key in sorted(entry):
-                    value = entry[key]
-                    if isinstance(value, torch.Tensor):
-                        _hash_tensor(h, f"optim/{name}/{key}", local(value))
-                    else:
-                        h.update(f"optim/{name}/{key}={_plain(value)!r}|".encode())
-    return h.hexdigest()
+    return state_digest(model, optimizer, view=local, buffers=False)

@@ -10,7 +10,7 @@ weights" bitwise.
 from __future__ import annotations
 
 import hashlib
-from typing import Any
+from typing import Any, Callable
 
 import msgpack
 import torch
@@ -223,13 +223,17 @@ def _hash_tensor(h: Any, label: str, t: torch.Tensor) -> None:
     h.update(data.view(torch.uint8).numpy())
 
 
-def state_digest(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> str:
-    """Hex blake2b over names, dtypes, shapes and raw bytes of params, buffers and optimizer state."""
+def state_digest(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
+                 view: Callable[[torch.Tensor], torch.Tensor] = lambda t: t, buffers: bool = True) -> str:
+    """Hex blake2b over names, dtypes, shapes and raw bytes of params, buffers and optimizer state.
+
+    `view` picks the bytes hashed from each tensor (an HSDP rank hashes its local shards)."""
     h = hashlib.blake2b(digest_size=32)
     for name, p in model.named_parameters():
-        _hash_tensor(h, f"param/{name}", p)
-    for name, b in model.named_buffers():
-        _hash_tensor(h, f"buffer/{name}", b)
+        _hash_tensor(h, f"param/{name}", view(p))
+    if buffers:
+        for name, b in model.named_buffers():
+            _hash_tensor(h, f"buffer/{name}", b)
     if optimizer is not None:
         for g, (group, names) in enumerate(zip(optimizer.param_groups, _group_names(model, optimizer))):
             for key in sorted(k for k in group if k not in _GROUP_SKIP):
@@ -243,7 +247,7 @@ def state_digest(model: nn.Module, optimizer: torch.optim.Optimizer | None = Non
                 for key in sorted(entry):
                     value = entry[key]
                     if isinstance(value, torch.Tensor):
-                        _hash_tensor(h, f"optim/{name}/{key}", value)
+                        _hash_tensor(h, f"optim/{name}/{key}", view(value))
                     else:
                         h.update(f"optim/{name}/{key}={_plain(value)!r}|".encode())
     return h.hexdigest()

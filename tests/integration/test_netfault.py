@@ -261,13 +261,14 @@ def test_rules_change_at_run_time_on_an_open_connection(nf: NetFault, server: Se
 def test_node_server_binds_its_source_ip_and_advertises_the_proxy(nf: NetFault) -> None:
     """Outgoing control connections of a node bound to 127.0.0.N come from 127.0.0.N, and the
     address in views is the advertised one."""
-    from p2pft.driver import NodeServer, source_host
+    from p2pft.driver import NodeServer
+    from p2pft.transport.wire import source_address
 
-    assert source_host("127.0.0.1", "10.1.2.3") is None        # loopback never towards another host
-    assert source_host("0.0.0.0", "127.0.0.1") is None
-    assert source_host("localhost", "127.0.0.1") is None
-    assert source_host("::1", "127.0.0.1") is None
-    assert source_host(ip(5), "127.0.0.1") == ip(5)
+    assert source_address("127.0.0.1", "10.1.2.3") is None        # loopback never towards another host
+    assert source_address("0.0.0.0", "127.0.0.1") is None
+    assert source_address("localhost", "127.0.0.1") is None
+    assert source_address("::1", "127.0.0.1") is None
+    assert source_address(ip(5), "127.0.0.1") == (ip(5), 0)
     sink = Server(ip(9))
     ports = []
     for h in (ip(5), ip(6)):
