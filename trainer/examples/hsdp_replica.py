@@ -24,29 +24,17 @@ import subprocess
 import sys
 import time
 
+from p2pft.replica_args import add_replica_args, require_replica_id
+
 T_START = time.time()
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--replica-id", default=os.environ.get("P2PFT_REPLICA_ID"), help="env P2PFT_REPLICA_ID")
-    p.add_argument("--listen", default=os.environ.get("P2PFT_LISTEN", "127.0.0.1:0"), help="env P2PFT_LISTEN")
-    p.add_argument("--seeds", default=os.environ.get("P2PFT_SEEDS", ""), help="env P2PFT_SEEDS")
-    p.add_argument("--secret-file", default=os.environ.get("P2PFT_SECRET_FILE"))
+    add_replica_args(p, replicas=2, digest_every=5)
     p.add_argument("--nproc-per-node", type=int, default=0, help="local launcher: spawn this many ranks")
-    p.add_argument("--model", default="tiny", choices=["tiny", "small"])
     p.add_argument("--batch", type=int, default=8, help="samples per replica per step (split over the ranks)")
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--lr-policy", default="sqrt", choices=["none", "linear", "sqrt"])
-    p.add_argument("--replicas", type=int, default=2, help="nominal number of replicas (learning-rate policy)")
-    p.add_argument("--step-delay", type=float, default=0.0, help="emulated accelerator seconds per step")
-    p.add_argument("--steps", type=int, default=0, help="stop after this many committed steps (0: no limit)")
-    p.add_argument("--duration", type=float, default=0.0, help="stop after this many seconds (0: no limit)")
     p.add_argument("--stats", default=None, help="JSON-lines file for per-step records (rank 0)")
-    p.add_argument("--digest-every", type=int, default=5)
-    p.add_argument("--min-replicas", type=int, default=1, help="wait for this many participants before step 0")
-    p.add_argument("--go-file", default=None, help="wait until this file exists before training")
-    p.add_argument("--seed", type=int, default=0, help="model init seed (the same on every replica)")
     p.add_argument("--intra-timeout", type=float, default=300.0,
                    help="seconds an in-replica collective may wait for a rank before this rank fails "
                         "(a stalled rank then takes its whole replica down, to be restarted); keep it "
@@ -54,10 +42,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rank-timeout", type=float, default=10.0,
                    help="rank 0 takes the replica down when another rank has not answered its pings "
                         "for this long (a stopped or wedged rank)")
-    p.add_argument("--log-level", default=os.environ.get("P2PFT_LOG_LEVEL", "WARNING"))
     args = p.parse_args(argv)
-    if not args.replica_id:
-        p.error("--replica-id is required (or set P2PFT_REPLICA_ID)")
+    require_replica_id(p, args)
     return args
 
 

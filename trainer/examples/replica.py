@@ -19,42 +19,29 @@ import signal
 import sys
 import time
 
+from p2pft.replica_args import add_replica_args, require_replica_id
+
 T_START = time.time()
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--replica-id", default=os.environ.get("P2PFT_REPLICA_ID"), help="env P2PFT_REPLICA_ID")
-    p.add_argument("--listen", default=os.environ.get("P2PFT_LISTEN", "127.0.0.1:0"), help="env P2PFT_LISTEN")
-    p.add_argument("--seeds", default=os.environ.get("P2PFT_SEEDS", ""), help="env P2PFT_SEEDS")
+    add_replica_args(p, replicas=3, digest_every=10)
     p.add_argument("--advertise", default=os.environ.get("P2PFT_ADVERTISE"),
                    help="HOST:PORT peers use for the control port, if not --listen (env P2PFT_ADVERTISE)")
     p.add_argument("--data-listen", default=os.environ.get("P2PFT_DATA_LISTEN"),
                    help="HOST:PORT of the data port (default: 127.0.0.1, any port; env P2PFT_DATA_LISTEN)")
     p.add_argument("--advertise-data", default=os.environ.get("P2PFT_ADVERTISE_DATA"),
                    help="HOST:PORT peers use for the data port, if not its own (env P2PFT_ADVERTISE_DATA)")
-    p.add_argument("--secret-file", default=os.environ.get("P2PFT_SECRET_FILE"))
-    p.add_argument("--model", default="tiny", choices=["tiny", "small"])
     p.add_argument("--mlp-params", type=int, default=0, help="use a plain MLP of about this many parameters")
     p.add_argument("--batch", type=int, default=8, help="samples per replica per step")
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--lr-policy", default="sqrt", choices=["none", "linear", "sqrt"])
-    p.add_argument("--replicas", type=int, default=3, help="nominal number of replicas (learning-rate policy)")
-    p.add_argument("--step-delay", type=float, default=0.0, help="emulated accelerator seconds per step")
-    p.add_argument("--steps", type=int, default=0, help="stop after this many committed steps (0: no limit)")
-    p.add_argument("--duration", type=float, default=0.0, help="stop after this many seconds (0: no limit)")
     p.add_argument("--stats", default=None, help="JSON-lines file for per-step records")
-    p.add_argument("--digest-every", type=int, default=10)
     p.add_argument("--loss-every", type=int, default=0, help="log the training loss every N steps")
     p.add_argument("--eval-every", type=int, default=0, help="log the loss on a fixed held-out batch every N steps")
     p.add_argument("--state-rate-limit", type=float, default=0.0,
                    help="bytes/s cap for snapshot transfers this replica pulls as a joiner (0: no cap)")
     p.add_argument("--checkpoint-dir", default=None)
     p.add_argument("--checkpoint-every", type=int, default=0)
-    p.add_argument("--min-replicas", type=int, default=1, help="wait for this many participants before step 0")
-    p.add_argument("--go-file", default=None, help="wait until this file exists before training (a harness "
-                   "starts every replica first, then says go)")
-    p.add_argument("--seed", type=int, default=0, help="model init seed (the same on every replica)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     p.add_argument("--comm-timeout", type=float, default=10.0, help="data-plane operation timeout (s)")
     p.add_argument("--loop-timeout", type=float, default=60.0,
@@ -62,10 +49,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hang-at-step", type=int, default=0,
                    help="fault injection: at this committed step the training loop hangs (the process "
                         "keeps gossiping) until SIGTERM")
-    p.add_argument("--log-level", default=os.environ.get("P2PFT_LOG_LEVEL", "WARNING"))
     args = p.parse_args(argv)
-    if not args.replica_id:
-        p.error("--replica-id is required (or set P2PFT_REPLICA_ID)")
+    require_replica_id(p, args)
     return args
 
 

@@ -1,0 +1,36 @@
+"""Command-line options shared by the example replica scripts (single-process and HSDP).
+
+Kept in the control-plane package, which does not import torch, so that a launcher process
+parses its arguments without the seconds of a torch import. Arguments win over the
+``P2PFT_*`` environment variables, which are only defaults.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+
+
+def add_replica_args(p: argparse.ArgumentParser, *, replicas: int, digest_every: int) -> None:
+    """Identity, addresses, secret, model, optimisation and run-length options."""
+    p.add_argument("--replica-id", default=os.environ.get("P2PFT_REPLICA_ID"), help="env P2PFT_REPLICA_ID")
+    p.add_argument("--listen", default=os.environ.get("P2PFT_LISTEN", "127.0.0.1:0"), help="env P2PFT_LISTEN")
+    p.add_argument("--seeds", default=os.environ.get("P2PFT_SEEDS", ""), help="env P2PFT_SEEDS")
+    p.add_argument("--secret-file", default=os.environ.get("P2PFT_SECRET_FILE"))
+    p.add_argument("--model", default="tiny", choices=["tiny", "small"])
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--lr-policy", default="sqrt", choices=["none", "linear", "sqrt"])
+    p.add_argument("--replicas", type=int, default=replicas, help="nominal number of replicas (learning-rate policy)")
+    p.add_argument("--step-delay", type=float, default=0.0, help="emulated accelerator seconds per step")
+    p.add_argument("--steps", type=int, default=0, help="stop after this many committed steps (0: no limit)")
+    p.add_argument("--duration", type=float, default=0.0, help="stop after this many seconds (0: no limit)")
+    p.add_argument("--digest-every", type=int, default=digest_every)
+    p.add_argument("--min-replicas", type=int, default=1, help="wait for this many participants before step 0")
+    p.add_argument("--go-file", default=None, help="wait until this file exists before training (a harness "
+                   "starts every replica first, then says go)")
+    p.add_argument("--seed", type=int, default=0, help="model init seed (the same on every replica)")
+    p.add_argument("--log-level", default=os.environ.get("P2PFT_LOG_LEVEL", "WARNING"))
+
+
+def require_replica_id(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if not args.replica_id:
+        p.error("--replica-id is required (or set P2PFT_REPLICA_ID)")
