@@ -415,10 +415,24 @@ class FaultTolerant:
                             "min_step": min_step})
         t0 = time.monotonic()
         snap = fetch_state(donor["data_addr"].split(",")[0], {"kind": "snapshot", "min_step": min_step},
-                           secret=self.rt.secret, timeout=120.0, rate_limit_bytes_per_s=self.state_rate_limit)
+                           secret=self.rt.secret, timeout=120.0, rate_limit_bytes_per_s=self.state_rate_limit,
+                           into=self._receive_into())
         snap.meta["_donor"] = donor["node"]
         snap.meta["_fetch_s"] = time.monotonic() - t0
         return snap
+
+    def _receive_into(self) -> dict[str, torch.Tensor]:
+        """The joiner's own tensors, by snapshot name: the stream lands in them in place (no
+        fresh allocation, no copy at restore). They hold nothing worth keeping while the
+        replica catches up, and nothing reads them until the restore."""
+        into = {f"param/{n}": p.data for n, p in self.model.named_parameters()}
+        into.update({f"buffer/{n}": b for n, b in self.model.named_buffers()})
+        by_param = {id(p): n for n, p in self.model.named_parameters()}
+        for p, st in self.opt.state.items():
+            name = by_param.get(id(p))
+            if name is not None:
+                into.update({f"optim/{name}/{k}": v for k, v in st.items() if isinstance(v, torch.Tensor)})
+        return into
 
     def _restore_and_replay(self, snap: StateSnapshot, gen: int, deadline: float) -> bool:
         """True once caught up; False when a newer snapshot is needed (the log moved past it)."""
