@@ -192,8 +192,9 @@ def main(argv: list[str] | None = None) -> int:
         while ft.events:  # popleft: the catch-up worker appends concurrently
             ev = ft.events.popleft()
             stats.write({**ev, "kind": "event", "event": ev["kind"]})
+    # Mid catch-up the weights are neither the old step's nor the snapshot's: no digest then.
     stats.write({"t": time.time(), "kind": "exit", "step": ft.step, "cursor": ft.cursor.state_dict(),
-                 "digest": ft.digest(), "data_counters": dict(rt.data.counters)})
+                 **({"digest": ft.digest()} if ft.synced else {}), "data_counters": dict(rt.data.counters)})
     stats.close()
     ft.close()
     rt.close(leave=True)
