@@ -118,6 +118,7 @@ class HSDP:
         self._slot: int | None = None
         self._ranges: list[tuple[int, int]] = []
         self._comms: dict[int, Any] = {}
+        self._superseded_by = -1  # newest data epoch announced: older communicators are dead
         self._comm_lock = threading.Lock()
         self._donors = SnapshotRequests()
         self._snap_box: "queue.Queue[StateSnapshot | BaseException]" = queue.Queue(1)
@@ -298,6 +299,10 @@ class HSDP:
             c.close()
         comm = self.ds.communicator(d, self.rank, rank, peers, timeout=self.comm_timeout)
         with self._comm_lock:
+            if d < self._superseded_by:
+                # A newer data epoch was announced while this plan was in flight: the new
+                # communicator must not wait out its connect timeout on a dead peer.
+                comm.abort(f"superseded by data epoch {self._superseded_by} before first use")
             self._comms[d] = comm
         return comm
 
@@ -419,6 +424,7 @@ class HSDP:
 
     def _abort_below(self, d: int) -> None:
         with self._comm_lock:
+            self._superseded_by = max(self._superseded_by, d)
             stale = [c for k, c in self._comms.items() if k < d]
         for c in stale:
             c.abort(f"superseded by data epoch {d}")
