@@ -38,15 +38,62 @@ def steps(path: Path) -> list[dict[str, Any]]:
     return [r for r in records(path) if r.get("kind") is None and "step" in r]
 
 
-class Replicas:
-    def __init__(self, tmp: Path, n: int, extra: list[str] | None = None, witnesses: int = 0) -> None:
+class ProcessSet:
+    """Processes of one test, each with a log `<name>.log` (and a stats file for replicas):
+    bounded waits that fail at once when a process dies, and a bounded stop."""
+
+    tolerate_sigkill = False   # a SIGKILLed process (the test's own doing) is no failure
+    stop_timeout = 20.0        # seconds each process gets to exit after SIGTERM
+
+    def __init__(self, tmp: Path) -> None:
         self.tmp = tmp
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.stats: dict[str, Path] = {}
+
+    def wait(self, cond: Callable[[], bool], timeout: float, what: str, allow_exit: tuple[str, ...] = ()) -> float:
+        """Poll `cond` until true (returns the seconds it took) or `timeout`; any process that
+        exits meanwhile fails the test with its log tail, unless it is named in `allow_exit`."""
+        t0 = time.time()
+        while time.time() - t0 < timeout:
+            if cond():
+                return time.time() - t0
+            for name, p in self.procs.items():
+                if (p.poll() is not None and name not in allow_exit
+                        and not (self.tolerate_sigkill and p.returncode == -signal.SIGKILL)):
+                    raise AssertionError(f"{name} exited with {p.returncode} while waiting for {what}: "
+                                         f"{(self.tmp / (name + '.log')).read_text()[-3000:]}")
+            time.sleep(0.05)
+        raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+    def last_step(self, name: str) -> int:
+        st = steps(self.stats[name])
+        return int(st[-1]["step"]) if st else -1
+
+    def stop_all(self) -> dict[str, int | None]:
+        """SIGTERM everyone, then wait up to `stop_timeout` each; a process still running is
+        SIGKILLed and reported as None."""
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        rcs: dict[str, int | None] = {}
+        for name, p in self.procs.items():
+            try:
+                rcs[name] = p.wait(timeout=self.stop_timeout)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                rcs[name] = None
+        return rcs
+
+
+class Replicas(ProcessSet):
+    tolerate_sigkill = True
+
+    def __init__(self, tmp: Path, n: int, extra: list[str] | None = None, witnesses: int = 0) -> None:
+        super().__init__(tmp)
         all_ports = ports(n + witnesses)
         self.addrs = [f"127.0.0.1:{p}" for p in all_ports[:n]]
         self.witness_addrs = [f"127.0.0.1:{p}" for p in all_ports[n:]]
         self.extra = extra or []
-        self.procs: dict[str, subprocess.Popen[bytes]] = {}
-        self.stats: dict[str, Path] = {}
 
     def spawn(self, i: int, name: str) -> None:
         seeds = ",".join([a for j, a in enumerate(self.addrs) if j != i] + self.witness_addrs)
@@ -68,35 +115,6 @@ class Replicas:
             [sys.executable, "-m", "p2pft", "--log-level", "INFO", "peer", "--listen", addr, "--seeds", seeds,
              "--replica-id", f"w{k}"], stdout=subprocess.DEVNULL, stderr=log)
         log.close()
-
-    def wait(self, cond: Callable[[], bool], timeout: float, what: str) -> None:
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            if cond():
-                return
-            for name, p in self.procs.items():
-                if p.poll() is not None and p.returncode != -signal.SIGKILL:
-                    raise AssertionError(f"{name} exited with {p.returncode}: "
-                                         f"{(self.tmp / (name + '.log')).read_text()[-2000:]}")
-            time.sleep(0.1)
-        raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-
-    def last_step(self, name: str) -> int:
-        st = steps(self.stats[name])
-        return int(st[-1]["step"]) if st else -1
-
-    def stop_all(self) -> dict[str, int | None]:
-        for p in self.procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        rcs = {}
-        for name, p in self.procs.items():
-            try:
-                rcs[name] = p.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                rcs[name] = None
-        return rcs
 
 
 

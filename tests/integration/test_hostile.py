@@ -6,7 +6,6 @@ Each rejection must show up as a counter and a log line, and the server must kee
 """
 from __future__ import annotations
 
-import asyncio
 import resource
 import socket
 import subprocess

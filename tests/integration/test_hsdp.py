@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
-from replica_harness import check_invariants, ports, records, steps
+from replica_harness import ProcessSet, check_invariants, ports, records, steps
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -29,14 +29,14 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 SCRIPT = str(Path(__file__).resolve().parents[2] / "trainer" / "examples" / "hsdp_replica.py")
 
 
-class Cluster:
+class Cluster(ProcessSet):
+    stop_timeout = 30.0
+
     def __init__(self, tmp: Path) -> None:
-        self.tmp = tmp
+        super().__init__(tmp)
         a, b, w0, w1 = (f"127.0.0.1:{p}" for p in ports(4))
         self.addr = {"a": a, "b": b}
         self.witnesses = [w0, w1]
-        self.procs: dict[str, subprocess.Popen[bytes]] = {}
-        self.stats: dict[str, Path] = {}
 
     def _popen(self, name: str, cmd: list[str]) -> None:
         with open(self.tmp / f"{name}.log", "wb") as log:
@@ -56,35 +56,6 @@ class Cluster:
                            "--listen", self.addr[rid], "--seeds", ",".join(seeds), "--stats", str(self.stats[name]),
                            "--min-replicas", "2", "--step-delay", "0.05", "--batch", "4", "--digest-every", "2",
                            "--log-level", "INFO", *extra])
-
-    def wait(self, cond, timeout: float, what: str, allow_exit: tuple[str, ...] = ()) -> None:
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            if cond():
-                return
-            for name, p in self.procs.items():
-                if p.poll() is not None and name not in allow_exit:
-                    raise AssertionError(f"{name} exited with {p.returncode} while waiting for {what}: "
-                                         f"{(self.tmp / (name + '.log')).read_text()[-3000:]}")
-            time.sleep(0.05)
-        raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-
-    def last_step(self, name: str) -> int:
-        st = steps(self.stats[name])
-        return int(st[-1]["step"]) if st else -1
-
-    def stop_all(self) -> dict[str, int | None]:
-        for p in self.procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        rcs: dict[str, int | None] = {}
-        for name, p in self.procs.items():
-            try:
-                rcs[name] = p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                rcs[name] = None
-        return rcs
 
 
 def _alive(pid: int) -> bool:

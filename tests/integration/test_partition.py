@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import signal
 import socket
 import subprocess
 import sys
@@ -28,7 +27,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import pytest
-from replica_harness import check_invariants, records, steps
+from replica_harness import ProcessSet, check_invariants, records, steps
 
 from p2pft.chaos.netfault import ANY, NetFault
 
@@ -50,11 +49,11 @@ def _free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
-class NetCluster:
+class NetCluster(ProcessSet):
     """Replicas r0..r2 and witnesses w0, w1, each on its own IP behind proxies."""
 
     def __init__(self, tmp: Path) -> None:
-        self.tmp = tmp
+        super().__init__(tmp)
         self.nf = NetFault(seed=11).start()
         self.names = [f"r{i}" for i in range(REPLICAS)] + [f"w{k}" for k in range(WITNESSES)]
         self.ip = {n: _ip(k) for k, n in enumerate(self.names)}
@@ -69,8 +68,6 @@ class NetCluster:
             if n.startswith("r"):
                 self.data_real[n] = f"{h}:{_free_port(h)}"
                 self.data_adv[n] = self.nf.add_proxy(f"{h}:0", self.data_real[n])
-        self.procs: dict[str, subprocess.Popen[bytes]] = {}
-        self.stats: dict[str, Path] = {}
 
     def seeds(self, me: str) -> str:
         return ",".join(a for n, a in self.adv.items() if n != me)
@@ -93,22 +90,6 @@ class NetCluster:
             self.procs[n] = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=logf, env=env)
             logf.close()
 
-    def wait(self, cond: Callable[[], bool], timeout: float, what: str) -> float:
-        t0 = time.time()
-        while time.time() - t0 < timeout:
-            if cond():
-                return time.time() - t0
-            for n, p in self.procs.items():
-                if p.poll() is not None:
-                    raise AssertionError(f"{n} exited with {p.returncode}: "
-                                         f"{(self.tmp / (n + '.log')).read_text()[-3000:]}")
-            time.sleep(0.1)
-        raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-
-    def last_step(self, n: str) -> int:
-        st = steps(self.stats[n])
-        return int(st[-1]["step"]) if st else -1
-
     def commits(self, n: str, after: float, before: float = float("inf")) -> list[dict[str, Any]]:
         return [r for r in steps(self.stats[n]) if r.get("c") and after < r["t"] < before]
 
@@ -116,16 +97,7 @@ class NetCluster:
         return all(any(r["n"] == REPLICAS for r in self.commits(f"r{i}", since)) for i in range(REPLICAS))
 
     def stop(self) -> dict[str, int | None]:
-        for p in self.procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        rcs: dict[str, int | None] = {}
-        for n, p in self.procs.items():
-            try:
-                rcs[n] = p.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                rcs[n] = None
+        rcs = self.stop_all()
         self.nf.stop()
         return rcs
 
