@@ -92,20 +92,23 @@ class GradBuffer:
 
         `source` (same layout as `flat`) reads another reduced buffer, e.g. a logged step, so
         that a background catch-up never touches the buffer the training thread allreduces."""
-        if isinstance(divisor, bool) or not isinstance(divisor, (int, float)) or not math.isfinite(divisor) or divisor <= 0:
-            raise ValueError(f"divisor must be a finite positive number, got {divisor!r}")
-        views = self._views
-        if source is not None and source is not self.flat:
-            if source.shape != self.flat.shape:
-                raise ValueError(f"source of shape {tuple(source.shape)} does not match the buffer {tuple(self.flat.shape)}")
-            views = [source[o:o + p.numel()].view(p.shape) for p, o in zip(self.params, self._offsets)]
-        for p, view in zip(self.params, views):
+        for p, view in zip(self.params, self._unpack_views(divisor, source)):
             if p.grad is None:
                 p.grad = torch.empty_like(p)
             if p.grad.dtype == torch.float32 and p.grad.device == self.flat.device:
                 torch.div(view, divisor, out=p.grad)
             else:
                 p.grad.copy_(view / divisor)
+
+    def _unpack_views(self, divisor: float, source: torch.Tensor | None) -> list[torch.Tensor]:
+        """Check the divisor; the per-parameter views of `source` (default: `flat`)."""
+        if isinstance(divisor, bool) or not isinstance(divisor, (int, float)) or not math.isfinite(divisor) or divisor <= 0:
+            raise ValueError(f"divisor must be a finite positive number, got {divisor!r}")
+        if source is None or source is self.flat:
+            return self._views
+        if source.shape != self.flat.shape:
+            raise ValueError(f"source of shape {tuple(source.shape)} does not match the buffer {tuple(self.flat.shape)}")
+        return [source[o:o + v.numel()].view(v.shape) for v, o in zip(self._views, self._offsets)]
 
     def save(self) -> None:
         """Keep a copy of the packed local contribution for a retry."""

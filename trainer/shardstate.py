@@ -50,14 +50,7 @@ class ShardStepBuffer(StepBuffer):
 
     def unpack(self, divisor: float, source: torch.Tensor | None = None) -> None:
         """Write (source or flat) / divisor into each parameter's local grad shard."""
-        if not divisor > 0:
-            raise ValueError(f"divisor must be positive, got {divisor!r}")
-        views = self._views
-        if source is not None and source is not self.flat:
-            if source.shape != self.flat.shape:
-                raise ValueError(f"source of shape {tuple(source.shape)} does not match {tuple(self.flat.shape)}")
-            views = [source[o:o + v.numel()].view(v.shape) for v, o in zip(self._views, self._offsets)]
-        for p, view in zip(self.dparams, views):
+        for p, view in zip(self.dparams, self._unpack_views(divisor, source)):
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             torch.div(view, divisor, out=local(p.grad).view(view.shape))
