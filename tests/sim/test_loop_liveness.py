@@ -21,6 +21,19 @@ def _roles(sim: Simulator, node_id: str) -> set[str | None]:
             for n in sim.nodes.values() if n.view is not None}
 
 
+def start_beating(sim: Simulator, trainers: list[str]) -> dict[str, bool]:
+    """Every 0.25 s virtual, each trainer whose flag is set beats; returns the flags."""
+    beating = {a: True for a in trainers}
+
+    def beat(t: float) -> None:
+        for a in trainers:
+            if beating[a]:
+                sim.call(a, lambda node, now: node.loop_beat(now, LT))
+        sim.at(t + 0.25, lambda: beat(t + 0.25))
+    sim.at(sim.now, lambda: beat(sim.now))
+    return beating
+
+
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_wedged_loop_is_left_out_then_comes_back_as_joiner(seed: int) -> None:
     sim = Simulator(seed)
@@ -29,14 +42,7 @@ def test_wedged_loop_is_left_out_then_comes_back_as_joiner(seed: int) -> None:
     for a in everyone:
         sim.add_node(a, seeds=[x for x in everyone if x != a], kind=TRAINER_KIND if a in trainers else "witness",
                      replica_id=a)
-    beating = {a: True for a in trainers}
-
-    def beat(t: float) -> None:
-        for a in trainers:
-            if beating[a]:
-                sim.call(a, lambda node, now: node.loop_beat(now, LT))
-        sim.at(t + 0.25, lambda: beat(t + 0.25))
-    sim.at(0.0, lambda: beat(0.0))
+    beating = start_beating(sim, trainers)
     sim.run_until(15.0, stop=lambda: sim.converged() and all(
         _roles(sim, sim.nodes[t].id) == {PARTICIPANT} for t in trainers))
     ids = {a: sim.nodes[a].id for a in trainers}
@@ -76,14 +82,7 @@ def test_wedged_leader_steps_down_and_is_left_out(seed: int) -> None:
     trainers = ["10.0.0.1:7000", "10.0.0.2:7000", "10.0.0.3:7000"]
     for a in trainers:
         sim.add_node(a, seeds=[x for x in trainers if x != a], kind=TRAINER_KIND, replica_id=a)
-    beating = {a: True for a in trainers}
-
-    def beat(t: float) -> None:
-        for a in trainers:
-            if beating[a]:
-                sim.call(a, lambda node, now: node.loop_beat(now, LT))
-        sim.at(t + 0.25, lambda: beat(t + 0.25))
-    sim.at(0.0, lambda: beat(0.0))
+    beating = start_beating(sim, trainers)
     sim.run_until(15.0, stop=lambda: sim.converged() and sim.leader() is not None and all(
         _roles(sim, sim.nodes[t].id) == {PARTICIPANT} for t in trainers))
     leader = sim.leader()
