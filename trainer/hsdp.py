@@ -97,6 +97,9 @@ class HSDP:
             raise ValueError("rank 0, and only rank 0, runs the Runtime")
         if batch_per_replica % self.world:
             raise ValueError(f"batch_per_replica={batch_per_replica} must be divisible by {self.world} ranks")
+        if loop_timeout is not None and loop_timeout <= comm_timeout:
+            raise ValueError(f"loop_timeout={loop_timeout} s must exceed comm_timeout={comm_timeout} s: "
+                             "an allreduce may block that long without a beat")
         self.rt = runtime
         self.model = model
         self.opt = optimizer

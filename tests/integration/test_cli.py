@@ -136,3 +136,14 @@ def test_argument_wins_over_environment(ctl: Any, tmp_path: Path) -> None:
     finally:
         proc.kill()
         proc.wait(10)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--loop-timeout", "5", "--comm-timeout", "10"], "--loop-timeout (5 s) must exceed --comm-timeout (10 s)"),
+    (["--comm-timeout", "0"], "--comm-timeout must be positive"),
+])
+def test_example_replica_rejects_a_config_that_cannot_work(args: list[str], message: str) -> None:
+    import sys
+    r = subprocess.run([sys.executable, "-m", "p2pft.trainer.examples.replica", "--replica-id", "x", *args],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr

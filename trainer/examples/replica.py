@@ -51,6 +51,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "keeps gossiping) until SIGTERM")
     args = p.parse_args(argv)
     require_replica_id(p, args)
+    if args.comm_timeout <= 0:
+        p.error("--comm-timeout must be positive")
+    if args.loop_timeout and args.loop_timeout <= args.comm_timeout:
+        p.error(f"--loop-timeout ({args.loop_timeout:g} s) must exceed --comm-timeout ({args.comm_timeout:g} s): "
+                "an allreduce may block that long without the loop beating")
     return args
 
 
