@@ -1,0 +1,149 @@
+"""Typed views: who takes part in the steps of one epoch, and how to reach them.
+
+A ``View`` is what agreement commits (one per epoch) and what a trainer reads at every step.
+It is immutable, so the control thread can replace it while training threads read it. The
+wire form (short dict keys, lists) exists only in ``to_wire``/``from_wire``, called at the
+edges (the node's messages, the driver, the simulator).
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class Role(str, enum.Enum):
+    """A member's part in a view. ``str`` values so logs and JSON read as before."""
+
+    PARTICIPANT = "participant"   # contributes gradients, holds a data slot
+    JOINER = "joiner"             # on the data plane with zeros, catching up in the background
+    WITNESS = "witness"           # control plane only (votes, gossips), no data plane
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True, slots=True)
+class Member:
+    """One node (an incarnation of a replica leader) as a view lists it."""
+
+    node: str                       # "<replica_id>.<incarnation>"
+    replica_id: str
+    addr: str                       # control address
+    data_addrs: tuple[str, ...]     # one data-server address per shard of the replica
+    role: Role
+    slot: int | None                # data slot of a participant (rank in the data cursor)
+    shards: int = 1
+    since: int = 0                  # epoch this node entered the views
+
+    @property
+    def data_addr(self) -> str:
+        """Shard 0's data address (the replica leader's own data server)."""
+        return self.data_addrs[0] if self.data_addrs else ""
+
+    def shard_addr(self, shard: int) -> str:
+        """Data address for shard `shard` (a one-shard replica serves every shard index)."""
+        if not self.data_addrs:
+            raise ValueError(f"{self.node} has no data address")
+        return self.data_addrs[min(shard, len(self.data_addrs) - 1)]
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"node": self.node, "replica_id": self.replica_id, "addr": self.addr,
+                "data_addr": ",".join(self.data_addrs), "role": self.role.value, "slot": self.slot,
+                "shards": self.shards, "since": self.since}
+
+    @classmethod
+    def from_wire(cls, d: dict[str, Any]) -> "Member":
+        """Raises KeyError/TypeError/ValueError on malformed input (the caller drops the frame)."""
+        slot = d.get("slot")
+        return cls(node=str(d["node"]), replica_id=str(d.get("replica_id", d["node"])), addr=str(d["addr"]),
+                   data_addrs=split_addrs(d.get("data_addr", "")), role=Role(d["role"]),
+                   slot=None if slot is None else int(slot), shards=int(d.get("shards", 1)),
+                   since=int(d.get("since", 0)))
+
+
+def split_addrs(joined: str | list[str] | tuple[str, ...]) -> tuple[str, ...]:
+    """Data addresses as gossip carries them (comma-joined) to a tuple; the one place that splits."""
+    if isinstance(joined, (list, tuple)):
+        return tuple(str(a) for a in joined if a)
+    return tuple(a for a in str(joined).split(",") if a)
+
+
+@dataclass(frozen=True, slots=True)
+class View:
+    """A committed view. Epochs only grow; at most one view exists per epoch.
+
+    ``data_epoch`` is the epoch of the last view that changed the data plane (participants,
+    joiners, or a requested fresh communicator): communicators are tagged with it, so a view
+    that changes only witnesses or voters does not rebuild them."""
+
+    epoch: int
+    members: tuple[Member, ...]
+    voters: tuple[str, ...] = ()
+    data_epoch: int = 0
+    high_water: int = 0             # highest committed step the leader has seen
+    left: tuple[str, ...] = ()      # trainers recently left out (they catch up before contributing)
+    _by_node: dict[str, Member] = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self._by_node.update((m.node, m) for m in self.members)
+        if self.data_epoch <= 0:
+            object.__setattr__(self, "data_epoch", self.epoch)
+
+    def member(self, node: str | None) -> Member | None:
+        return self._by_node.get(node) if node is not None else None
+
+    def role_of(self, node: str | None) -> Role | None:
+        m = self.member(node)
+        return m.role if m is not None else None
+
+    @property
+    def participants(self) -> list[Member]:
+        return [m for m in self.members if m.role is Role.PARTICIPANT]
+
+    @property
+    def joiners(self) -> list[Member]:
+        return [m for m in self.members if m.role is Role.JOINER]
+
+    @property
+    def data_members(self) -> list[Member]:
+        """Members on the data plane (participants and joiners), in communicator rank order."""
+        return sorted((m for m in self.members if m.role is not Role.WITNESS), key=lambda m: m.node)
+
+    def data_rank(self, node: str) -> int:
+        """`node`'s rank in this view's communicators; ValueError when it is not on the data plane."""
+        for i, m in enumerate(self.data_members):
+            if m.node == node:
+                return i
+        raise ValueError(f"{node} is not on the data plane of view e{self.epoch}")
+
+    def shard_addrs(self, shard: int = 0) -> list[str]:
+        """The data address of shard `shard` of every data member, in rank order."""
+        return [m.shard_addr(shard) for m in self.data_members]
+
+    def member_at_data_addr(self, addr: str | None) -> Member | None:
+        """The member serving data address `addr` on any of its shards."""
+        if not addr:
+            return None
+        return next((m for m in self.members if addr in m.data_addrs), None)
+
+    def donor(self, exclude: str | None = None) -> Member | None:
+        """The participant a catch-up pulls from: the lowest slot (the same choice everywhere)."""
+        cands = [m for m in self.participants if m.node != exclude]
+        return min(cands, key=lambda m: (m.slot if m.slot is not None else 1 << 30, m.node)) if cands else None
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "members": [m.to_wire() for m in self.members], "voters": list(self.voters),
+                "data_epoch": self.data_epoch, "hw": self.high_water, "left": list(self.left)}
+
+    @classmethod
+    def from_wire(cls, d: dict[str, Any]) -> "View":
+        """Raises KeyError/TypeError/ValueError on malformed input (the caller drops the frame)."""
+        epoch = int(d["epoch"])
+        return cls(epoch=epoch, members=tuple(Member.from_wire(m) for m in d["members"]),
+                   voters=tuple(str(v) for v in d.get("voters", ())),
+                   data_epoch=int(d.get("data_epoch", epoch)), high_water=int(d.get("hw", 0)),
+                   left=tuple(str(n) for n in d.get("left", ())))
+
+
+__all__ = ["Member", "Role", "View", "split_addrs"]
