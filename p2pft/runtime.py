@@ -17,7 +17,8 @@ from . import aio
 from .config import DEFAULT, Profile
 from .driver import NodeServer
 from .log import set_context
-from .node import JOINER, PARTICIPANT, TRAINER_KIND, WITNESS
+from .node import TRAINER_KIND
+from .view import Member, Role, View
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +33,7 @@ class Runtime:
     Typical use::
 
         rt = Runtime(replica_id="r0", listen="127.0.0.1:7000", seeds=["127.0.0.1:7001"]).start()
-        view = rt.view                 # latest committed view (dict), no round trip
+        view = rt.view                 # latest committed View, no round trip
         comm = rt.communicator()       # data-plane group of that view's data epoch
     """
 
@@ -61,7 +62,7 @@ class Runtime:
         self.server: NodeServer | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
-        self._view: dict[str, Any] | None = None
+        self._view: View | None = None
         self._view_cv = threading.Condition()
         self._comms: dict[tuple[int, int], Any] = {}
         self._comm_lock = threading.Lock()
@@ -163,30 +164,36 @@ class Runtime:
         return self.server.addr
 
     @property
-    def view(self) -> dict[str, Any] | None:
+    def view(self) -> View | None:
         """The latest committed view (replaced, never mutated: safe to read from any thread)."""
         return self._view
 
-    def _on_view(self, view: dict[str, Any]) -> None:
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _on_view(self, view: View | dict[str, Any]) -> None:
         """Loop thread: publish the view, abort communicators it supersedes."""
+        if not isinstance(view, View):
+            view = View.from_wire(view)
         old = self._view
         self._view = view
-        self.view_log.append((time.time(), int(view["epoch"]), int(view.get("data_epoch", view["epoch"]))))
+        d = view.data_epoch
+        self.view_log.append((time.time(), view.epoch, d))
         if len(self.view_log) > 10_000:
             del self.view_log[:5_000]
-        d = int(view.get("data_epoch", view["epoch"]))
-        if old is None or d != int(old.get("data_epoch", old["epoch"])):
+        if old is None or d != old.data_epoch:
             with self._comm_lock:
                 stale = [(k, c) for k, c in self._comms.items() if k[0] < d]
                 for k, _ in stale:
                     del self._comms[k]
             for _, c in stale:
-                c.abort(f"superseded by view e{view['epoch']} (data epoch {d})")
+                c.abort(f"superseded by view e{view.epoch} (data epoch {d})")
         with self._view_cv:
             self._view_cv.notify_all()
 
-    def wait_view(self, pred: Callable[[dict[str, Any]], bool], timeout: float,
-                  loop_timeout: float | None = None) -> dict[str, Any] | None:
+    def wait_view(self, pred: Callable[[View], bool], timeout: float,
+                  loop_timeout: float | None = None) -> View | None:
         """Block until the latest view satisfies pred (or timeout); returns it or None.
 
         The training thread passes its `loop_timeout`: waiting for a view is the loop working,
@@ -204,57 +211,38 @@ class Runtime:
             if loop_timeout:
                 self.loop_beat(loop_timeout)
 
-    def me(self, view: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    def me(self, view: View | None = None) -> Member | None:
+        """This node's entry in `view` (default: the latest), None when it is not a member."""
         view = view if view is not None else self._view
         if view is None or self.server is None or self.server.node is None:
             return None
-        nid = self.server.node.id
-        for m in view["members"]:
-            if m["node"] == nid:
-                return m
-        return None
-
-    @staticmethod
-    def data_members(view: dict[str, Any]) -> list[dict[str, Any]]:
-        """Members on the data plane (participants and joiners), in rank order."""
-        return sorted((m for m in view["members"] if m["role"] in (PARTICIPANT, JOINER)),
-                      key=lambda m: m["node"])
-
-    @staticmethod
-    def data_epoch(view: dict[str, Any]) -> int:
-        return int(view.get("data_epoch", view["epoch"]))
-
-    def participants(self, view: dict[str, Any] | None = None) -> list[dict[str, Any]]:
-        view = view if view is not None else self._view
-        return [m for m in (view or {"members": []})["members"] if m["role"] == PARTICIPANT]
+        return view.member(self.server.node.id)
 
     def member_step(self, node: str) -> int:
         n = self.server.node if self.server else None
         return n.member_step(node) if n else 0
 
     # ------------------------------------------------------------------ data plane
-    def communicator(self, view: dict[str, Any] | None = None, shard: int = 0) -> Any:
+    def communicator(self, view: View | None = None, shard: int = 0) -> Any:
         """The communicator of the view's data epoch for this shard (built once, cached)."""
         view = view if view is not None else self._view
         if view is None:
             raise RuntimeStartError("no committed view yet")
-        d = self.data_epoch(view)
+        d = view.data_epoch
         key = (d, shard)
         with self._comm_lock:
             comm = self._comms.get(key)
             if comm is not None and comm.failed is None:
                 return comm
-        members = self.data_members(view)
-        nid = self.node_id
-        ranks = [m["node"] for m in members]
-        if nid not in ranks:
-            raise RuntimeStartError(f"{nid} is not on the data plane of view e{view['epoch']}")
-        peers = [m["data_addr"].split(",")[min(shard, len(m["data_addr"].split(",")) - 1)] for m in members]
+        try:
+            rank = view.data_rank(self.node_id)
+        except ValueError as exc:
+            raise RuntimeStartError(str(exc)) from None
         if comm is not None:
             comm.close()
-        comm = self.data.communicator(d, shard, ranks.index(nid), peers, timeout=self.comm_timeout)
+        comm = self.data.communicator(d, shard, rank, view.shard_addrs(shard), timeout=self.comm_timeout)
         with self._comm_lock:
-            if self.data_epoch(self._view or view) > d:
+            if (self._view or view).data_epoch > d:
                 comm.abort("superseded before first use")
             self._comms[key] = comm
         return comm
@@ -265,15 +253,6 @@ class Runtime:
             comms = list(self._comms.values())
         for c in comms:
             c.abort(reason)
-
-    def peer_of_data_addr(self, data_addr: str | None, view: dict[str, Any] | None = None) -> dict[str, Any] | None:
-        view = view if view is not None else self._view
-        if not data_addr or view is None:
-            return None
-        for m in view["members"]:
-            if data_addr in m["data_addr"].split(","):
-                return m
-        return None
 
     # ------------------------------------------------------------------ into the control loop
     def _call(self, fn: Callable[[float], None]) -> None:
@@ -343,4 +322,4 @@ class Runtime:
         return {"counters": dict(s.counters) if s else {}, "node": dict(s.node.stats) if s and s.node else {}}
 
 
-__all__ = ["Runtime", "RuntimeStartError", "PARTICIPANT", "JOINER", "WITNESS"]
+__all__ = ["Runtime", "RuntimeStartError", "Member", "Role", "View"]

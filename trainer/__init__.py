@@ -7,9 +7,9 @@ importable on their own.
 from __future__ import annotations
 
 from .cursor import DataCursor
-from .ft import FaultTolerant, StepResult, StepTimeout, train_loop
+from .ft import FaultTolerant, StepResult, StepTimeout, Stopped
 from .lr import LRPolicy, lr_scale
 from .state import capture, restore, state_digest
 
-__all__ = ["FaultTolerant", "StepResult", "StepTimeout", "train_loop", "DataCursor", "LRPolicy", "lr_scale",
+__all__ = ["FaultTolerant", "StepResult", "StepTimeout", "Stopped", "DataCursor", "LRPolicy", "lr_scale",
            "capture", "restore", "state_digest"]

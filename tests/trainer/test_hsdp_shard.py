@@ -11,8 +11,6 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from p2pft.trainer.ft import _Entry
-from p2pft.trainer.hsdp import append_replay
 from p2pft.trainer.model import ModelConfig
 from p2pft.trainer.shardstate import ShardStepBuffer, capture_shard, local, restore_shard, shard_digest
 
@@ -85,23 +83,3 @@ def test_restore_rejects_a_snapshot_of_another_shape(group: None) -> None:
     tensors["param/ln_f.weight"] = torch.zeros(3)
     with pytest.raises(ValueError, match="ln_f.weight"):
         restore_shard(model, opt, meta, tensors)
-
-
-def _e(step: int) -> _Entry:
-    return _Entry(step, torch.zeros(4), 1, [True])
-
-
-def test_replay_log_is_contiguous_latest_wins_and_keeps_what_a_snapshot_needs() -> None:
-    log: list[_Entry] = []
-    for s in (3, 4, 5):
-        append_replay(log, _e(s), 1 << 20)
-    append_replay(log, _e(5), 1 << 20)  # step 5 reduced again: replaces the earlier round
-    assert [e.step for e in log] == [3, 4, 5]
-    append_replay(log, _e(7), 1 << 20)  # a gap: the older entries cannot be replayed
-    assert [e.step for e in log] == [7]
-    log = []
-    for s in range(6):
-        append_replay(log, _e(s), 3 * 16, keep_from=1)  # cap of 3 entries, snapshot of step 1 held
-    assert [e.step for e in log] == [1, 2, 3, 4, 5]
-    append_replay(log, _e(6), 3 * 16)
-    assert [e.step for e in log] == [4, 5, 6]

@@ -163,8 +163,8 @@ def worker(args: argparse.Namespace) -> int:
             time.sleep(0.02)
     if rep.rt is not None and args.min_replicas > 1:
         rt = rep.rt  # a restarted replica is made a joiner: it has nobody to wait for
-        rt.wait_view(lambda v: len(rt.participants(v)) >= args.min_replicas
-                     or (rt.me(v) or {}).get("role") == "joiner", timeout=60.0)
+        rt.wait_view(lambda v: len(v.participants) >= args.min_replicas
+                     or v.role_of(rt.node_id) == "joiner", timeout=60.0)
     dist.barrier()
     deadline = time.monotonic() + args.duration if args.duration else float("inf")
     last_epoch = -1
@@ -182,16 +182,16 @@ def worker(args: argparse.Namespace) -> int:
             break
         digests = rep.digests() if res.committed and args.digest_every and res.step % args.digest_every == 0 else None
         if rep.rt is not None:
-            view = rep.rt.view or {"epoch": 0}
+            view = rep.rt.view
             rec = {"t": time.time(), "step": res.step, "c": int(res.committed), "role": res.role,
-                   "n": res.contributors, "r": res.retries, "e": view["epoch"]}
+                   "n": res.contributors, "r": res.retries, "e": view.epoch if view else 0}
             if res.trained:
                 rec["tr"] = res.trained
             if digests:
                 rec["digest"] = ",".join(digests)  # shard digests in rank order
-            if view["epoch"] != last_epoch:
-                last_epoch = view["epoch"]
-                rec["view"] = [[m["replica_id"], m["role"][0]] for m in view.get("members", [])]
+            if view is not None and view.epoch != last_epoch:
+                last_epoch = view.epoch
+                rec["view"] = [[m.replica_id, m.role.value[0]] for m in view.members]
             write(rec)
             for ev in list(rep.events):
                 write({**ev, "kind": "event", "event": ev["kind"]})

@@ -153,8 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.min_replicas > 1 and ft.step == 0:
         # A replica the view already makes a joiner (a restart) has nobody to wait for, and must
         # not: it is in the data plane, and the participants' allreduces need its loop running.
-        rt.wait_view(lambda v: len(rt.participants(v)) >= args.min_replicas
-                     or (rt.me(v) or {}).get("role") == "joiner", timeout=30.0)
+        rt.wait_view(lambda v: len(v.participants) >= args.min_replicas
+                     or v.role_of(rt.node_id) == "joiner", timeout=30.0)
     deadline = time.monotonic() + args.duration if args.duration else float("inf")
     last_epoch = -1
     while not stop["flag"] and time.monotonic() < deadline and (not args.steps or ft.step < args.steps):
@@ -177,9 +177,9 @@ def main(argv: list[str] | None = None) -> int:
             res = ft.commit()
         except Stopped:
             break
-        view = rt.view or {"epoch": 0}
+        view = rt.view
         rec = {"t": time.time(), "step": res.step, "c": int(res.committed), "role": res.role,
-               "n": res.contributors, "r": res.retries, "e": view["epoch"]}
+               "n": res.contributors, "r": res.retries, "e": view.epoch if view else 0}
         if res.fast_forwarded:
             rec["ff"] = res.fast_forwarded
         if res.trained:
@@ -190,9 +190,9 @@ def main(argv: list[str] | None = None) -> int:
             rec["eval"] = eval_loss()
         if res.committed and args.digest_every and res.step % args.digest_every == 0:
             rec["digest"] = ft.digest()
-        if view["epoch"] != last_epoch:
-            last_epoch = view["epoch"]
-            rec["view"] = [[m["replica_id"], m["role"][0]] for m in view.get("members", [])]
+        if view is not None and view.epoch != last_epoch:
+            last_epoch = view.epoch
+            rec["view"] = [[m.replica_id, m.role.value[0]] for m in view.members]
         stats.write(rec)
         while ft.events:  # popleft: the catch-up worker appends concurrently
             ev = ft.events.popleft()

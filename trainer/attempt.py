@@ -1,0 +1,91 @@
+"""The values that cross the ranks of a replica during one step attempt.
+
+Rank 0 turns the view into an ``Attempt`` and broadcasts it; every rank allreduces its shard and
+all-gathers a ``Verdict``; all ranks then decide from the same list. ``Entry`` is one reduced
+step as every contributor saw it: what is applied, logged for replay, or served to a peer that
+fast-forwards.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+class Plan(enum.Enum):
+    ALLREDUCE = "allreduce"
+    WAIT = "wait"          # not on the data plane of the current view: look again
+    STOP = "stop"          # request_stop(): every rank raises Stopped
+    TIMEOUT = "timeout"    # no view to commit in within the step timeout
+
+
+@dataclass(frozen=True)
+class Attempt:
+    kind: Plan
+    epoch: int = 0
+    data_epoch: int = 0
+    rank: int = 0                                 # this replica's rank in the communicators
+    addrs: tuple[tuple[str, ...], ...] = ()      # every data member's shard addresses, rank order
+    contribute: bool = False
+    demote: bool = False                          # our gradients must not count (re-slotted, left out)
+    role: str = "?"
+    rejoin: bool = False                          # left out after being a participant: catch up
+    node: str = ""                                # rank 0's node id
+    donor: tuple[str, tuple[str, ...]] | None = None            # catch-up source: node, shard addresses
+    sources: tuple[tuple[int, str, tuple[str, ...]], ...] = ()  # participants: slot, node, addresses
+
+    def peers(self, shard: int) -> list[str]:
+        return [a[min(shard, len(a) - 1)] for a in self.addrs]
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """One rank's outcome of an attempt, small enough to all-gather every time."""
+
+    ok: bool
+    comm: bool = False             # a communicator failed (vs. e.g. not on the data plane yet)
+    aborted: bool = False          # aborted by us (newer data epoch, stop): no peer to blame
+    peer: str | None = None        # data address of the peer that failed
+    error: str = ""
+    steps: tuple[tuple[int, int], ...] = ()   # slot -> step, read from the reduced buffer
+    count: int = 0
+    ready: int | None = None       # catching up and at the head of the replay log at this step
+
+
+@dataclass
+class Entry:
+    step: int
+    flat: torch.Tensor             # reduced (summed) buffer, as every contributor saw it
+    count: int
+    mask: list[bool]
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        return self.flat.numel() * self.flat.element_size()
+
+
+@dataclass
+class StepResult:
+    """What one ``commit()`` did (see the README's table of fields)."""
+
+    step: int                 # committed step count after this call
+    committed: bool           # this call applied an optimizer update
+    contributors: int         # replicas whose gradients were in the mean (0 if none applied)
+    retries: int              # failed allreduce attempts before the outcome
+    role: str                 # this replica's role when the outcome was reached
+    fast_forwarded: int = 0   # steps applied from a peer's log (missed commits)
+    trained: list[tuple[int, int]] | None = None  # sample ranges of ours in the committed mean
+
+
+class StepTimeout(RuntimeError):
+    """No view in which this replica could commit appeared within the step timeout."""
+
+
+class Stopped(RuntimeError):
+    """request_stop() was called while a step was in flight (graceful shutdown)."""
+
+
+__all__ = ["Attempt", "Entry", "Plan", "StepResult", "StepTimeout", "Stopped", "Verdict"]

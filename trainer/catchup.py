@@ -1,0 +1,217 @@
+"""Non-blocking catch-up on the joiner's side, for every rank of a replica.
+
+While a replica catches up, its training thread keeps answering the others' allreduces with
+zeros on time (survivors never wait for a joiner) and hands each reduced step to ``on_reduced``,
+which logs it. A background worker per rank pulls this rank's snapshot from a donor, restores
+it, and replays the log through the replica's own optimizer. The transfer runs at a lower CPU
+priority (here and on the donor); the restore and the replay at normal priority, since the
+replay must outrun the others' steps to ever finish.
+
+Hand-over: a worker that has replayed every logged step says so (``ready_step``); when every
+rank of the replica is ready at the step just reduced, each applies that step itself and the
+replica is synced again: all ranks switch at the same step, and no reduced step is lost or
+applied twice (the log and the hand-over share one lock).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+from ..step import ReplayLog
+from ..transport import CommError
+from ..transport.stream import StateSnapshot, fetch_state
+from .attempt import Entry
+from .donor import lower_thread_priority
+
+if TYPE_CHECKING:
+    from .engine import StepEngine
+
+log = logging.getLogger(__name__)
+
+CATCHUP_TIMEOUT_S = 600.0   # one worker's budget; the next logged step starts another
+FETCH_TIMEOUT_S = 120.0     # one snapshot transfer
+FETCH_RETRY_S = 0.2
+IDLE_WAIT_S = 0.5           # a worker at the head of the log waits this long per look
+
+
+class Catchup:
+    def __init__(self, engine: "StepEngine", replay_cap_bytes: int) -> None:
+        self.e = engine
+        self.lock = threading.Lock()
+        self._cond = threading.Condition(self.lock)
+        self.log: ReplayLog[Entry] = ReplayLog(replay_cap_bytes)
+        self._gen = 0             # bumped by every start and hand-over: a stale worker stops
+        self._worker_gen: int | None = None  # generation of the running worker, if any
+        self._at_head = False     # restored and replayed everything logged so far
+        self._held: int | None = None   # step of the snapshot restored by the worker
+        self.donor: tuple[str, tuple[str, ...]] | None = None  # latest plan's choice
+
+    # ------------------------------------------------------------------ training thread
+    def start(self, why: str) -> None:
+        e = self.e
+        with self.lock:
+            if not e.synced:
+                return
+            e.synced = False
+            self.log.clear()
+            self._gen += 1
+            self._at_head = False
+            self._held = None
+        if e.rt is not None:
+            e.rt.set_status("joining", e.step)
+        e.events.append({"t": time.time(), "kind": "catchup_start", "step": e.step, "why": why})
+
+    def ready_step(self) -> int | None:
+        """The step this rank would hand over at (None: not at the head of the log)."""
+        with self.lock:
+            return self.e.step if (not self.e.synced and self._at_head and not self.log) else None
+
+    def on_reduced(self, entry: Entry, all_ready: bool) -> bool:
+        """Log one reduced step, or apply it and hand over when every rank is at the head.
+        True when this replica committed the step (it is synced again)."""
+        e = self.e
+        with self.lock:
+            if all_ready and self._at_head and not self.log and e.step == entry.step:
+                e.apply(entry)
+                e.synced = True
+                self._gen += 1
+                self._at_head = False
+                self._cond.notify_all()
+                done = True
+            else:
+                self.log.append(entry, keep_from=self._held)
+                self._at_head = False
+                self._cond.notify_all()
+                if self._worker_gen != self._gen:
+                    self._worker_gen = self._gen
+                    threading.Thread(target=self._work, args=(self._gen,), daemon=True,
+                                     name="p2pft-catchup").start()
+                done = False
+        if done:
+            if e.rt is not None:
+                e.rt.set_status("ready", e.step)
+            e.events.append({"t": time.time(), "kind": "catchup_done", "step": e.step,
+                             "snapshot_step": self._held_done, "replayed": self._replayed,
+                             "fetch_s": self._fetch_s})
+            log.info("caught up at step %d: snapshot of step %s from %s (%.2f s), replayed %d step(s)",
+                     e.step, self._held_done, self._donor_done, self._fetch_s or 0.0, self._replayed)
+        return done
+
+    def stop(self) -> None:
+        with self.lock:
+            self._gen += 1
+            self._cond.notify_all()
+
+    # ------------------------------------------------------------------ worker
+    _held_done: int | None = None
+    _donor_done: str | None = None
+    _fetch_s: float | None = None
+    _replayed = 0
+
+    def _alive(self, gen: int, deadline: float) -> bool:
+        return gen == self._gen and not self.e.stopping and time.monotonic() < deadline
+
+    def _work(self, gen: int) -> None:
+        deadline = time.monotonic() + CATCHUP_TIMEOUT_S
+        try:
+            restored = False
+            while self._alive(gen, deadline):
+                if not restored:
+                    restored = self._restore_one(gen, deadline)
+                    continue
+                with self.lock:
+                    if not self._alive(gen, deadline):
+                        return
+                    if not self.log:
+                        self._at_head = True
+                        self._cond.wait(IDLE_WAIT_S)
+                        continue
+                    entry = self.log.pop_first()
+                if entry.step != self.e.step:
+                    log.info("replay log has a gap at step %d (want %d); pulling a newer snapshot",
+                             entry.step, self.e.step)
+                    restored = False
+                    continue
+                self.e.apply(entry)
+                self._replayed += 1
+        finally:
+            with self.lock:
+                if gen == self._gen:
+                    self._worker_gen: int | None = None  # generation of the running worker, if any
+
+    def _restore_one(self, gen: int, deadline: float) -> bool:
+        """Fetch a snapshot the log reaches, restore it; True once restored."""
+        with self.lock:
+            first = self.log.first
+            if first is None:
+                self._cond.wait(IDLE_WAIT_S)
+                return False
+        try:
+            snap = self._fetch_low_priority(first)
+        except Exception as exc:
+            log.info("snapshot fetch failed (%s); will retry", exc)
+            time.sleep(FETCH_RETRY_S)
+            return False
+        s0 = int(snap.meta["step"])
+        while True:  # the snapshot may be ahead of our log: wait for the log to reach it
+            with self.lock:
+                if not self.log or self.log.predates(s0):
+                    log.info("snapshot of step %d predates the replay log; pulling a newer one", s0)
+                    return False
+                if self.log.last is not None and self.log.last >= s0:
+                    self.log.drop_before(s0)
+                    self._held = s0
+                    break
+            if not self._alive(gen, deadline):
+                return False
+            time.sleep(0.01)
+        self.e.restore_snapshot(snap)
+        self._held_done, self._donor_done = s0, snap.meta.get("_donor")
+        self._fetch_s, self._replayed = snap.meta.get("_fetch_s"), 0
+        return True
+
+    def _fetch_low_priority(self, min_step: int) -> StateSnapshot:
+        """Fetch on a thread of its own whose priority is lowered (a thread cannot raise its
+        priority back without privileges)."""
+        box: "list[StateSnapshot | BaseException]" = []
+
+        def run() -> None:
+            lower_thread_priority()
+            try:
+                box.append(self._fetch(min_step))
+            except BaseException as exc:  # handed to the worker, which retries
+                box.append(exc)
+        th = threading.Thread(target=run, daemon=True, name="p2pft-catchup-fetch")
+        th.start()
+        th.join()  # fetch_state's own timeout bounds it
+        if isinstance(box[0], BaseException):
+            raise box[0]
+        return box[0]
+
+    def _fetch(self, min_step: int) -> StateSnapshot:
+        e = self.e
+        if self.donor is None:
+            raise CommError("no participant to pull a snapshot from")
+        node, addrs = self.donor
+        addr = addrs[min(e.shard, len(addrs) - 1)]
+        replica = node.rsplit(".", 1)[0]  # node ids are "<replica id>.<incarnation>"
+        log.info("fetching a snapshot of step >= %d from %s (%s, shard %d)", min_step, replica, node, e.shard)
+        e.events.append({"t": time.time(), "kind": "catchup_fetch", "donor": replica, "min_step": min_step})
+        t0 = time.monotonic()
+        snap = fetch_state(addr, {"kind": "snapshot", "min_step": min_step, "shard": e.shard}, secret=e.secret,
+                           timeout=FETCH_TIMEOUT_S, rate_limit_bytes_per_s=e.state_rate_limit,
+                           into=e.state_io.receive_into(e.model, e.opt) if e.state_io.receive_into else None)
+        if int(snap.meta.get("shard", e.shard)) != e.shard:
+            raise CommError(f"donor sent shard {snap.meta.get('shard')} for shard {e.shard}")
+        snap.meta["_donor"] = node
+        snap.meta["_fetch_s"] = time.monotonic() - t0
+        return snap
+
+    def held_bytes(self) -> dict[str, Any]:
+        with self.lock:
+            return {"entries": len(self.log), "bytes": self.log.nbytes}
+
+
+__all__ = ["Catchup"]

@@ -1,0 +1,198 @@
+"""This rank's communicators across replicas, one per data epoch, and their timely abort.
+
+Rank i of a replica allreduces its shard with rank i of the other replicas on the communicator
+of ``(data epoch, shard i)``. A newer data epoch means a member left or a fresh communicator was
+asked for; an allreduce still blocked on the old one (a dead or paused peer) must end at once,
+not after its timeout. Rank 0 sees views; the other ranks of an FSDP replica do not (a blocked
+collective could not tell them), so rank 0 announces each new data epoch over a tiny side
+channel, on which it also pings the ranks: a rank that is stopped or wedged keeps its sockets
+open, no peer sees an error, and without the ping the replica would stay in the view while the
+other replicas' allreduces time out again and again.
+"""
+from __future__ import annotations
+
+import logging
+import socket
+import struct
+import threading
+import time
+from typing import Any, Callable
+
+from ..runtime import Runtime
+from ..transport import DataServer
+
+log = logging.getLogger(__name__)
+
+_PING = struct.pack(">q", -1)   # on the side channel: "answer if you are running"
+SIDE_CONNECTIONS = 8            # only rank 0 connects (two connections); refuse a flood
+PING_EVERY_S = 0.5
+
+
+class ShardComms:
+    """Communicator cache of one rank; rank 0 also drives aborts and rank liveness."""
+
+    def __init__(self, ds: DataServer, shard: int, comm_timeout: float) -> None:
+        self.ds = ds
+        self.shard = shard
+        self.comm_timeout = comm_timeout
+        self._comms: dict[int, Any] = {}
+        self._superseded_by = -1  # newest data epoch announced: older communicators are dead
+        self._lock = threading.Lock()
+        self._listener: socket.socket | None = None
+        self._side_slots = threading.BoundedSemaphore(SIDE_CONNECTIONS)
+        self._closed = threading.Event()
+
+    # ------------------------------------------------------------------ communicators
+    def get(self, d: int, rank: int, peers: list[str]) -> Any:
+        """The communicator of data epoch `d` (built once; a failed one is replaced)."""
+        with self._lock:
+            comm = self._comms.get(d)
+            if comm is not None and comm.failed is None:
+                return comm
+            old = [self._comms.pop(k) for k in [k for k in self._comms if k <= d]]
+        for c in old:
+            c.abort(f"replaced by data epoch {d}")
+            c.close()
+        comm = self.ds.communicator(d, self.shard, rank, peers, timeout=self.comm_timeout)
+        with self._lock:
+            if d < self._superseded_by:
+                # A newer data epoch was announced while this attempt was being planned: the new
+                # communicator must not wait out its connect timeout on a dead peer.
+                comm.abort(f"superseded by data epoch {self._superseded_by} before first use")
+            self._comms[d] = comm
+        return comm
+
+    def abort_below(self, d: int) -> None:
+        with self._lock:
+            self._superseded_by = max(self._superseded_by, d)
+            stale = [c for k, c in self._comms.items() if k < d]
+        for c in stale:
+            c.abort(f"superseded by data epoch {d}")
+
+    def abort_all(self, reason: str) -> None:
+        """Unblock an allreduce in flight (graceful stop)."""
+        with self._lock:
+            comms = list(self._comms.values())
+        for c in comms:
+            c.abort(reason)
+
+    def close(self) -> None:
+        self._closed.set()
+        with self._lock:
+            comms = list(self._comms.values())
+            self._comms.clear()
+        for c in comms:
+            c.abort("closing")
+            c.close()
+        if self._listener is not None:
+            self._listener.close()
+
+    # ------------------------------------------------------------------ side channel
+    def listen(self, host: str) -> tuple[str, int]:
+        """Ranks other than 0: accept rank 0's side-channel connections; returns the address."""
+        self._listener = socket.create_server((host, 0))
+        threading.Thread(target=self._accept, daemon=True, name="p2pft-side").start()
+        return host, self._listener.getsockname()[1]
+
+    def _accept(self) -> None:
+        assert self._listener is not None
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return  # closed
+            if not self._side_slots.acquire(blocking=False):
+                conn.close()
+                continue
+            threading.Thread(target=self._serve_side, args=(conn,), daemon=True, name="p2pft-side-conn").start()
+
+    def _serve_side(self, conn: socket.socket) -> None:
+        """Abort communicators older than each data epoch rank 0 announces; answer pings."""
+        buf = b""
+        try:
+            while True:
+                try:
+                    chunk = conn.recv(64)
+                except OSError:
+                    return
+                if not chunk:
+                    return
+                buf += chunk
+                while len(buf) >= 8:
+                    (d,), buf = struct.unpack(">q", buf[:8]), buf[8:]
+                    if d >= 0:
+                        self.abort_below(d)
+                        continue
+                    try:
+                        conn.sendall(b"\x01")
+                    except OSError:
+                        return
+        finally:
+            conn.close()
+            self._side_slots.release()
+
+    # ------------------------------------------------------------------ rank 0
+    def follow_views(self, rt: Runtime, ranks: list[tuple[str, int]]) -> None:
+        """Rank 0: abort older communicators of every rank at each new data epoch."""
+        threading.Thread(target=self._follow, args=(rt, ranks), daemon=True, name="p2pft-views").start()
+
+    def _follow(self, rt: Runtime, ranks: list[tuple[str, int]]) -> None:
+        seen = -1
+        socks: dict[int, socket.socket] = {}
+        while not rt.closed and not self._closed.is_set():
+            v = rt.wait_view(lambda v: v.data_epoch > seen, 1.0)
+            if v is None:
+                continue
+            seen = v.data_epoch
+            self.abort_below(seen)
+            for i, addr in enumerate(ranks):
+                for _ in range(2):  # one reconnect: the rank may have restarted its accept
+                    try:
+                        if i not in socks:
+                            socks[i] = socket.create_connection(addr, timeout=1.0)
+                        socks[i].sendall(struct.pack(">q", seen))
+                        break
+                    except OSError:
+                        old = socks.pop(i, None)
+                        if old is not None:
+                            old.close()
+
+    def watch_ranks(self, rt: Runtime, ranks: list[tuple[str, int]], rank_timeout: float,
+                    stopping: Callable[[], bool], on_lost: Callable[[int, float], None]) -> None:
+        """Rank 0: past `rank_timeout` of silence from a rank, leave the view at once and take
+        the replica down (`on_lost`), to be restarted whole."""
+        if ranks:
+            threading.Thread(target=self._watch, args=(rt, ranks, rank_timeout, stopping, on_lost),
+                             daemon=True, name="p2pft-watch").start()
+
+    def _watch(self, rt: Runtime, ranks: list[tuple[str, int]], rank_timeout: float,
+               stopping: Callable[[], bool], on_lost: Callable[[int, float], None]) -> None:
+        conns: dict[int, socket.socket] = {}
+        last_ok = {i: time.monotonic() for i in range(len(ranks))}
+        while not stopping() and not rt.closed and not self._closed.is_set():
+            for i, addr in enumerate(ranks):
+                try:
+                    if i not in conns:
+                        conns[i] = socket.create_connection(addr, timeout=1.0)
+                    conns[i].settimeout(1.0)
+                    conns[i].sendall(_PING)
+                    if not conns[i].recv(1):
+                        raise ConnectionError("closed")
+                    last_ok[i] = time.monotonic()
+                except OSError:
+                    old = conns.pop(i, None)
+                    if old is not None:
+                        old.close()
+                silent = time.monotonic() - last_ok[i]
+                if silent > rank_timeout and not stopping() and not rt.closed:
+                    log.error("rank %d of this replica has not answered for %.1f s: leaving the view and "
+                              "taking the replica down (it restarts whole)", i + 1, silent)
+                    rt.close(leave=True, timeout=2.0)
+                    on_lost(i + 1, silent)
+                    return
+            time.sleep(PING_EVERY_S)
+        for c in conns.values():
+            c.close()
+
+
+__all__ = ["ShardComms"]

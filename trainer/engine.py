@@ -1,0 +1,443 @@
+"""``StepEngine``: the step protocol for one rank of a replica, whatever its number of ranks.
+
+``FaultTolerant`` (a replica of one rank) and ``HSDP`` (an FSDP replica of many) are this
+engine with a different ``ReplicaGroup`` and state layout. Per attempt (docs/architecture.md):
+
+1. rank 0 turns the current view into an ``Attempt`` and broadcasts it in-replica;
+2. every rank allreduces its shard of the step buffer on ``(data epoch, shard = its rank)``;
+3. the ranks all-gather a ``Verdict`` and take the same decision from the same list
+   (``p2pft.step.decide``): commit, fast-forward, log for replay, retry or idle; either every
+   rank of the replica commits the step or none does. On failure rank 0 reports the peer,
+   waits for the next view, and all ranks retry with their saved gradients (no recomputation).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from ..runtime import Runtime
+from ..step import (FRESH_EPOCH_WAIT_S, IDLE_PAUSE_S, NEXT_VIEW_WAIT_S, RETRY_PAUSE_S, Action, Reduced, decide,
+                    view_wait_after_failure)
+from ..transport import CommAborted, CommError, DataServer
+from ..transport.stream import StateSnapshot, fetch_state
+from ..view import Role
+from .attempt import Attempt, Entry, Plan, StepResult, StepTimeout, Stopped, Verdict
+from .catchup import Catchup
+from .comms import ShardComms
+from .cursor import DataCursor
+from .donor import SnapshotRequests
+from .group import ReplicaGroup
+from .lr import LRPolicy, apply_lr_scale, base_lrs, lr_scale
+from .shardstate import ShardStepBuffer
+
+log = logging.getLogger(__name__)
+
+RANK_TIMEOUT_S = 10.0       # a rank silent for this long takes its replica down
+FAST_FORWARD_TIMEOUT_S = 10.0
+WAIT_ROLE_S = 1.0           # one look for a view that puts us on the data plane
+WAIT_SHARDS_S = 0.5
+
+
+def exit_replica(rank: int, silent_s: float) -> None:
+    """Default reaction to a stalled rank: end this process; the launcher then ends the rest of
+    the replica and restarts it whole (the replica is the unit of failure)."""
+    logging.shutdown()
+    os._exit(75)
+
+
+@dataclass(frozen=True)
+class StateIO:
+    """How a kind of replica copies its state: whole (one rank) or this rank's shards (FSDP)."""
+
+    capture: Callable[[torch.nn.Module, torch.optim.Optimizer, dict[str, Any]],
+                      tuple[dict[str, Any], dict[str, torch.Tensor]]]
+    restore: Callable[[torch.nn.Module, torch.optim.Optimizer, dict[str, Any], dict[str, torch.Tensor]], None]
+    digest: Callable[[torch.nn.Module, torch.optim.Optimizer], str]
+    receive_into: Callable[[torch.nn.Module, torch.optim.Optimizer], dict[str, torch.Tensor]] | None = None
+
+
+class StepEngine:
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, group: ReplicaGroup,
+                 runtime: Runtime | None, data_server: DataServer, state_io: StateIO, batch_per_replica: int,
+                 nominal_replicas: int | None = None, lr_policy: str = "sqrt", max_slots: int = 256,
+                 recent_keep: int = 2, replay_cap_bytes: int = 2 << 30, step_timeout: float = 120.0,
+                 comm_timeout: float = 10.0, secret: bytes | None = None, state_rate_limit: float | None = None,
+                 loop_timeout: float | None = 60.0, rank_timeout: float = RANK_TIMEOUT_S,
+                 on_rank_lost: Callable[[int, float], None] = exit_replica) -> None:
+        self.group = group
+        self.rank = self.shard = group.rank
+        self.world = group.world
+        if (runtime is not None) != (self.rank == 0):
+            raise ValueError("rank 0, and only rank 0, runs the Runtime")
+        if batch_per_replica % self.world:
+            raise ValueError(f"batch_per_replica={batch_per_replica} must be divisible by {self.world} ranks")
+        if loop_timeout is not None and loop_timeout <= comm_timeout:
+            raise ValueError(f"loop_timeout={loop_timeout} s must exceed the communicator timeout "
+                             f"({comm_timeout} s): an allreduce may block that long without a beat")
+        self.rt = runtime
+        self.model = model
+        self.opt = optimizer
+        self.ds = data_server
+        self.state_io = state_io
+        self.buf = ShardStepBuffer([p for p in model.parameters() if p.requires_grad], max_slots=max_slots)
+        self.cursor = DataCursor(batch_per_replica, max_slots)
+        self.policy = LRPolicy.parse(lr_policy)
+        self.nominal = nominal_replicas
+        self.base_lrs = base_lrs(optimizer)
+        self.step = 0
+        self.synced = True
+        self.step_timeout = step_timeout
+        self.comm_timeout = comm_timeout
+        self.secret = secret
+        self.state_rate_limit = state_rate_limit
+        self.loop_timeout = loop_timeout  # longest the loop may go without a beat (Runtime.loop_beat)
+        self.events: deque[dict[str, Any]] = deque(maxlen=10_000)
+        self.recent: deque[Entry] = deque(maxlen=max(1, recent_keep))  # served to peers that fast-forward
+        self._recent_lock = threading.Lock()
+        self.catchup = Catchup(self, replay_cap_bytes)
+        self.comms = ShardComms(data_server, self.shard, comm_timeout)
+        self._donors = SnapshotRequests()
+        self._stop = threading.Event()
+        self._slot: int | None = None
+        self._ranges: list[tuple[int, int]] = []
+        self._ranges_step = -1
+        self._was_participant = False  # rank 0: see _plan
+        self._rejoin_pending = False
+        self._attempt_view: Any = None
+        self._deadline = 0.0
+        data_server.serve_state(self._provide)
+        host = data_server.addr.rsplit(":", 1)[0].strip("[]")
+        side = self.comms.listen(host) if self.rank != 0 else (host, 0)
+        self._ranks = [tuple(a) for a in group.agree(side)[1:]]
+        self.rank_timeout = rank_timeout
+        self._on_rank_lost = on_rank_lost
+
+    def _start_control(self) -> None:
+        """Rank 0, once the replica's state is final (after a resume): announce it, follow views."""
+        if self.rt is None:
+            return
+        self.rt.set_status("ready", self.step)
+        self.rt.publish_step(self.step)
+        self._beat()
+        self.comms.follow_views(self.rt, self._ranks)  # type: ignore[arg-type]
+        self.comms.watch_ranks(self.rt, self._ranks, self.rank_timeout,  # type: ignore[arg-type]
+                               self._stop.is_set, self._on_rank_lost)
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    # ------------------------------------------------------------------ public loop API
+    def begin(self, stop: bool = False) -> list[int]:
+        """Collective. This rank's sample indices for the step ([] = the replica contributes
+        nothing); raises Stopped when any rank asked to stop (so all ranks leave together)."""
+        self._beat()
+        slot = None
+        if self.rt is not None:
+            me = self.rt.me()
+            if me is not None and me.role is Role.PARTICIPANT and self.synced and me.slot is not None:
+                slot = me.slot
+        got = self.group.agree((bool(stop or self._stop.is_set()), slot))
+        if any(g[0] for g in got):
+            raise Stopped("stop requested")
+        self._slot = got[0][1]
+        if self._slot is None:
+            self._ranges = []
+            return []
+        self._ranges = self.cursor.assign(self._slot)
+        self._ranges_step = self.step
+        idx = [i for a, b in self._ranges for i in range(a, b)]
+        per = len(idx) // self.world
+        return idx[self.rank * per:(self.rank + 1) * per]
+
+    def zero_grad(self) -> None:
+        if self.synced:  # while catching up, the background worker owns the gradients
+            self.opt.zero_grad(set_to_none=True)
+
+    def commit(self) -> StepResult:
+        """Collective. Allreduce this rank's shard, agree in-replica, retry across views, apply."""
+        slot = self._slot
+        self._slot = None
+        self.buf.pack_step(slot if self.synced else None, self.step)
+        self.buf.save()
+        self._deadline = time.monotonic() + self.step_timeout
+        retries = 0
+        while True:
+            att = self.group.broadcast(self._plan(slot) if self.rt is not None else None)
+            if att.kind is Plan.STOP:
+                raise Stopped(f"stopped while committing step {self.step}")
+            if att.kind is Plan.TIMEOUT:
+                raise StepTimeout(f"no view to commit step {self.step} in within {self.step_timeout} s")
+            if att.kind is Plan.WAIT:
+                continue
+            if att.rejoin and self.synced:
+                log.warning("left out of view %d after being a participant at step %d: catching up from a "
+                            "snapshot before contributing again", att.epoch, self.step)
+                self.events.append({"t": time.time(), "kind": "excluded", "step": self.step, "epoch": att.epoch})
+                self.catchup.start("excluded")
+            if att.demote and slot is not None:
+                slot = None  # demoted or re-slotted while computing: these gradients must not count
+                self.buf.pack_step(None, self.step)
+                self.buf.save()
+            self.catchup.donor = att.donor
+            verdicts = self.group.agree(self._verdict(self._allreduce(att)))
+            outcome = self._decide(att, verdicts, retries, slot)
+            if outcome is not None:
+                return outcome
+            self.buf.restore()
+            retries += 1
+
+    def digest(self) -> str:
+        """Hash of this rank's parameters and optimizer state: equal at equal steps, across replicas."""
+        return self.state_io.digest(self.model, self.opt)
+
+    def request_stop(self) -> None:
+        """Graceful shutdown, safe from a signal handler: a commit in flight raises Stopped on
+        every rank instead of retrying for up to the step timeout."""
+        self._stop.set()
+        self.catchup.stop()
+        # Not in the handler's frame: the interrupted thread may hold a communicator's lock.
+        threading.Thread(target=self.comms.abort_all, args=("stopping",), daemon=True).start()
+
+    def close(self) -> None:
+        self.catchup.stop()
+        self.comms.close()
+
+    def _beat(self) -> None:
+        if self.loop_timeout and self.rt is not None:
+            self.rt.loop_beat(self.loop_timeout)
+
+    # ------------------------------------------------------------------ one attempt
+    def _plan(self, slot: int | None) -> Attempt:
+        """Rank 0: what every rank of the replica does in this attempt, from the current view."""
+        rt = self.rt
+        assert rt is not None
+        if self._stop.is_set():
+            return Attempt(Plan.STOP)
+        if time.monotonic() > self._deadline:
+            return Attempt(Plan.TIMEOUT)
+        self._beat()
+        view = rt.view
+        me = rt.me(view)
+        # Left out of a view after being a participant (absent, or a joiner it did not ask to
+        # be): this replica may hold a step the others redid without it (its allreduce can
+        # finish while theirs fail), so it catches up from a snapshot before contributing again.
+        if me is not None and me.role is Role.PARTICIPANT:
+            self._was_participant = True
+        elif self._was_participant and view is not None:
+            self._was_participant = False
+            self._rejoin_pending = True
+        if view is None or me is None or me.role not in (Role.PARTICIPANT, Role.JOINER):
+            rt.wait_view(lambda v: v.role_of(rt.node_id) in (Role.PARTICIPANT, Role.JOINER) or self.stopping,
+                         timeout=min(WAIT_ROLE_S, max(0.0, self._deadline - time.monotonic())),
+                         loop_timeout=self.loop_timeout)
+            return Attempt(Plan.WAIT)
+        members = view.data_members
+        bad = [m.node for m in members if len(m.data_addrs) != self.world]
+        if bad:
+            log.error("data-plane members %s do not have %d shards; waiting for another view", bad, self.world)
+            rt.wait_view(lambda v: v.epoch > view.epoch or self.stopping, WAIT_SHARDS_S,
+                         loop_timeout=self.loop_timeout)
+            return Attempt(Plan.WAIT)
+        rejoin, self._rejoin_pending = self._rejoin_pending, False
+        still_mine = (slot is not None and self.synced and not rejoin and me.role is Role.PARTICIPANT
+                      and me.slot == slot)
+        donor = view.donor(exclude=me.node)
+        self._attempt_view = view
+        return Attempt(Plan.ALLREDUCE, epoch=view.epoch, data_epoch=view.data_epoch, rank=view.data_rank(me.node),
+                       addrs=tuple(m.data_addrs for m in members), contribute=still_mine,
+                       demote=slot is not None and not still_mine, role=me.role.value, rejoin=rejoin, node=me.node,
+                       donor=(donor.node, donor.data_addrs) if donor is not None else None,
+                       sources=tuple((m.slot, m.node, m.data_addrs) for m in view.participants if m.slot is not None))
+
+    def _allreduce(self, att: Attempt) -> BaseException | None:
+        try:
+            comm = self.comms.get(att.data_epoch, att.rank, att.peers(self.shard))
+            comm.allreduce(self.buf.flat, contribute=att.contribute, timeout=self.comm_timeout)
+            return None
+        except CommError as exc:
+            return exc
+        except Exception as exc:  # e.g. a communicator of this epoch was just closed
+            log.debug("allreduce not possible: %r", exc)
+            return exc
+
+    def _verdict(self, err: BaseException | None) -> Verdict:
+        if err is not None:
+            return Verdict(ok=False, comm=isinstance(err, CommError), aborted=isinstance(err, CommAborted),
+                           peer=getattr(err, "peer_addr", None), error=f"{type(err).__name__}: {err}"[:300])
+        try:
+            steps = self.buf.slot_steps()
+            count = self.buf.contributors()
+        except Exception as exc:
+            return Verdict(ok=False, error=repr(exc)[:300])
+        return Verdict(ok=True, steps=tuple(sorted(steps.items())), count=count, ready=self.catchup.ready_step())
+
+    def _decide(self, att: Attempt, verdicts: list[Verdict], retries: int, slot: int | None) -> StepResult | None:
+        """Identical on every rank: a function of the gathered verdicts and replicated state."""
+        role = att.role
+        bad = [v for v in verdicts if not v.ok]
+        if not bad and any((v.steps, v.count) != (verdicts[0].steps, verdicts[0].count) for v in verdicts):
+            log.warning("shards reduced different contributor sets; retrying on a fresh data epoch")
+            bad = [Verdict(ok=False, comm=True, aborted=True, error="shards disagree")]
+        if bad:
+            if self.rt is not None:
+                self._recover(bad)
+            return None
+        reduced = Reduced(dict(verdicts[0].steps), verdicts[0].count)
+        d = decide(reduced, self.step, self.synced)
+        if d.action is Action.IDLE:
+            time.sleep(IDLE_PAUSE_S)  # nobody contributed: hand back so begin() reads the next roles
+            return StepResult(self.step, False, 0, retries, role)
+        if d.action is Action.RETRY:
+            time.sleep(RETRY_PAUSE_S)
+            return None
+        assert d.step is not None
+        mask = [i in reduced.steps for i in range(self.buf.max_slots)]
+        entry = Entry(d.step, self.buf.flat.clone(), reduced.count, mask)
+        if d.action is Action.LOG:
+            if self.catchup.on_reduced(entry, all(v.ready == d.step for v in verdicts)):
+                self._after_commit()
+                return StepResult(self.step, True, entry.count, retries, role)
+            return StepResult(self.step, False, entry.count, retries, role)
+        if d.action is Action.FAST_FORWARD:
+            assert d.target is not None
+            n = self._fast_forward(d.target, att, reduced.steps)
+            if not d.commit_after or self.step != d.step:
+                return StepResult(self.step, False, 0, retries, role, fast_forwarded=n)
+        trained = list(self._ranges) if self._ranges_step == entry.step and slot is not None and mask[slot] else None
+        self.apply(entry)
+        self._after_commit()
+        return StepResult(self.step, True, entry.count, retries, role, trained=trained)
+
+    # ------------------------------------------------------------------ the optimizer step
+    def apply(self, e: Entry) -> None:
+        """One optimizer update from a reduced buffer: identical inputs give identical weights
+        (on every replica, and again in a joiner's replay)."""
+        if e.step != self.step:
+            raise AssertionError(f"applying step {e.step} at step {self.step}")
+        self.buf.unpack(float(e.count), source=e.flat)
+        apply_lr_scale(self.opt, self.base_lrs, lr_scale(self.policy, e.count, self.nominal or e.count))
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.cursor.commit(e.mask)
+        self.step += 1
+        with self._recent_lock:
+            self.recent.append(e)
+
+    def _after_commit(self) -> None:
+        if self.rt is not None:
+            self.rt.publish_step(self.step)
+        self._serve_donor_requests()
+
+    def restore_snapshot(self, snap: StateSnapshot) -> None:
+        """Catch-up worker: load a donor's snapshot (the training thread does not touch the
+        model while the replica is not synced)."""
+        self.state_io.restore(self.model, self.opt, snap.meta["state"], snap.tensors)
+        self.cursor.load_state_dict(snap.meta["cursor"])
+        self.step = int(snap.meta["step"])
+
+    # ------------------------------------------------------------------ failures (rank 0)
+    def _recover(self, bad: list[Verdict]) -> None:
+        """Report the peers the ranks blamed, then wait (bounded) for a newer data epoch; if none
+        comes (nobody died: a peer was slow or paused briefly) ask for a fresh one."""
+        rt, view = self.rt, self._attempt_view
+        assert rt is not None
+        if view is None:
+            return
+        d = view.data_epoch
+        for v in bad:
+            peer = view.member_at_data_addr(v.peer)
+            if v.comm and not v.aborted and peer is not None and peer.node != rt.node_id:
+                rt.report_failure(peer.node)
+            self.events.append({"t": time.time(), "kind": "comm_error", "error": v.error[:80],
+                                "peer": peer.node if peer else None, "epoch": view.epoch})
+        log.info("step %d failed on data epoch %d (%s); waiting for the next view", self.step, d,
+                 "; ".join(v.error for v in bad)[:300])
+
+        def newer(v: Any) -> bool:
+            return v.data_epoch > d or self.stopping
+
+        def left(cap: float) -> float:
+            return max(0.0, min(self._deadline - time.monotonic(), cap))
+        if not any(v.comm for v in bad):
+            rt.wait_view(newer, NEXT_VIEW_WAIT_S, loop_timeout=self.loop_timeout)
+            return
+        wait = left(view_wait_after_failure(rt.profile.suspicion_min))
+        if rt.wait_view(newer, wait, loop_timeout=self.loop_timeout) is None and not self.stopping:
+            log.warning("no new view after a failure on data epoch %d; asking for a fresh data epoch", d)
+            rt.request_new_data_epoch(d)
+            rt.wait_view(newer, left(FRESH_EPOCH_WAIT_S), loop_timeout=self.loop_timeout)
+
+    # ------------------------------------------------------------------ fast-forward
+    def _fast_forward(self, target: int, att: Attempt, steps: dict[int, int]) -> int:
+        """Collective: fetch and apply the mean gradients of the steps we missed from a peer that
+        has them (each rank its shard); if any rank cannot, the replica catches up instead."""
+        want_from = self.step
+        got = self._fetch_grads(want_from, target, att, steps) if self.synced else None
+        if not all(self.group.agree(got is not None)) or got is None:
+            log.info("cannot fast-forward from step %d to %d: catching up from a snapshot", want_from, target)
+            self.catchup.start("behind")
+            return 0
+        donor, entries = got
+        for entry in entries:
+            self.apply(entry)
+        self.events.append({"t": time.time(), "kind": "fast_forward", "from": want_from, "to": self.step})
+        log.info("fast-forwarded %d step(s) to %d from %s", len(entries), self.step, donor)
+        self._after_commit()
+        return len(entries)
+
+    def _fetch_grads(self, lo: int, hi: int, att: Attempt,
+                     steps: dict[int, int]) -> tuple[str, list[Entry]] | None:
+        for slot, node, addrs in att.sources:
+            if steps.get(slot, -1) < hi or node == att.node:
+                continue
+            try:
+                snap = fetch_state(addrs[min(self.shard, len(addrs) - 1)],
+                                   {"kind": "grads", "from": lo, "to": hi, "shard": self.shard},
+                                   secret=self.secret, timeout=FAST_FORWARD_TIMEOUT_S)
+            except CommError as exc:
+                log.info("fast-forward from %s failed: %s", node, exc)
+                continue
+            got = snap.meta.get("steps", [])
+            if not got or got[0] != lo or len(got) != hi - lo:
+                continue
+            return node, [Entry(int(s), snap.tensors[f"g{s}"], int(snap.meta["counts"][i]),
+                                [bool(x) for x in snap.meta["masks"][i]]) for i, s in enumerate(got)]
+        return None
+
+    # ------------------------------------------------------------------ donor side
+    def _provide(self, request: dict[str, Any]) -> StateSnapshot | None:
+        """Transport thread: serve mean gradients from our log, or a snapshot taken by the
+        training thread at a step boundary."""
+        if int(request.get("shard", self.shard)) != self.shard:
+            return None
+        kind = request.get("kind")
+        if kind == "grads":
+            lo, hi = int(request["from"]), int(request["to"])
+            with self._recent_lock:
+                entries = [e for e in self.recent if lo <= e.step < hi]
+            if not entries or entries[0].step != lo or len(entries) != hi - lo:
+                return None
+            return StateSnapshot(meta={"steps": [e.step for e in entries], "counts": [e.count for e in entries],
+                                       "masks": [[int(b) for b in e.mask] for e in entries]},
+                                 tensors={f"g{e.step}": e.flat for e in entries})
+        if kind == "snapshot":
+            return self._donors.request(request)
+        return None
+
+    def _serve_donor_requests(self) -> None:
+        def take() -> StateSnapshot:
+            meta, tensors = self.state_io.capture(self.model, self.opt, {})
+            return StateSnapshot(meta={"step": self.step, "shard": self.shard, "state": meta,
+                                       "cursor": self.cursor.state_dict()}, tensors=tensors)
+        self._donors.serve(lambda req: self.synced and self.step >= int(req.get("min_step", 0)), take)
+
+
+__all__ = ["StateIO", "StepEngine", "exit_replica"]
