@@ -17,16 +17,17 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from collections import deque
+from typing import Any, Protocol
 
+import torch
+
+from ..runtime import Runtime
 from ..step import ReplayLog
 from ..transport import CommError
 from ..transport.stream import StateSnapshot, fetch_state
 from .attempt import Entry
 from .donor import lower_thread_priority
-
-if TYPE_CHECKING:
-    from .engine import StepEngine
 
 log = logging.getLogger(__name__)
 
@@ -36,8 +37,32 @@ FETCH_RETRY_S = 0.2
 IDLE_WAIT_S = 0.5           # a worker at the head of the log waits this long per look
 
 
+class Replica(Protocol):
+    """What catch-up needs of the step engine (``engine.StepEngine``)."""
+
+    rt: Runtime | None
+    synced: bool
+    step: int
+    shard: int
+    secret: bytes | None
+    state_rate_limit: float | None
+    model: torch.nn.Module
+    opt: torch.optim.Optimizer
+    events: deque[dict[str, Any]]
+
+    @property
+    def stopping(self) -> bool: ...
+
+    @property
+    def state_io(self) -> Any: ...
+
+    def apply(self, e: Entry) -> None: ...
+
+    def restore_snapshot(self, snap: StateSnapshot) -> None: ...
+
+
 class Catchup:
-    def __init__(self, engine: "StepEngine", replay_cap_bytes: int) -> None:
+    def __init__(self, engine: Replica, replay_cap_bytes: int) -> None:
         self.e = engine
         self.lock = threading.Lock()
         self._cond = threading.Condition(self.lock)

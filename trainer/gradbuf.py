@@ -121,7 +121,3 @@ class GradBuffer:
         if self._saved is None:
             raise RuntimeError("restore() called before save(): no local contribution was kept")
         self.flat.copy_(self._saved)
-
-    def release_saved(self) -> None:
-        """Drop the saved copy to free its memory (e.g. before a snapshot of a large model)."""
-        self._saved = None
