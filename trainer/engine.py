@@ -34,8 +34,9 @@ from .comms import ShardComms
 from .cursor import DataCursor
 from .donor import SnapshotRequests
 from .group import ReplicaGroup
-from .lr import LRPolicy, apply_lr_scale, base_lrs, lr_scale
+from .optstep import GradHook, OptimizerStep
 from .shardstate import ShardStepBuffer
+from .userstate import Stateful, UserState
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +71,9 @@ class StepEngine:
                  recent_keep: int = 2, replay_cap_bytes: int = 2 << 30, step_timeout: float = 120.0,
                  comm_timeout: float = 10.0, secret: bytes | None = None, state_rate_limit: float | None = None,
                  loop_timeout: float | None = 60.0, rank_timeout: float = RANK_TIMEOUT_S,
-                 on_rank_lost: Callable[[int, float], None] = exit_replica) -> None:
+                 on_rank_lost: Callable[[int, float], None] = exit_replica, lr_scheduler: Any = None,
+                 grad_scaler: Any = None, grad_hook: GradHook | None = None,
+                 state: dict[str, Stateful] | None = None) -> None:
         self.group = group
         self.rank = self.shard = group.rank
         self.world = group.world
@@ -88,9 +91,15 @@ class StepEngine:
         self.state_io = state_io
         self.buf = ShardStepBuffer([p for p in model.parameters() if p.requires_grad], max_slots=max_slots)
         self.cursor = DataCursor(batch_per_replica, max_slots)
-        self.policy = LRPolicy.parse(lr_policy)
-        self.nominal = nominal_replicas
-        self.base_lrs = base_lrs(optimizer)
+        self.optimizer_step = OptimizerStep(optimizer, lr_policy=lr_policy, nominal_replicas=nominal_replicas,
+                                            lr_scheduler=lr_scheduler, grad_scaler=grad_scaler, grad_hook=grad_hook)
+        self.user_state = UserState()
+        if lr_scheduler is not None:
+            self.user_state.register("lr_scheduler", lr_scheduler)
+        if grad_scaler is not None:
+            self.user_state.register("grad_scaler", grad_scaler)
+        for name, obj in (state or {}).items():
+            self.user_state.register(name, obj)
         self.step = 0
         self.synced = True
         self.step_timeout = step_timeout
@@ -195,8 +204,31 @@ class StepEngine:
             retries += 1
 
     def digest(self) -> str:
-        """Hash of this rank's parameters and optimizer state: equal at equal steps, across replicas."""
-        return self.state_io.digest(self.model, self.opt)
+        """Hash of this rank's parameters, optimizer state and registered state: equal at equal
+        steps, across replicas."""
+        d = self.state_io.digest(self.model, self.opt)
+        return self._combine(d) if self.user_state else d
+
+    def _combine(self, d: str) -> str:
+        import hashlib
+        return hashlib.blake2b(f"{d}|{self.user_state.digest()}|{self.optimizer_step.peak}".encode(),
+                               digest_size=32).hexdigest()
+
+    # ------------------------------------------------------------------ replica state
+    def capture_state(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        """Everything a replica at this step boundary holds: (msgpack-able meta, CPU tensors)."""
+        meta, tensors = self.state_io.capture(self.model, self.opt, {})
+        trees, user_tensors = self.user_state.capture()
+        tensors.update(user_tensors)
+        return {"step": self.step, "shard": self.shard, "state": meta, "cursor": self.cursor.state_dict(),
+                "user": trees, "optstep": self.optimizer_step.state_dict()}, tensors
+
+    def load_state(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+        self.state_io.restore(self.model, self.opt, meta["state"], tensors)
+        self.cursor.load_state_dict(meta["cursor"])
+        self.user_state.restore(meta.get("user", {}), tensors)
+        self.optimizer_step.load_state_dict(meta.get("optstep", {}))
+        self.step = int(meta["step"])
 
     def request_stop(self) -> None:
         """Graceful shutdown, safe from a signal handler: a commit in flight raises Stopped on
@@ -308,9 +340,9 @@ class StepEngine:
             return StepResult(self.step, False, entry.count, retries, role)
         if d.action is Action.FAST_FORWARD:
             assert d.target is not None
-            n = self._fast_forward(d.target, att, reduced.steps)
+            n, ours = self._fast_forward(d.target, att, reduced.steps, slot)
             if not d.commit_after or self.step != d.step:
-                return StepResult(self.step, False, 0, retries, role, fast_forwarded=n)
+                return StepResult(self.step, False, 0, retries, role, fast_forwarded=n, trained=ours)
         trained = list(self._ranges) if self._ranges_step == entry.step and slot is not None and mask[slot] else None
         self.apply(entry)
         self._after_commit()
@@ -323,8 +355,7 @@ class StepEngine:
         if e.step != self.step:
             raise AssertionError(f"applying step {e.step} at step {self.step}")
         self.buf.unpack(float(e.count), source=e.flat)
-        apply_lr_scale(self.opt, self.base_lrs, lr_scale(self.policy, e.count, self.nominal or e.count))
-        self.opt.step()
+        self.optimizer_step(e.count)
         self.opt.zero_grad(set_to_none=True)
         self.cursor.commit(e.mask)
         self.step += 1
@@ -339,9 +370,7 @@ class StepEngine:
     def restore_snapshot(self, snap: StateSnapshot) -> None:
         """Catch-up worker: load a donor's snapshot (the training thread does not touch the
         model while the replica is not synced)."""
-        self.state_io.restore(self.model, self.opt, snap.meta["state"], snap.tensors)
-        self.cursor.load_state_dict(snap.meta["cursor"])
-        self.step = int(snap.meta["step"])
+        self.load_state(snap.meta, snap.tensors)
 
     # ------------------------------------------------------------------ failures (rank 0)
     def _recover(self, bad: list[Verdict]) -> None:
@@ -376,22 +405,28 @@ class StepEngine:
             rt.wait_view(newer, left(FRESH_EPOCH_WAIT_S), loop_timeout=self.loop_timeout)
 
     # ------------------------------------------------------------------ fast-forward
-    def _fast_forward(self, target: int, att: Attempt, steps: dict[int, int]) -> int:
+    def _fast_forward(self, target: int, att: Attempt, steps: dict[int, int],
+                      slot: int | None) -> tuple[int, list[tuple[int, int]] | None]:
         """Collective: fetch and apply the mean gradients of the steps we missed from a peer that
-        has them (each rank its shard); if any rank cannot, the replica catches up instead."""
+        has them (each rank its shard); if any rank cannot, the replica catches up instead.
+        Returns the steps applied and our sample ranges when our gradients were in one of them
+        (the step committed elsewhere with our contribution before we could apply it)."""
         want_from = self.step
         got = self._fetch_grads(want_from, target, att, steps) if self.synced else None
         if not all(self.group.agree(got is not None)) or got is None:
             log.info("cannot fast-forward from step %d to %d: catching up from a snapshot", want_from, target)
             self.catchup.start("behind")
-            return 0
+            return 0, None
         donor, entries = got
+        ours = None
         for entry in entries:
+            if entry.step == self._ranges_step and slot is not None and entry.mask[slot]:
+                ours = list(self._ranges)
             self.apply(entry)
         self.events.append({"t": time.time(), "kind": "fast_forward", "from": want_from, "to": self.step})
         log.info("fast-forwarded %d step(s) to %d from %s", len(entries), self.step, donor)
         self._after_commit()
-        return len(entries)
+        return len(entries), ours
 
     def _fetch_grads(self, lo: int, hi: int, att: Attempt,
                      steps: dict[int, int]) -> tuple[str, list[Entry]] | None:
@@ -434,9 +469,8 @@ class StepEngine:
 
     def _serve_donor_requests(self) -> None:
         def take() -> StateSnapshot:
-            meta, tensors = self.state_io.capture(self.model, self.opt, {})
-            return StateSnapshot(meta={"step": self.step, "shard": self.shard, "state": meta,
-                                       "cursor": self.cursor.state_dict()}, tensors=tensors)
+            meta, tensors = self.capture_state()
+            return StateSnapshot(meta=meta, tensors=tensors)
         self._donors.serve(lambda req: self.synced and self.step >= int(req.get("min_step", 0)), take)
 
 

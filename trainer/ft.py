@@ -17,6 +17,8 @@ from ..runtime import Runtime
 from .attempt import StepResult, StepTimeout, Stopped
 from .checkpoint import AsyncCheckpointer
 from .engine import StateIO, StepEngine
+from .optstep import GradHook
+from .userstate import Stateful
 from .group import LocalGroup
 from .state import capture, restore, state_digest
 
@@ -48,13 +50,16 @@ class FaultTolerant(StepEngine):
                  max_slots: int = 256, recent_keep: int = 2, replay_cap_bytes: int = 2 << 30,
                  step_timeout: float = 120.0, checkpoint_dir: str | None = None, checkpoint_every: int = 0,
                  resume: bool = True, state_rate_limit: float | None = None,
-                 loop_timeout: float | None = 60.0) -> None:
+                 loop_timeout: float | None = 60.0, lr_scheduler: Any = None, grad_scaler: Any = None,
+                 grad_hook: GradHook | None = None, state: dict[str, Stateful] | None = None) -> None:
         super().__init__(model, optimizer, group=LocalGroup(), runtime=runtime, data_server=runtime.data,
                          state_io=WHOLE_STATE, batch_per_replica=batch_per_replica,
                          nominal_replicas=nominal_replicas, lr_policy=lr_policy, max_slots=max_slots,
                          recent_keep=recent_keep, replay_cap_bytes=replay_cap_bytes, step_timeout=step_timeout,
                          comm_timeout=runtime.comm_timeout, secret=runtime.secret,
-                         state_rate_limit=state_rate_limit, loop_timeout=loop_timeout)
+                         state_rate_limit=state_rate_limit, loop_timeout=loop_timeout,
+                         lr_scheduler=lr_scheduler, grad_scaler=grad_scaler, grad_hook=grad_hook,
+                         state=state)
         self.ckpt = AsyncCheckpointer(checkpoint_dir) if checkpoint_dir else None
         self.checkpoint_every = checkpoint_every
         if self.ckpt is not None and resume:
@@ -64,11 +69,8 @@ class FaultTolerant(StepEngine):
     def _after_commit(self) -> None:
         super()._after_commit()
         if self.ckpt is not None and self.checkpoint_every and self.step % self.checkpoint_every == 0:
-            meta, tensors = capture(self.model, self.opt, self._extra_meta())
+            meta, tensors = self.capture_state()
             self.ckpt.save_async(self.step, meta, tensors)
-
-    def _extra_meta(self) -> dict[str, Any]:
-        return {"step": self.step, "cursor": self.cursor.state_dict()}
 
     def _resume_from_checkpoint(self) -> None:
         assert self.ckpt is not None
@@ -76,10 +78,9 @@ class FaultTolerant(StepEngine):
         if latest is None:
             return
         step, meta, tensors = latest
-        restore(self.model, self.opt, meta, tensors)
-        extra = meta.get("extra", meta)
-        self.cursor.load_state_dict(extra["cursor"])
-        self.step = int(step)
+        self.load_state(meta, tensors)
+        if self.step != int(step):
+            raise ValueError(f"checkpoint of step {step} holds the state of step {self.step}")
         log.info("resumed from the disk checkpoint of step %d", self.step)
 
     def close(self) -> None:

@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Sequence
 
-import torch
 
 
 class LRPolicy(str, enum.Enum):
@@ -50,26 +48,3 @@ def lr_scale(policy: LRPolicy | str, contributors: int, nominal: int) -> float:
     if policy is LRPolicy.SQRT:
         return math.sqrt(ratio)
     return 1.0
-
-
-def base_lrs(optimizer: torch.optim.Optimizer) -> list[float]:
-    """The current learning rate of every param group, to keep as the unscaled base."""
-    return [float(g["lr"]) for g in optimizer.param_groups]
-
-
-def apply_lr_scale(optimizer: torch.optim.Optimizer, base_lrs: Sequence[float], scale: float) -> None:
-    """Set each param group's lr to base * scale (tensor lrs are updated in place)."""
-    groups = optimizer.param_groups
-    if len(base_lrs) != len(groups):
-        raise ValueError(f"got {len(base_lrs)} base learning rates for {len(groups)} param groups")
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
-        raise ValueError(f"scale must be a finite positive number, got {scale!r}")
-    for i, base in enumerate(base_lrs):
-        if isinstance(base, bool) or not isinstance(base, (int, float)) or not math.isfinite(base) or base < 0:
-            raise ValueError(f"base_lrs[{i}] must be a finite non-negative number, got {base!r}")
-    for group, base in zip(groups, base_lrs):
-        value = float(base) * float(scale)
-        if isinstance(group["lr"], torch.Tensor):
-            group["lr"].fill_(value)
-        else:
-            group["lr"] = value

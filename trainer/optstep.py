@@ -1,0 +1,104 @@
+"""What one optimizer step is, from the averaged gradient to the weights after it.
+
+Everything between the mean gradient and the new weights runs here, as one deterministic
+function of the reduced buffer and the replicated state: the contributor-count factor on top of
+whatever learning rate the user's scheduler set, the user's gradient hook (clipping,
+inspection), ``GradScaler`` unscale and the skip of a step with inf/nan gradients, the optimizer,
+and the scheduler's own step. It runs on every replica for a committed step, and again,
+identically, when a joiner replays logged steps or a replica fast-forwards: so a scheduler is
+stepped here, once per committed step, never by the training loop (which does not see replayed
+or fast-forwarded steps).
+
+Every input is equal across replicas: the averaged gradient (bitwise), the contributor count,
+and the state in snapshots (optimizer, scheduler, scaler, the peak contributor count). A
+``GradScaler``'s inf check reads the averaged gradient, so every replica skips the same steps.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import torch
+
+from .lr import LRPolicy, lr_scale
+
+GradHook = Callable[[], Any]
+
+
+class OptimizerStep:
+    def __init__(self, optimizer: torch.optim.Optimizer, *, lr_policy: LRPolicy | str = "sqrt",
+                 nominal_replicas: int | None = None, lr_scheduler: Any = None, grad_scaler: Any = None,
+                 grad_hook: GradHook | None = None) -> None:
+        if nominal_replicas is not None and (isinstance(nominal_replicas, bool) or not isinstance(nominal_replicas, int)
+                                             or nominal_replicas < 1):
+            raise ValueError(f"nominal_replicas must be a positive int or None, got {nominal_replicas!r}")
+        if lr_scheduler is not None and getattr(lr_scheduler, "optimizer", optimizer) is not optimizer:
+            raise ValueError("lr_scheduler drives another optimizer than the one p2pft steps")
+        if grad_hook is not None and not callable(grad_hook):
+            raise TypeError("grad_hook must be callable")
+        self.opt = optimizer
+        self.policy = LRPolicy.parse(lr_policy)
+        self.nominal = nominal_replicas
+        self.scheduler = lr_scheduler
+        self.scaler = grad_scaler
+        self.hook = grad_hook
+        # The planned replica count when none is given: the most contributors any committed
+        # step had (replicated: every replica sees the same headers, a joiner gets it in the
+        # snapshot). With 3 replicas of which one died, 2 contributors then scale by sqrt(2/3).
+        self.peak = 0
+        self.last_lrs: list[float] = []   # the learning rates the last step ran with
+        self.last_skipped = False         # GradScaler found inf/nan and skipped the last step
+
+    def planned(self, contributors: int) -> int:
+        return self.nominal if self.nominal is not None else max(self.peak, contributors)
+
+    def scale(self, contributors: int) -> float:
+        """The factor on the scheduler's learning rate for a step of `contributors`."""
+        return lr_scale(self.policy, contributors, self.planned(contributors))
+
+    def __call__(self, contributors: int) -> None:
+        """Gradients hold the mean: take the step (see the module docstring)."""
+        factor = self.scale(contributors)
+        self.peak = max(self.peak, contributors)
+        if self.scaler is not None:
+            self.scaler.unscale_(self.opt)
+        if self.hook is not None:
+            self.hook()
+        groups = self.opt.param_groups
+        saved = [g["lr"] for g in groups]
+        plain = [float(lr) for lr in saved]
+        for g, lr in zip(groups, plain):
+            _set_lr(g, lr * factor)
+        self.last_lrs = [lr * factor for lr in plain]
+        try:
+            if self.scaler is not None:
+                before = float(self.scaler.get_scale())
+                self.scaler.step(self.opt)
+                self.scaler.update()
+                self.last_skipped = float(self.scaler.get_scale()) < before
+            else:
+                self.opt.step()
+                self.last_skipped = False
+        finally:
+            for g, lr in zip(groups, plain):
+                _set_lr(g, lr)
+        if self.scheduler is not None:
+            self.scheduler.step()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"peak": self.peak}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.peak = int(state.get("peak", 0))
+
+
+def _set_lr(group: dict[str, Any], value: float) -> None:
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"learning rate {value!r} is not a finite non-negative number")
+    if isinstance(group["lr"], torch.Tensor):
+        group["lr"].fill_(value)
+    else:
+        group["lr"] = value
+
+
+__all__ = ["GradHook", "OptimizerStep"]
