@@ -23,6 +23,8 @@ import numpy as np
 
 from .buffers import DTYPE_CODES, as_flat_buffer
 from .errors import CommError, CommTimeout, PeerFailed, ProtocolMismatch
+from .options import DonorLimits
+from .sockutil import close_quietly
 from .wire import (
     ACK_LEN, KIND_STATE, ST_BUSY, ST_NO_STATE, ST_OK, STATUS_TEXT, local_host, pack_hello, parse_ack, recv_exact,
     send_all, source_address, split_addr, tune_socket,
@@ -30,8 +32,6 @@ from .wire import (
 
 if TYPE_CHECKING:
     import torch
-
-    from .server import DataServer
 
 __all__ = ["StateSnapshot", "fetch_state", "serve_state_connection"]
 
@@ -91,14 +91,14 @@ class _Pacer:
 
 # ---------------------------------------------------------------------------- donor side
 def serve_state_connection(sock: socket.socket, provider: Callable[[dict], StateSnapshot | None],
-                           server: "DataServer") -> None:
+                           limits: DonorLimits) -> None:
     """Answer one joiner on `sock` (runs on a DataServer donor thread)."""
-    sock.settimeout(server.state_timeout)
+    sock.settimeout(limits.timeout)
     request = _recv_msg(sock)
     if not isinstance(request, dict):
         _send_msg(sock, {"ok": False, "error": "request must be a map"})
         return
-    rates = [r for r in (server.state_rate_limit, request.pop(_RATE_KEY, None)) if r]
+    rates = [r for r in (limits.rate_limit, request.pop(_RATE_KEY, None)) if r]
     try:
         snap = provider(request)
     except Exception as e:  # noqa: BLE001 - reported to the joiner, logged here
@@ -118,10 +118,10 @@ def serve_state_connection(sock: socket.socket, provider: Callable[[dict], State
         b = as_flat_buffer(t, reducible=False)
         bufs.append(b)
         index.append([name, b.dtype_name, list(t.shape), b.nbytes])
-    chunk = server.state_chunk_bytes
+    chunk = limits.chunk_bytes
     _send_msg(sock, {"ok": True, "meta": snap.meta, "tensors": index, "chunk": chunk})
     pacer = _Pacer(min(rates) if rates else None)
-    hook = server.state_chunk_hook
+    hook = limits.chunk_hook
     seq = 0
     for ti, b in enumerate(bufs):
         for off in range(0, b.nbytes, chunk):
@@ -240,7 +240,4 @@ def fetch_state(addr: str, request: dict, *, secret: bytes | None = None, timeou
     except ConnectionError as e:
         raise PeerFailed(f"state stream failed: {e!r}", **peer) from None
     finally:
-        try:
-            sock.close()
-        except OSError:
-            pass
+        close_quietly(sock)
