@@ -126,20 +126,22 @@ class RingLinks:
         opts = self.options
         state = self.state
         fail = self.hooks.fail
-        host, port = split_addr(self.peers[self.right])
+        right, right_addr = self.right, self.peers[self.right]
+        host, port = split_addr(right_addr)
         source = source_address(opts.source_host, host)
         backoff = 0.002
         last = "no attempt"
-        peer = dict(peer_rank=self.right, peer_addr=self.peers[self.right])
         while True:
             if state.failed is not None:
                 raise state.failed
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 if "refused" in last:
-                    raise fail(PeerFailed(f"cannot connect to rank {self.right}: {last}", **peer))
-                raise fail(CommTimeout(f"cannot connect to rank {self.right} within "
-                                       f"connect_timeout={self.connect_timeout:g} s: {last}", **peer))
+                    raise fail(PeerFailed(f"cannot connect to rank {right}: {last}",
+                                          peer_rank=right, peer_addr=right_addr))
+                raise fail(CommTimeout(f"cannot connect to rank {right} within "
+                                       f"connect_timeout={self.connect_timeout:g} s: {last}",
+                                       peer_rank=right, peer_addr=right_addr))
             sock = None
             # A fresh hello (time + nonce) per attempt: servers accept each hello only once.
             hello = pack_hello(opts.secret, KIND_RING, self.epoch, self.shard, self.rank, self.right,
@@ -160,15 +162,17 @@ class RingLinks:
                     last = "peer busy"
                 elif status == ST_CLOSED:
                     raise fail(CommAborted(
-                        f"rank {self.right} already closed its communicator of epoch {self.epoch}", **peer))
+                        f"rank {right} already closed its communicator of epoch {self.epoch}",
+                        peer_rank=right, peer_addr=right_addr))
                 else:
                     raise fail(ProtocolMismatch(
-                        f"rank {self.right} rejected the connection: {STATUS_TEXT.get(status, status)}", **peer))
+                        f"rank {right} rejected the connection: {STATUS_TEXT.get(status, status)}",
+                        peer_rank=right, peer_addr=right_addr))
             except ProtocolMismatch as e:
                 if sock is not None:
                     close_quietly(sock)
                 if e.peer_rank is None:
-                    e = ProtocolMismatch(e.reason, **peer)
+                    e = ProtocolMismatch(e.reason, peer_rank=right, peer_addr=right_addr)
                 raise fail(e) from None
             except CommError:
                 if sock is not None:

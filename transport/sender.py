@@ -132,6 +132,7 @@ class LaneSender:
                     self.progress = now
                     return
                 # Partly written: the thread must finish this frame, even after a failure.
+                job: tuple[Any, ...]
                 if len(rest) == 1:
                     job = (b"", rest[0], now, True)
                 else:

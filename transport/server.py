@@ -65,8 +65,8 @@ class DataServer:
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, lanes: int = 1, sock_bufsize: int | None = None,
                  pending_timeout: float = 30.0, max_pending: int = 256, handshake_timeout: float = 5.0,
                  max_state_streams: int = 2, state_rate_limit: float | None = None,
-                 state_chunk_bytes: int = DEFAULT_STATE_CHUNK_BYTES, state_timeout: float = 60.0, inline_send: bool = True,
-                 max_handshakes: int = 1024, replay_window: float = 30.0) -> None:
+                 state_chunk_bytes: int = DEFAULT_STATE_CHUNK_BYTES, state_timeout: float = 60.0,
+                 inline_send: bool = True, max_handshakes: int = 1024, replay_window: float = 30.0) -> None:
         if secret is not None and not isinstance(secret, (bytes, bytearray)):
             raise TypeError("secret must be bytes or None")
         if chunk_bytes < 64 or lanes < 1 or lanes > 64:

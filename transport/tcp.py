@@ -352,6 +352,7 @@ class TcpCommunicator(Communicator):
             snd.thread.join(2.0)
         for w in self._workers:
             w.thread.join(2.0)
-        alive = [t.thread.name for t in (*self._senders, *self._workers) if t.thread.is_alive()]
+        threads = [snd.thread for snd in self._senders] + [w.thread for w in self._workers]
+        alive = [t.name for t in threads if t.is_alive()]
         if alive:
             logger.error("threads did not stop: %s", alive)
