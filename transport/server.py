@@ -23,7 +23,10 @@ import time
 from typing import TYPE_CHECKING, Callable
 
 from .errors import CommTimeout, ProtocolMismatch
-from .tcp import DEFAULT_CHUNK_BYTES, TcpCommunicator, _close_quietly
+from .options import DEFAULT_CHUNK_BYTES, DEFAULT_STATE_CHUNK_BYTES, ChunkHook, DonorLimits, RingOptions
+from .sockutil import close_quietly, shutdown_quietly
+from .stream import StateSnapshot, serve_state_connection
+from .tcp import TcpCommunicator
 from .wire import (
     HELLO_LEN, KIND_RING, KIND_STATE, ST_BAD, ST_BUSY, ST_CLOSED, ST_NO_STATE, ST_OK, ST_PENDING, ST_REPLAY,
     Hello, HelloGuard, pack_ack, pack_error_frame, parse_hello, set_local_host, split_addr, tune_socket,
@@ -31,7 +34,6 @@ from .wire import (
 
 if TYPE_CHECKING:
     from .base import Communicator
-    from .stream import StateSnapshot
 
 __all__ = ["DataServer"]
 
@@ -63,8 +65,8 @@ class DataServer:
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, lanes: int = 1, sock_bufsize: int | None = None,
                  pending_timeout: float = 30.0, max_pending: int = 256, handshake_timeout: float = 5.0,
                  max_state_streams: int = 2, state_rate_limit: float | None = None,
-                 state_chunk_bytes: int = 4 << 20, state_timeout: float = 60.0, inline_send: bool = True,
-                 max_handshakes: int = 1024, replay_window: float = 30.0) -> None:
+                 state_chunk_bytes: int = DEFAULT_STATE_CHUNK_BYTES, state_timeout: float = 60.0,
+                 inline_send: bool = True, max_handshakes: int = 1024, replay_window: float = 30.0) -> None:
         if secret is not None and not isinstance(secret, (bytes, bytearray)):
             raise TypeError("secret must be bytes or None")
         if chunk_bytes < 64 or lanes < 1 or lanes > 64:
@@ -84,7 +86,7 @@ class DataServer:
         #: donor side: seconds without progress before a state stream to a stalled joiner is dropped.
         self.state_timeout = state_timeout
         #: fault-injection hook for tests: (chunk seq, payload) -> payload actually sent.
-        self.state_chunk_hook: Callable[[int, memoryview], bytes | memoryview] | None = None
+        self.state_chunk_hook: ChunkHook | None = None
 
         self.max_handshakes = int(max_handshakes)
         #: rejections and drops, by kind (see the module docstring)
@@ -97,7 +99,7 @@ class DataServer:
         self._lsock.setblocking(False)
         self._host = host
         self._port = self._lsock.getsockname()[1]
-        # Re-entrant: a communicator that fails inside _check_hello (called under this lock)
+        # Re-entrant: a communicator that fails inside check_hello (called under this lock)
         # unregisters itself.
         self._lock = threading.RLock()
         self._comms: dict[tuple[int, int], TcpCommunicator] = {}
@@ -145,10 +147,9 @@ class DataServer:
         if not (timeout > 0 and connect_timeout > 0):
             raise ValueError("timeout and connect_timeout must be > 0")
         key = (int(epoch), int(shard))
-        comm = TcpCommunicator(self, key[0], key[1], int(rank), list(peers), timeout=float(timeout),
-                               connect_timeout=float(connect_timeout), chunk_bytes=self.chunk_bytes,
-                               lanes=self.lanes, sock_bufsize=self.sock_bufsize, secret=self.secret,
-                               inline_send=self.inline_send)
+        comm = TcpCommunicator(key[0], key[1], int(rank), list(peers), timeout=float(timeout),
+                               connect_timeout=float(connect_timeout), options=self._ring_options(),
+                               on_dead=self._unregister)
         with self._lock:
             if key in self._comms:
                 raise ValueError(f"a communicator for epoch {epoch} shard {shard} already exists")
@@ -157,8 +158,8 @@ class DataServer:
             waiting = self._pending.pop(key, [])
             self._npending -= len(waiting)
         for sock, hello, _t in waiting:
-            if comm._check_hello(hello) == ST_OK:
-                comm._attach(hello, sock)
+            if comm.check_hello(hello) == ST_OK:
+                comm.attach(hello, sock)
             else:
                 self._reject_pending(sock, hello, "communicator parameters differ")
         return comm
@@ -183,21 +184,18 @@ class DataServer:
         for c in comms:
             c.close()
         for s in pending:
-            _close_quietly(s)
+            close_quietly(s)
         for th, s in streams:
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+            shutdown_quietly(s)
         for th, _s in streams:
             th.join(2.0)
         for hs in self._handshakes.values():
-            _close_quietly(hs.sock)
+            close_quietly(hs.sock)
         self._handshakes.clear()
         self._sel.close()
-        _close_quietly(self._lsock)
-        _close_quietly(self._wake_r)
-        _close_quietly(self._wake_w)
+        close_quietly(self._lsock)
+        close_quietly(self._wake_r)
+        close_quietly(self._wake_w)
         logger.info("data server %s closed", self.addr)
 
     def __enter__(self) -> "DataServer":
@@ -206,8 +204,18 @@ class DataServer:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # ------------------------------------------------------------------ called by communicators
+    # ------------------------------------------------------------------ settings handed out
+    def _ring_options(self) -> RingOptions:
+        return RingOptions(chunk_bytes=self.chunk_bytes, lanes=self.lanes, sock_bufsize=self.sock_bufsize,
+                           inline_send=self.inline_send, secret=self.secret, source_host=self._host)
+
+    def _donor_limits(self) -> DonorLimits:
+        return DonorLimits(timeout=self.state_timeout, rate_limit=self.state_rate_limit,
+                           chunk_bytes=self.state_chunk_bytes, chunk_hook=self.state_chunk_hook)
+
+    # ------------------------------------------------------------------ communicator callback
     def _unregister(self, comm: TcpCommunicator) -> None:
+        """on_dead of every communicator: refuse later connections for its (epoch, shard)."""
         key = (comm.epoch, comm.shard)
         with self._lock:
             if self._comms.get(key) is comm:
@@ -258,7 +266,7 @@ class DataServer:
             if len(self._handshakes) >= self.max_handshakes:
                 self._reject("handshakes_full", "%d data connections already wait for their handshake: "
                              "closing a new one from %s", self.max_handshakes, _peer(sock))
-                _close_quietly(sock)
+                close_quietly(sock)
                 continue
             sock.setblocking(False)
             hs = _Handshake(sock, time.monotonic() + self.handshake_timeout)
@@ -288,7 +296,7 @@ class DataServer:
         except (KeyError, ValueError):
             pass
         if close:
-            _close_quietly(hs.sock)
+            close_quietly(hs.sock)
 
     def _send_ack(self, sock: socket.socket, raw_hello: bytes, status: int) -> bool:
         try:
@@ -304,13 +312,13 @@ class DataServer:
             self._reject(kind, "rejected data connection from %s: %s", _peer(sock),
                          {2: "bad secret", 3: "version"}.get(status, "malformed"))
             self._send_ack(sock, raw, status)
-            _close_quietly(sock)
+            close_quietly(sock)
             return
         why = self._guard.check(hello)
         if why is not None:
             self._reject("hello_replay", "rejected data connection from %s: handshake %s", _peer(sock), why)
             self._send_ack(sock, raw, ST_REPLAY)
-            _close_quietly(sock)
+            close_quietly(sock)
             return
         if hello.kind == KIND_RING:
             self._route_ring(sock, hello)
@@ -318,14 +326,14 @@ class DataServer:
             self._route_state(sock, hello)
         else:
             self._send_ack(sock, raw, ST_BAD)
-            _close_quietly(sock)
+            close_quietly(sock)
 
     def _route_ring(self, sock: socket.socket, hello: Hello) -> None:
         key = (hello.epoch, hello.shard)
         with self._lock:
             comm = self._comms.get(key)
             if comm is not None:
-                status = comm._check_hello(hello)
+                status = comm.check_hello(hello)
             elif key in self._closed_keys:
                 status = ST_CLOSED
             elif self._npending >= self.max_pending:
@@ -333,10 +341,10 @@ class DataServer:
             else:
                 status = ST_PENDING
             if not self._send_ack(sock, hello.raw, status):
-                _close_quietly(sock)
+                close_quietly(sock)
                 return
             if status not in (ST_OK, ST_PENDING):
-                _close_quietly(sock)
+                close_quietly(sock)
                 return
             sock.setblocking(True)
             tune_socket(sock, self.sock_bufsize)
@@ -344,11 +352,9 @@ class DataServer:
                 self._pending.setdefault(key, []).append((sock, hello, time.monotonic()))
                 self._npending += 1
                 return
-        comm._attach(hello, sock)  # type: ignore[union-attr]
+        comm.attach(hello, sock)  # type: ignore[union-attr]
 
     def _route_state(self, sock: socket.socket, hello: Hello) -> None:
-        from .stream import serve_state_connection
-
         provider = self._provider
         with self._lock:
             if provider is None:
@@ -358,23 +364,24 @@ class DataServer:
             else:
                 status = ST_OK
             if not self._send_ack(sock, hello.raw, status) or status != ST_OK:
-                _close_quietly(sock)
+                close_quietly(sock)
                 return
             self._stream_seq += 1
             sid = self._stream_seq
             sock.setblocking(True)
             tune_socket(sock, self.sock_bufsize)
-            th = threading.Thread(target=self._run_stream, args=(sid, sock, provider, serve_state_connection),
+            th = threading.Thread(target=self._run_stream, args=(sid, sock, provider, self._donor_limits()),
                                   daemon=True, name=f"p2pft-state-donor-{sid}")
             self._streams[sid] = (th, sock)
         th.start()
 
-    def _run_stream(self, sid: int, sock: socket.socket, provider: Callable, serve: Callable) -> None:
+    def _run_stream(self, sid: int, sock: socket.socket, provider: Callable[[dict], "StateSnapshot | None"],
+                    limits: DonorLimits) -> None:
         try:
-            serve(sock, provider, self)
+            serve_state_connection(sock, provider, limits)
         except (socket.timeout, TimeoutError):
             self._reject("state_stream_timeout", "state stream %d dropped: the joiner at %s took no data for "
-                         "%g s", sid, _peer(sock), self.state_timeout)
+                         "%g s", sid, _peer(sock), limits.timeout)
         except (ConnectionError, BrokenPipeError) as e:  # the joiner went away: normal, no traceback
             self._reject("state_stream_lost", "state stream %d ended: the joiner at %s went away (%s)",
                          sid, _peer(sock), e.__class__.__name__)
@@ -382,7 +389,7 @@ class DataServer:
             self.counters["state_stream_failed"] += 1
             logger.exception("state stream %d failed", sid)
         finally:
-            _close_quietly(sock)
+            close_quietly(sock)
             with self._lock:
                 self._streams.pop(sid, None)
 
@@ -429,7 +436,7 @@ class DataServer:
             sock.send(pack_error_frame(hello.epoch, hello.shard, hello.dst, err, hello.dst), socket.MSG_DONTWAIT)  # type: ignore[arg-type]
         except OSError:
             pass
-        _close_quietly(sock)
+        close_quietly(sock)
 
 
 def _peer(sock: socket.socket) -> str:

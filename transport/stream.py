@@ -23,6 +23,8 @@ import numpy as np
 
 from .buffers import DTYPE_CODES, as_flat_buffer
 from .errors import CommError, CommTimeout, PeerFailed, ProtocolMismatch
+from .options import DonorLimits
+from .sockutil import close_quietly
 from .wire import (
     ACK_LEN, KIND_STATE, ST_BUSY, ST_NO_STATE, ST_OK, STATUS_TEXT, local_host, pack_hello, parse_ack, recv_exact,
     send_all, source_address, split_addr, tune_socket,
@@ -30,8 +32,6 @@ from .wire import (
 
 if TYPE_CHECKING:
     import torch
-
-    from .server import DataServer
 
 __all__ = ["StateSnapshot", "fetch_state", "serve_state_connection"]
 
@@ -91,14 +91,14 @@ class _Pacer:
 
 # ---------------------------------------------------------------------------- donor side
 def serve_state_connection(sock: socket.socket, provider: Callable[[dict], StateSnapshot | None],
-                           server: "DataServer") -> None:
+                           limits: DonorLimits) -> None:
     """Answer one joiner on `sock` (runs on a DataServer donor thread)."""
-    sock.settimeout(server.state_timeout)
+    sock.settimeout(limits.timeout)
     request = _recv_msg(sock)
     if not isinstance(request, dict):
         _send_msg(sock, {"ok": False, "error": "request must be a map"})
         return
-    rates = [r for r in (server.state_rate_limit, request.pop(_RATE_KEY, None)) if r]
+    rates = [r for r in (limits.rate_limit, request.pop(_RATE_KEY, None)) if r]
     try:
         snap = provider(request)
     except Exception as e:  # noqa: BLE001 - reported to the joiner, logged here
@@ -118,10 +118,10 @@ def serve_state_connection(sock: socket.socket, provider: Callable[[dict], State
         b = as_flat_buffer(t, reducible=False)
         bufs.append(b)
         index.append([name, b.dtype_name, list(t.shape), b.nbytes])
-    chunk = server.state_chunk_bytes
+    chunk = limits.chunk_bytes
     _send_msg(sock, {"ok": True, "meta": snap.meta, "tensors": index, "chunk": chunk})
     pacer = _Pacer(min(rates) if rates else None)
-    hook = server.state_chunk_hook
+    hook = limits.chunk_hook
     seq = 0
     for ti, b in enumerate(bufs):
         for off in range(0, b.nbytes, chunk):
@@ -171,14 +171,13 @@ def fetch_state(addr: str, request: dict, *, secret: bytes | None = None, timeou
     req = dict(request)
     if rate_limit_bytes_per_s:
         req[_RATE_KEY] = float(rate_limit_bytes_per_s)
-    peer = dict(peer_addr=addr)
     try:
         sock = socket.create_connection((host, port), timeout=timeout,
                                         source_address=source_address(source_host or local_host(), host))
     except ConnectionRefusedError as e:
-        raise PeerFailed(f"state donor refused the connection: {e}", **peer) from None
+        raise PeerFailed(f"state donor refused the connection: {e}", peer_addr=addr) from None
     except OSError as e:
-        raise CommTimeout(f"cannot reach state donor: {e!r}", **peer) from None
+        raise CommTimeout(f"cannot reach state donor: {e!r}", peer_addr=addr) from None
     try:
         tune_socket(sock, None)
         hello = pack_hello(secret, KIND_STATE, 0, 0, 0, 0, 0)
@@ -188,18 +187,18 @@ def fetch_state(addr: str, request: dict, *, secret: bytes | None = None, timeou
         status = parse_ack(secret, hello, bytes(ack))
         if status != ST_OK:
             cls = CommError if status in (ST_BUSY, ST_NO_STATE) else ProtocolMismatch
-            raise cls(f"state donor rejected the request: {STATUS_TEXT.get(status, status)}", **peer)
+            raise cls(f"state donor rejected the request: {STATUS_TEXT.get(status, status)}", peer_addr=addr)
         _send_msg(sock, req)
         head = _recv_msg(sock)
         if not head.get("ok"):
-            raise CommError(f"state donor: {head.get('error')}", **peer)
+            raise CommError(f"state donor: {head.get('error')}", peer_addr=addr)
         tensors: dict[str, Any] = {}
         bufs = []
         fresh = []
         for name, dtype, shape, nbytes in head["tensors"]:
             dt = getattr(torch, dtype, None)
             if not isinstance(dt, torch.dtype) or dtype not in DTYPE_CODES:
-                raise ProtocolMismatch(f"unknown dtype {dtype!r} for tensor {name!r}", **peer)
+                raise ProtocolMismatch(f"unknown dtype {dtype!r} for tensor {name!r}", peer_addr=addr)
             t = into.get(name) if into is not None else None
             if (t is not None and t.dtype == dt and list(t.shape) == list(shape) and t.device.type == "cpu"
                     and t.is_contiguous()):
@@ -209,7 +208,8 @@ def fetch_state(addr: str, request: dict, *, secret: bytes | None = None, timeou
                 fresh.append(True)
             b = as_flat_buffer(t, reducible=False)
             if b.nbytes != nbytes:
-                raise ProtocolMismatch(f"tensor {name!r}: {nbytes} bytes announced, shape gives {b.nbytes}", **peer)
+                raise ProtocolMismatch(f"tensor {name!r}: {nbytes} bytes announced, shape gives {b.nbytes}",
+                                       peer_addr=addr)
             tensors[name] = t
             bufs.append(b)
         chunk = int(head["chunk"])
@@ -222,7 +222,7 @@ def fetch_state(addr: str, request: dict, *, secret: bytes | None = None, timeou
                 recv_exact(sock, hv)
                 magic, got_ti, got_off, got_n, crc = CHUNK.unpack(hb)
                 if magic != CHUNK_MAGIC or got_ti != ti or got_off != off or got_n != n:
-                    raise ProtocolMismatch(f"state stream out of sync at tensor {ti} offset {off}", **peer)
+                    raise ProtocolMismatch(f"state stream out of sync at tensor {ti} offset {off}", peer_addr=addr)
                 if fresh[ti]:
                     b.zero(off, n)  # take the page faults here, not inside recv with the socket locked
                 view = b.mv[off:off + n]
@@ -230,17 +230,14 @@ def fetch_state(addr: str, request: dict, *, secret: bytes | None = None, timeou
                 if zlib.crc32(view) != crc:
                     raise ProtocolMismatch(
                         f"corrupted state chunk: tensor {head['tensors'][ti][0]!r} bytes {off}..{off + n} "
-                        f"fail the crc32 check", **peer)
+                        f"fail the crc32 check", peer_addr=addr)
                 pacer.account(n)
         return StateSnapshot(meta=head.get("meta") or {}, tensors=tensors)
     except (socket.timeout, TimeoutError):
-        raise CommTimeout(f"state donor sent nothing for {timeout:g} s", **peer) from None
+        raise CommTimeout(f"state donor sent nothing for {timeout:g} s", peer_addr=addr) from None
     except EOFError:
-        raise PeerFailed("state donor closed the stream early", **peer) from None
+        raise PeerFailed("state donor closed the stream early", peer_addr=addr) from None
     except ConnectionError as e:
-        raise PeerFailed(f"state stream failed: {e!r}", **peer) from None
+        raise PeerFailed(f"state stream failed: {e!r}", peer_addr=addr) from None
     finally:
-        try:
-            sock.close()
-        except OSError:
-            pass
+        close_quietly(sock)

@@ -256,6 +256,23 @@ def find_error_frame(data: bytes) -> RemoteError | None:
         return None
 
 
+_REVERSE_READ_CAP = FRAME_LEN + MAX_ERROR_PAYLOAD
+
+
+def read_reverse_error(sock: socket.socket) -> RemoteError | None:
+    """Read what a peer wrote back on a connection we only send on (its farewell error frame)."""
+    data = b""
+    try:
+        while len(data) < _REVERSE_READ_CAP:
+            part = sock.recv(_REVERSE_READ_CAP - len(data), socket.MSG_DONTWAIT)
+            if not part:
+                break
+            data += part
+    except OSError:
+        pass
+    return find_error_frame(data)
+
+
 # --- socket helpers --------------------------------------------------------------------------
 def recv_exact(sock: socket.socket, view: memoryview) -> None:
     """Fill `view` from `sock` (Python-level timeout, if any, applies per call); EOFError if the peer closes first."""

@@ -132,6 +132,9 @@ def test_tag_mismatch_names_the_mismatching_peer_on_every_rank(leak_check: None)
             assert isinstance(e, ProtocolMismatch), (r, e)
             assert e.peer_rank is not None and tags[e.peer_rank] != tags[r], (r, e)
             assert e.peer_addr == ring.peers[e.peer_rank]
+            # The tags behind the verdict travel as fields (also when relayed by a neighbour).
+            assert e.tags[r] == tags[r] and e.tags[e.peer_rank] == tags[e.peer_rank], (r, e.tags)
+            assert e.origin != r, (r, e.origin)
         assert errs[0].peer_rank == 1 and errs[2].peer_rank == 1
         # Sticky: the communicator stays failed.
         with pytest.raises(ProtocolMismatch):

@@ -42,6 +42,19 @@ def test_error_frame_round_trip() -> None:
     assert find_error_frame(b"garbage" * 20) is None
 
 
+def test_comm_error_fields_survive_copy_and_pickle() -> None:
+    import pickle
+
+    err = ProtocolMismatch("tag mismatch", peer_rank=1, peer_addr="127.0.0.1:9", origin=2, tags={1: 5, 2: 4})
+    for other in (err.copy(), pickle.loads(pickle.dumps(err))):
+        assert type(other) is ProtocolMismatch and other is not err
+        assert (other.reason, other.peer_rank, other.peer_addr, other.origin, other.tags) == \
+            ("tag mismatch", 1, "127.0.0.1:9", 2, {1: 5, 2: 4})
+        assert str(other) == "tag mismatch [peer rank 1 @ 127.0.0.1:9]"
+    plain = CommAborted("closed")
+    assert (plain.peer_rank, plain.peer_addr, plain.origin, plain.tags) == (None, None, None, {})
+
+
 def test_split_addr() -> None:
     assert split_addr("127.0.0.1:80") == ("127.0.0.1", 80)
     assert split_addr("[::1]:80") == ("::1", 80)
