@@ -162,9 +162,18 @@ class StepEngine:
             return []
         self._ranges = self.cursor.assign(self._slot)
         self._ranges_step = self.step
-        idx = [i for a, b in self._ranges for i in range(a, b)]
+        return self.rank_share(self.cursor, self._slot)
+
+    def rank_share(self, cursor: DataCursor, slot: int) -> list[int]:
+        """This rank's part of the samples `cursor` assigns to `slot` (all of them for one rank)."""
+        idx = [i for a, b in cursor.assign(slot) for i in range(a, b)]
         per = len(idx) // self.world
         return idx[self.rank * per:(self.rank + 1) * per]
+
+    @property
+    def current_slot(self) -> int | None:
+        """The slot the step begun last trains for (None: this replica contributes nothing)."""
+        return self._slot
 
     def zero_grad(self) -> None:
         if self.synced:  # while catching up, the background worker owns the gradients

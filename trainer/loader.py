@@ -1,0 +1,171 @@
+"""``StepLoader``: a ``torch.utils.data.DataLoader`` that yields this replica's batch of each step.
+
+Which samples a replica trains on at step s is decided by the replicated data cursor when the
+step begins (``begin()``), from the view of that moment. A ``DataLoader`` with workers fetches
+batches ahead of time, before those steps begin. So the loader *predicts* the next steps'
+indices (same slot, the last committed contribution mask, every step committing), lets the
+workers load and collate them ahead (``num_workers``, ``prefetch_factor``, ``pin_memory`` as
+usual), and at each step compares: a prefetched batch is used only when its indices are exactly
+the ones the cursor assigned. On a miss (a view change, a failed step) the batch is built
+in the calling process from the real indices and the prediction restarts from the current
+state; prefetched batches of the old prediction are dropped unseen. The indices trained are
+therefore always the cursor's, and exactly-once holds as it does for ``begin()``.
+
+The cursor's index stream is the non-negative integers; sample ``i`` is ``dataset[i % len(dataset)]``
+(epochs follow one another without a seam).
+"""
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+from torch.utils.data.dataloader import default_collate
+
+from .cursor import DataCursor
+from .engine import StepEngine
+
+Key = tuple[int, int, int]   # (prediction generation, step, sample index)
+
+
+class _Tagged(Dataset):  # type: ignore[type-arg]
+    """Map-style view of the user's dataset that keeps each sample's tag with it."""
+
+    def __init__(self, dataset: Any) -> None:
+        self.dataset = dataset
+        self.n = len(dataset)
+
+    def __getitem__(self, key: Key) -> tuple[Key, Any]:
+        return key, self.dataset[key[2] % self.n]
+
+    def __len__(self) -> int:
+        return self.n
+
+
+class _Collate:
+    """Runs in the workers: the user's collate over the samples, plus the batch's tag."""
+
+    def __init__(self, collate: Callable[[list[Any]], Any]) -> None:
+        self.collate = collate
+
+    def __call__(self, items: list[tuple[Key, Any]]) -> tuple[int, int, list[int], Any]:
+        keys = [k for k, _ in items]
+        return keys[0][0], keys[0][1], [k[2] for k in keys], self.collate([x for _, x in items])
+
+
+class _Predictions:
+    """The batch sampler: yields predicted index lists for the steps ahead, from a base the
+    loader resets on every miss. Iterated lazily in the calling thread by the DataLoader."""
+
+    def __init__(self, share: Callable[[DataCursor, int], list[int]]) -> None:
+        self.share = share
+        self.gen = 0
+        self._base: tuple[int, DataCursor, int, list[bool]] | None = None
+
+    def reset(self, step: int, cursor: DataCursor, slot: int, mask: Sequence[bool]) -> None:
+        self.gen += 1
+        self._base = (step, DataCursor.from_state_dict(cursor.state_dict()), slot, list(mask))
+
+    def __iter__(self) -> Iterator[list[Key]]:
+        gen, step, cur, slot, mask = -1, 0, None, 0, [False]
+        while True:
+            if self.gen != gen and self._base is not None:
+                gen = self.gen
+                step, cur, slot, mask = self._base[0], self._base[1], self._base[2], self._base[3]
+                cur = DataCursor.from_state_dict(cur.state_dict())
+            if cur is None:
+                raise RuntimeError("StepLoader prediction used before its first reset")
+            cur.commit(mask)           # predict: the current step commits with the same mask
+            step += 1
+            yield [(gen, step, i) for i in self.share(cur, slot)]
+
+
+class StepLoader:
+    """Per-step batches for ``engine`` (``FaultTolerant`` or an ``HSDP`` rank) from a map-style
+    dataset. ``next_batch()`` calls ``engine.begin()`` and returns this step's collated batch,
+    or None when the replica contributes nothing this step (catching up, or not on the data
+    plane): then run no forward/backward, just ``commit()``."""
+
+    def __init__(self, engine: StepEngine, dataset: Any, *, collate_fn: Callable[[list[Any]], Any] | None = None,
+                 num_workers: int = 0, prefetch_factor: int | None = None, pin_memory: bool = False,
+                 **loader_kw: Any) -> None:
+        if len(dataset) < 1:
+            raise ValueError("the dataset is empty")
+        for bad in ("batch_size", "shuffle", "sampler", "batch_sampler", "drop_last"):
+            if bad in loader_kw:
+                raise TypeError(f"StepLoader chooses the samples itself: {bad}= is not accepted")
+        self.engine = engine
+        self.dataset = dataset
+        self.collate = collate_fn or default_collate
+        self.pin_memory = pin_memory
+        self._pred = _Predictions(engine.rank_share)
+        kw = dict(loader_kw)
+        if num_workers > 0 and prefetch_factor is not None:
+            kw["prefetch_factor"] = prefetch_factor
+        self._loader = DataLoader(_Tagged(dataset), batch_sampler=self._pred, collate_fn=_Collate(self.collate),
+                                  num_workers=num_workers, pin_memory=pin_memory, **kw)
+        self._it: Iterator[Any] | None = None
+        self.hits = 0      # steps served from a prefetched batch
+        self.misses = 0    # steps whose batch was built here (prediction wrong or not started)
+        self.dropped = 0   # prefetched batches of an outdated prediction
+
+    def next_batch(self, stop: bool = False) -> Any | None:
+        idx = self.engine.begin(stop)
+        if not idx:
+            return None
+        step, slot = self.engine.step, self.engine.current_slot
+        assert slot is not None
+        batch = self._take(step, idx)
+        if batch is None:
+            self.misses += 1
+            batch = self.collate([self.dataset[i % len(self.dataset)] for i in idx])
+            if self.pin_memory and torch.cuda.is_available():
+                batch = _pin(batch)
+            self._restart(step, slot)
+        else:
+            self.hits += 1
+        return batch
+
+    def __iter__(self) -> Iterator[Any | None]:
+        """One item per step, forever (the loop decides when to stop)."""
+        return (self.next_batch() for _ in itertools.count())
+
+    def close(self) -> None:
+        """Stop the workers."""
+        self._it = None
+
+    def _take(self, step: int, idx: list[int]) -> Any | None:
+        """The prefetched batch for (step, idx) if the current prediction made it."""
+        if self._it is None:
+            return None
+        while True:
+            gen, pstep, pidx, batch = next(self._it)
+            if gen != self._pred.gen or pstep < step:
+                self.dropped += 1
+                continue
+            if pstep == step and pidx == idx:
+                return batch
+            self.dropped += 1   # predicted wrong: this and the rest of this prediction are useless
+            return None
+
+    def _restart(self, step: int, slot: int) -> None:
+        recent = self.engine.recent[-1].mask if self.engine.recent else None
+        mask = list(recent) if recent is not None else [i == slot for i in range(self.engine.cursor.max_slots)]
+        self._pred.reset(step, self.engine.cursor, slot, mask)
+        if self._it is None:
+            self._it = iter(self._loader)
+
+
+def _pin(batch: Any) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.pin_memory()
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_pin(b) for b in batch)
+    if isinstance(batch, dict):
+        return {k: _pin(v) for k, v in batch.items()}
+    return batch
+
+
+__all__ = ["StepLoader"]
