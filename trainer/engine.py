@@ -73,6 +73,7 @@ class StepEngine:
                  loop_timeout: float | None = 60.0, rank_timeout: float = RANK_TIMEOUT_S,
                  on_rank_lost: Callable[[int, float], None] = exit_replica, lr_scheduler: Any = None,
                  grad_scaler: Any = None, grad_hook: GradHook | None = None,
+                 after_step: GradHook | None = None,
                  state: dict[str, Stateful] | None = None) -> None:
         self.group = group
         self.rank = self.shard = group.rank
@@ -92,7 +93,8 @@ class StepEngine:
         self.buf = ShardStepBuffer([p for p in model.parameters() if p.requires_grad], max_slots=max_slots)
         self.cursor = DataCursor(batch_per_replica, max_slots)
         self.optimizer_step = OptimizerStep(optimizer, lr_policy=lr_policy, nominal_replicas=nominal_replicas,
-                                            lr_scheduler=lr_scheduler, grad_scaler=grad_scaler, grad_hook=grad_hook)
+                                            lr_scheduler=lr_scheduler, grad_scaler=grad_scaler, grad_hook=grad_hook,
+                                            after_step=after_step)
         self.user_state = UserState()
         if lr_scheduler is not None:
             self.user_state.register("lr_scheduler", lr_scheduler)

@@ -4,10 +4,11 @@ Everything between the mean gradient and the new weights runs here, as one deter
 function of the reduced buffer and the replicated state: the contributor-count factor on top of
 whatever learning rate the user's scheduler set, the user's gradient hook (clipping,
 inspection), ``GradScaler`` unscale and the skip of a step with inf/nan gradients, the optimizer,
-and the scheduler's own step. It runs on every replica for a committed step, and again,
-identically, when a joiner replays logged steps or a replica fast-forwards: so a scheduler is
-stepped here, once per committed step, never by the training loop (which does not see replayed
-or fast-forwarded steps).
+the scheduler's own step, and the user's ``after_step`` hook (EMA weights, counters). It runs
+on every replica for a committed step, and again, identically, when a joiner replays logged
+steps or a replica fast-forwards: so a scheduler is stepped here, once per committed step, never
+by the training loop (which does not see replayed or fast-forwarded steps). For the same reason, registered state that changes per step (an EMA of
+the weights) must change in ``after_step``, not in the loop.
 
 Every input is equal across replicas: the averaged gradient (bitwise), the contributor count,
 and the state in snapshots (optimizer, scheduler, scaler, the peak contributor count). A
@@ -28,20 +29,22 @@ GradHook = Callable[[], Any]
 class OptimizerStep:
     def __init__(self, optimizer: torch.optim.Optimizer, *, lr_policy: LRPolicy | str = "sqrt",
                  nominal_replicas: int | None = None, lr_scheduler: Any = None, grad_scaler: Any = None,
-                 grad_hook: GradHook | None = None) -> None:
+                 grad_hook: GradHook | None = None, after_step: GradHook | None = None) -> None:
         if nominal_replicas is not None and (isinstance(nominal_replicas, bool) or not isinstance(nominal_replicas, int)
                                              or nominal_replicas < 1):
             raise ValueError(f"nominal_replicas must be a positive int or None, got {nominal_replicas!r}")
         if lr_scheduler is not None and getattr(lr_scheduler, "optimizer", optimizer) is not optimizer:
             raise ValueError("lr_scheduler drives another optimizer than the one p2pft steps")
-        if grad_hook is not None and not callable(grad_hook):
-            raise TypeError("grad_hook must be callable")
+        for name, fn in (("grad_hook", grad_hook), ("after_step", after_step)):
+            if fn is not None and not callable(fn):
+                raise TypeError(f"{name} must be callable")
         self.opt = optimizer
         self.policy = LRPolicy.parse(lr_policy)
         self.nominal = nominal_replicas
         self.scheduler = lr_scheduler
         self.scaler = grad_scaler
         self.hook = grad_hook
+        self.after = after_step
         # The planned replica count when none is given: the most contributors any committed
         # step had (replicated: every replica sees the same headers, a joiner gets it in the
         # snapshot). With 3 replicas of which one died, 2 contributors then scale by sqrt(2/3).
@@ -61,6 +64,9 @@ class OptimizerStep:
         factor = self.scale(contributors)
         self.peak = max(self.peak, contributors)
         if self.scaler is not None:
+            # A replica that contributed nothing (a joiner, a replay) never called scale(): scale
+            # a scalar on the gradients' device so the scaler holds its scale before unscaling.
+            self.scaler.scale(torch.zeros((), device=_grad_device(self.opt)))
             self.scaler.unscale_(self.opt)
         if self.hook is not None:
             self.hook()
@@ -84,12 +90,21 @@ class OptimizerStep:
                 _set_lr(g, lr)
         if self.scheduler is not None:
             self.scheduler.step()
+        if self.after is not None:
+            self.after()
 
     def state_dict(self) -> dict[str, Any]:
         return {"peak": self.peak}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.peak = int(state.get("peak", 0))
+
+
+def _grad_device(opt: torch.optim.Optimizer) -> torch.device:
+    for g in opt.param_groups:
+        for p in g["params"]:
+            return p.device
+    return torch.device("cpu")
 
 
 def _set_lr(group: dict[str, Any], value: float) -> None:
