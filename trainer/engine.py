@@ -425,7 +425,8 @@ class StepEngine:
         want_from = self.step
         got = self._fetch_grads(want_from, target, att, steps) if self.synced else None
         if not all(self.group.agree(got is not None)) or got is None:
-            log.info("cannot fast-forward from step %d to %d: catching up from a snapshot", want_from, target)
+            log.info("at step %d, behind the others (step %d) and not in a peer's short log: catching up "
+                     "from a snapshot", want_from, target)
             self.catchup.start("behind")
             return 0, None
         donor, entries = got
