@@ -31,7 +31,7 @@ import re
 import socket
 import time
 from dataclasses import dataclass
-from typing import Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 log = logging.getLogger(__name__)
 
@@ -287,6 +287,30 @@ def place(mode: str, env: Mapping[str, str], *, role: str, port: int, resolver: 
     raise LaunchError(f"--seeds-from must be one of {', '.join(SEEDS_FROM_CHOICES)}, got {mode!r}")
 
 
+# ---------------------------------------------------------------------- options
+def add_launch_args(p: Any) -> None:
+    """--seeds-from, --seed-port, --max-seeds (env P2PFT_SEEDS_FROM, P2PFT_SEED_PORT,
+    P2PFT_MAX_SEEDS, read by the caller so that the command line wins)."""
+    p.add_argument("--seeds-from", choices=SEEDS_FROM_CHOICES, default=None,
+                   help="derive seeds, replica id and advertised address from the scheduler (env P2PFT_SEEDS_FROM)")
+    p.add_argument("--seed-port", type=int, default=None,
+                   help="port the seeds listen on, with --seeds-from (default: this process's base listen port; "
+                        "env P2PFT_SEED_PORT)")
+    p.add_argument("--max-seeds", type=int, default=None,
+                   help=f"seeds taken from the scheduler's host list (default {DEFAULT_MAX_SEEDS}; env P2PFT_MAX_SEEDS)")
+
+
+def env_int(env: Mapping[str, str], name: str) -> int | None:
+    """An optional integer P2PFT_* variable; LaunchError naming it when it is not one."""
+    raw = env.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise LaunchError(f"{name}={raw!r} is not a number") from None
+
+
 # ---------------------------------------------------------------------- precedence
 _WILDCARDS = {"0.0.0.0", "::", ""}
 
@@ -327,9 +351,26 @@ def cluster_args(*, seeds_from: str | None, listen: str, advertise: str | None, 
     return ClusterArgs(listen_out, adv, out_seeds, replica_id or p.replica_id, p)
 
 
+def cluster_args_from(ns: Any, *, listen: str, advertise: str | None, seeds: Sequence[str],
+                      replica_id: str | None, role: str, env: Mapping[str, str] | None = None) -> ClusterArgs:
+    """cluster_args with --seeds-from, --seed-port and --max-seeds from parsed options `ns`
+    (see add_launch_args), each falling back to its P2PFT_* variable."""
+    env = os.environ if env is None else env
+    seeds_from = getattr(ns, "seeds_from", None) or env.get("P2PFT_SEEDS_FROM", "").strip() or None
+    seed_port = getattr(ns, "seed_port", None)
+    max_seeds = getattr(ns, "max_seeds", None)
+    if seed_port is None:
+        seed_port = env_int(env, "P2PFT_SEED_PORT")
+    if max_seeds is None:
+        max_seeds = env_int(env, "P2PFT_MAX_SEEDS")
+    return cluster_args(seeds_from=seeds_from, listen=listen, advertise=advertise, seeds=seeds, replica_id=replica_id,
+                        role=role, seed_port=seed_port, max_seeds=DEFAULT_MAX_SEEDS if max_seeds is None else max_seeds,
+                        env=env)
+
+
 def _bracket(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
-__all__ = ["ClusterArgs", "LaunchError", "Placement", "Scheduler", "SEEDS_FROM_CHOICES", "cluster_args", "detect",
+__all__ = ["add_launch_args", "cluster_args_from", "env_int", "ClusterArgs", "LaunchError", "Placement", "Scheduler", "SEEDS_FROM_CHOICES", "cluster_args", "detect",
            "expand_hostlist", "from_k8s", "from_slurm", "from_torchrun", "place"]

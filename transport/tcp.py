@@ -306,6 +306,7 @@ class TcpCommunicator(Communicator):
                 if not contribute:
                     buf.zero(0, buf.nbytes)
                 return 1 if contribute else 0
+            t0 = time.monotonic()
             self._ensure_connected()
             plans = allreduce_plan(buf.nbytes, buf.itemsize, self.world, self.rank,
                                    self._op_chunk(buf.nbytes // self.world), self.lanes)
@@ -314,6 +315,7 @@ class TcpCommunicator(Communicator):
             prefix_in = FRAME_PREFIX.pack(FRAME_MAGIC, OP_ALLREDUCE, buf.dtype_code, self.epoch, self.shard,
                                           self.left, self._op_seq, int(tag), buf.nbytes)
             counts = self._run_lanes(self._allreduce_lane, plans, buf, prefix_out, prefix_in, bool(contribute), tmo)
+            self._server.note_op("allreduce", buf.nbytes, time.monotonic() - t0)
             return counts
         except CommError:
             raise self._finish_failed_op() from None
