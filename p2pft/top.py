@@ -101,7 +101,9 @@ COLUMNS = ("replica", "role", "state", "step", "steps/s", "voter", "addr")
 
 
 def _cells(r: MemberRow) -> tuple[str, ...]:
-    return (r.replica_id, r.role, r.state, str(r.step), _rate(r.rate), "yes" if r.voter else "", r.addr)
+    trains = r.role != "witness"   # a witness has no step
+    return (r.replica_id, r.role, r.state, str(r.step) if trains else "-", _rate(r.rate) if trains else "-",
+            "yes" if r.voter else "", r.addr)
 
 
 def _catchup_text(c: tuple[str, float, int, int]) -> str:
