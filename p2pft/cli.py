@@ -71,8 +71,8 @@ def cmd_peer(args: argparse.Namespace) -> int:
             raise CliError(f"bad --advertise: {exc}") from None
     seeds = parse_seeds(args.seeds if args.seeds is not None else _env("SEEDS"))
     replica_id = args.replica_id or _env("REPLICA_ID")
-    listen, advertise, seeds, replica_id = _placement(args, listen, advertise, seeds, replica_id)
-    metrics_port = _metrics_port(args, listen)
+    listen, advertise, seeds, replica_id, metrics_port = _placement(args, listen, advertise, seeds, replica_id)
+    metrics_port = _metrics_port(metrics_port, listen)
     secret = _secret(args)
     profile = PROFILES[args.profile]
     for name in ("max_inbound", "idle_timeout", "drain_timeout"):
@@ -116,19 +116,19 @@ def cmd_peer(args: argparse.Namespace) -> int:
 
 
 def _placement(args: argparse.Namespace, listen: str, advertise: str | None, seeds: list[str],
-               replica_id: str | None) -> tuple[str, str | None, list[str], str | None]:
-    """Seeds and identity from the scheduler (--seeds-from); what the user gave wins."""
-    from .launch import LaunchError, cluster_args_from
+               replica_id: str | None) -> tuple[str, str | None, list[str], str | None, str | None]:
+    """Seeds, identity and ports from the scheduler (--seeds-from); what the user gave wins."""
+    from .launch import LaunchError, cluster_args_from, offset_port
     try:
         ca = cluster_args_from(args, listen=listen, advertise=advertise, seeds=seeds, replica_id=replica_id, role="w")
     except (LaunchError, ValueError) as exc:
         raise CliError(str(exc)) from None
-    return ca.listen, ca.advertise, ca.seeds, ca.replica_id
+    metrics = args.metrics_port if args.metrics_port is not None else _env("METRICS_PORT")
+    return ca.listen, ca.advertise, ca.seeds, ca.replica_id, offset_port(ca, metrics)
 
 
-def _metrics_port(args: argparse.Namespace, listen: str) -> str | None:
+def _metrics_port(value: str | None, listen: str) -> str | None:
     """--metrics-port (or P2PFT_METRICS_PORT), checked before anything starts."""
-    value = args.metrics_port if args.metrics_port is not None else _env("METRICS_PORT")
     if not value:
         return None
     from .driver import parse_hostport

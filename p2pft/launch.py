@@ -368,9 +368,40 @@ def cluster_args_from(ns: Any, *, listen: str, advertise: str | None, seeds: Seq
                         env=env)
 
 
+def data_addrs(ca: ClusterArgs, data_listen: str | None, advertise_data: str | None) -> tuple[str | None, str | None]:
+    """The data port's listen and advertised addresses under a scheduler: the same port offset
+    as the control port, and the placement's host when it listens on a wildcard address.
+    Without a scheduler, or with no --data-listen, they are returned unchanged."""
+    if ca.placement is None or not data_listen:
+        return data_listen, advertise_data
+    from .driver import parse_hostport
+    host, base = parse_hostport(data_listen)
+    if base == 0:
+        return data_listen, advertise_data
+    port = base + ca.placement.port_offset
+    if port > 65535:
+        raise LaunchError(f"data port {base} + offset {ca.placement.port_offset} is out of range")
+    if advertise_data is None and host in _WILDCARDS:
+        advertise_data = f"{_bracket(ca.placement.host or socket.getfqdn())}:{port}"
+    return f"{_bracket(host)}:{port}", advertise_data
+
+
+def offset_port(ca: ClusterArgs, value: str | None) -> str | None:
+    """A PORT or HOST:PORT option (the metrics port) moved by the placement's port offset, so
+    that several processes on one host do not collide."""
+    if ca.placement is None or not value or not ca.placement.port_offset:
+        return value
+    host, sep, port = str(value).rpartition(":")
+    try:
+        moved = int(port) + ca.placement.port_offset
+    except ValueError:
+        return value   # the caller's own check reports it
+    return f"{host}{sep}{moved}"
+
+
 def _bracket(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
-__all__ = ["add_launch_args", "cluster_args_from", "env_int", "ClusterArgs", "LaunchError", "Placement", "Scheduler", "SEEDS_FROM_CHOICES", "cluster_args", "detect",
+__all__ = ["add_launch_args", "cluster_args_from", "data_addrs", "offset_port", "env_int", "ClusterArgs", "LaunchError", "Placement", "Scheduler", "SEEDS_FROM_CHOICES", "cluster_args", "detect",
            "expand_hostlist", "from_k8s", "from_slurm", "from_torchrun", "place"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from .launch import LaunchError, add_launch_args, cluster_args_from
+from .launch import LaunchError, add_launch_args, cluster_args_from, data_addrs, offset_port
 
 
 def add_replica_args(p: argparse.ArgumentParser, *, replicas: int, digest_every: int) -> None:
@@ -43,9 +43,12 @@ def require_replica_id(p: argparse.ArgumentParser, args: argparse.Namespace) -> 
     try:
         ca = cluster_args_from(args, listen=args.listen, advertise=getattr(args, "advertise", None),
                                seeds=[s for s in args.seeds.split(",") if s], replica_id=args.replica_id, role="r")
+        args.metrics_port = offset_port(ca, args.metrics_port)
         if args.metrics_port:
             from .metrics import parse_metrics_addr
             parse_metrics_addr(args.metrics_port, ca.listen.rpartition(":")[0].strip("[]"))
+        if hasattr(args, "data_listen"):
+            args.data_listen, args.advertise_data = data_addrs(ca, args.data_listen, args.advertise_data)
     except (LaunchError, ValueError) as exc:
         p.error(str(exc))
     args.listen, args.seeds, args.replica_id = ca.listen, ",".join(ca.seeds), ca.replica_id

@@ -151,3 +151,17 @@ def test_cluster_args_rejects(kw: dict, needle: str) -> None:
     with pytest.raises(LaunchError) as err:
         cluster_args(**args)
     assert needle in str(err.value)
+
+
+def test_data_and_metrics_ports_follow_the_offset() -> None:
+    from p2pft.launch import data_addrs, offset_port
+    ca = cluster_args(seeds_from="torchrun", listen="0.0.0.0:7100", advertise=None, seeds=[], replica_id=None,
+                      role="r", env={"MASTER_ADDR": "head", "GROUP_RANK": "1", "LOCAL_RANK": "3"})
+    assert ca.listen == "0.0.0.0:7103" and ca.seeds == ["head:7100"] and ca.replica_id == "r1-3"
+    listen, adv = data_addrs(ca, "0.0.0.0:7300", None)
+    assert listen == "0.0.0.0:7303" and adv is not None and adv.endswith(":7303")
+    assert data_addrs(ca, "10.0.0.1:7300", "gw:1") == ("10.0.0.1:7303", "gw:1")
+    assert data_addrs(ca, None, None) == (None, None)
+    assert offset_port(ca, "9400") == "9403" and offset_port(ca, "0.0.0.0:9400") == "0.0.0.0:9403"
+    plain = cluster_args(seeds_from=None, listen="127.0.0.1:0", advertise=None, seeds=[], replica_id="x", role="r")
+    assert offset_port(plain, "9400") == "9400" and data_addrs(plain, "0.0.0.0:1", None) == ("0.0.0.0:1", None)
