@@ -148,7 +148,6 @@ class Observer:
             self._add(now, "view", f"e{cur['epoch']}: first view here, {len(members)} member(s)")
         else:
             before = {m["node"]: m for m in prev["members"]}
-            left_out = set(cur.get("left", ()))
             for n, m in members.items():
                 if n not in before:
                     self._add(now, "joined", f"e{cur['epoch']}: {m['replica_id']} joined as {m['role']}")
@@ -158,8 +157,7 @@ class Observer:
                               f"{m['role']}{what}")
             for n, m in before.items():
                 if n not in members:
-                    why = "left out (loop stalled or cut off)" if n in left_out else "removed"
-                    self._add(now, "removed", f"e{cur['epoch']}: {m['replica_id']} {why}")
+                    self._add(now, "removed", f"e{cur['epoch']}: {m['replica_id']} removed")
         for n, m in members.items():
             if m["role"] == "joiner":
                 self.joiner_since.setdefault(n, now)

@@ -105,6 +105,22 @@ def test_metrics_move_while_training(cluster: OpsCluster) -> None:
     assert w1["p2pft_view_epoch"] >= 1
 
 
+def families(port: int) -> set[str]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    return {f.name + ("_total" if f.type == "counter" else "") for f in text_string_to_metric_families(text)
+            if not f.name.endswith("_created")}
+
+
+def test_every_metric_is_documented(cluster: OpsCluster) -> None:
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "operations.md").read_text()
+    table = {line.split("|")[1].strip().strip("`") for line in doc.splitlines() if line.startswith("| `p2pft_")}
+    exposed = families(cluster.metrics["r0"]) | families(cluster.metrics["w0"])
+    assert len(exposed) >= 30
+    assert exposed <= table, sorted(exposed - table)
+    assert table <= exposed, sorted(table - exposed)    # no stale rows either
+
+
 def rejected_frames(m: dict[str, float]) -> float:
     return sum(v for k, v in m.items() if k.startswith("p2pft_control_frames_rejected_total"))
 
