@@ -6,6 +6,8 @@ Real processes on loopback: two example replicas and one `p2pft peer` witness, a
 from __future__ import annotations
 
 import json
+import os
+import select
 import signal
 import socket
 import subprocess
@@ -240,3 +242,30 @@ def test_peer_takes_seeds_and_identity_from_slurm(ctl: Any, tmp_path: Path) -> N
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=10)
+
+
+def test_top_live_screen_on_a_terminal_ends_on_ctrl_c(cluster: OpsCluster, ctl: Any) -> None:
+    """On a terminal (a pseudo-terminal here) `top` draws a rich table until SIGINT, then exits 0."""
+    import pty
+    master, slave = pty.openpty()
+    proc = subprocess.Popen(ctl.p2pft_command() + ["top", "--peer", cluster.witness_addrs[0], "--interval", "0.3"],
+                            stdin=slave, stdout=slave, stderr=subprocess.PIPE, env=dict(ctl.child_env(), COLUMNS="160"))
+    os.close(slave)
+    out = b""
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and out.count("recent events".encode()) < 2:
+            ready, _, _ = select.select([master], [], [], 0.5)
+            if ready:
+                out += os.read(master, 65536)
+        proc.send_signal(signal.SIGINT)
+        rc = proc.wait(timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        os.close(master)
+    text = out.decode(errors="replace")
+    assert rc == 0, proc.stderr.read().decode() if proc.stderr else rc
+    assert "\x1b[" in text and "│" in text                     # ANSI styles and a drawn table
+    assert "participant" in text and "steps/s" in text
