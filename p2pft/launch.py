@@ -217,7 +217,7 @@ def from_k8s(env: Mapping[str, str], port: int, *, resolver: Resolver = socket.g
         try:
             infos = resolver(service, port, type=socket.SOCK_STREAM)
             hosts = sorted({str(info[4][0]) for info in infos}, key=_addr_key)
-        except (socket.gaierror, UnicodeError, OSError) as exc:
+        except (OSError, UnicodeError) as exc:   # socket.gaierror is an OSError
             hosts, why = [], str(getattr(exc, "strerror", None) or exc)
         else:
             why = "no address"
@@ -357,6 +357,8 @@ def cluster_args_from(ns: Any, *, listen: str, advertise: str | None, seeds: Seq
     (see add_launch_args), each falling back to its P2PFT_* variable."""
     env = os.environ if env is None else env
     seeds_from = getattr(ns, "seeds_from", None) or env.get("P2PFT_SEEDS_FROM", "").strip() or None
+    if not seeds_from:
+        return ClusterArgs(listen, advertise, list(seeds), replica_id)
     seed_port = getattr(ns, "seed_port", None)
     max_seeds = getattr(ns, "max_seeds", None)
     if seed_port is None:

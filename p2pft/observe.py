@@ -80,9 +80,10 @@ class SeedWatch:
         if isinstance(exc, socket.gaierror):
             self._warn(addr, "seed %s does not resolve (%s)", addr, why)
 
-    def sending(self, addr: str, in_cluster: bool, known: bool) -> None:
-        """About to send to `addr`: a seed still unknown after SEED_GRACE without a cluster is named."""
-        if in_cluster or known or addr not in self.seeds:
+    def sending(self, addr: str, known: bool) -> None:
+        """About to send to seed `addr` while in no cluster: one still unknown (no member at that
+        address) after SEED_GRACE is named."""
+        if known or addr not in self.seeds:
             return
         waited = time.monotonic() - self.started
         if waited >= SEED_GRACE:
@@ -127,8 +128,8 @@ class Observer:
         self.sent[mtype] += 1
         if addr in self.seed_watch.seeds:
             node = self.server.node
-            if node is not None:
-                self.seed_watch.sending(addr, node.view is not None, node.gossip.node_at(addr) is not None)
+            if node is not None and node.view is None:   # in a cluster: seeds no longer matter
+                self.seed_watch.sending(addr, node.gossip.node_at(addr) is not None)
 
     def note_received(self, mtype: str) -> None:
         self.received[mtype if mtype in MESSAGE_TYPES else "other"] += 1

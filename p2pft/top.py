@@ -175,9 +175,10 @@ class Poller:
         return report
 
     def poll(self) -> Frame:
+        from .wire import WireError
         try:
             report = self.fetch()
-        except (OSError, asyncio.TimeoutError, TimeoutError, ValueError) as exc:
+        except (OSError, asyncio.TimeoutError, TimeoutError, ValueError, WireError) as exc:
             if self.last is None:
                 raise
             why = f"{self.peer} did not answer ({type(exc).__name__}: {exc}); showing the last answer"
@@ -203,6 +204,8 @@ def run_top(args: argparse.Namespace, secret: bytes | None, fail: Callable[[str]
         raise fail(f"bad --peer: {exc}") from None
     if args.interval <= 0:
         raise fail("--interval must be positive")
+    if args.count < 0:
+        raise fail("--count must be 0 (until Ctrl-C) or more")
     poller = Poller(args.peer, secret, args.timeout, admin_request)
     try:
         poller.prev = poller.fetch()   # the first answer: the baseline of the step rates
@@ -234,7 +237,7 @@ def run_top(args: argparse.Namespace, secret: bytes | None, fail: Callable[[str]
                 live.update(render_rich(poller.poll()))
                 frames += 1
         return 0
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, BrokenPipeError):   # Ctrl-C, or the reader of a pipe went away
         return 0
     except (OSError, WireError, ValueError, asyncio.TimeoutError) as exc:   # unreachable only before any frame
         raise fail(f"cannot reach {args.peer}: {exc}") from None
