@@ -140,3 +140,14 @@ def test_top_frame_rates_catchups_and_witnesses() -> None:
     assert w_row.split()[1:5] == ["witness", "suspect", "-", "-"]
     assert "b: joiner for 5.0 s, step 0 (participants at 30)" in text
     assert "e4: b joined as joiner" in text
+
+
+def test_replica_metrics_port_command_line_wins(monkeypatch: pytest.MonkeyPatch) -> None:
+    from p2pft.trainer.examples.replica import parse_args
+    monkeypatch.setenv("P2PFT_METRICS_PORT", "9400")
+    assert parse_args(["--replica-id", "a"]).metrics_port == "9400"
+    assert parse_args(["--replica-id", "a", "--metrics-port", "9500"]).metrics_port == "9500"
+    monkeypatch.delenv("P2PFT_METRICS_PORT")
+    assert parse_args(["--replica-id", "a"]).metrics_port is None        # off by default
+    with pytest.raises(SystemExit):
+        parse_args(["--replica-id", "a", "--metrics-port", "nine"])
