@@ -20,6 +20,7 @@ from typing import Any, Sequence
 
 from . import aio
 from .config import PROFILES
+from .launch import add_launch_args
 from .log import setup_logging
 from .wire import WireError, load_secret
 
@@ -69,6 +70,9 @@ def cmd_peer(args: argparse.Namespace) -> int:
         except ValueError as exc:
             raise CliError(f"bad --advertise: {exc}") from None
     seeds = parse_seeds(args.seeds if args.seeds is not None else _env("SEEDS"))
+    replica_id = args.replica_id or _env("REPLICA_ID")
+    listen, advertise, seeds, replica_id, metrics_port = _placement(args, listen, advertise, seeds, replica_id)
+    metrics_port = _metrics_port(metrics_port, listen)
     secret = _secret(args)
     profile = PROFILES[args.profile]
     for name in ("max_inbound", "idle_timeout", "drain_timeout"):
@@ -78,7 +82,7 @@ def cmd_peer(args: argparse.Namespace) -> int:
               if getattr(args, k) is not None}
 
     async def main() -> int:
-        server = NodeServer(listen=listen, replica_id=args.replica_id or _env("REPLICA_ID"), seeds=seeds,
+        server = NodeServer(listen=listen, replica_id=replica_id, seeds=seeds,
                             secret=secret, profile=profile, advertise=advertise, **limits)
         try:
             await server.start()
@@ -86,6 +90,14 @@ def cmd_peer(args: argparse.Namespace) -> int:
             raise CliError(f"cannot listen on {listen}: {exc.strerror or exc}") from None
         from .log import set_context
         set_context(node=server.node.id if server.node else "-")
+        metrics = None
+        if metrics_port is not None:
+            from .metrics import serve_node_metrics
+            try:
+                metrics = serve_node_metrics(server, metrics_port)
+            except OSError as exc:
+                await server.stop(leave=False)
+                raise CliError(f"cannot serve metrics on {metrics_port}: {exc.strerror or exc}") from None
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -96,9 +108,36 @@ def cmd_peer(args: argparse.Namespace) -> int:
         await stop.wait()
         log.info("leaving the cluster")
         await server.stop(leave=True)
+        if metrics is not None:
+            metrics.close()
         return 0
 
     return aio.run(main())
+
+
+def _placement(args: argparse.Namespace, listen: str, advertise: str | None, seeds: list[str],
+               replica_id: str | None) -> tuple[str, str | None, list[str], str | None, str | None]:
+    """Seeds, identity and ports from the scheduler (--seeds-from); what the user gave wins."""
+    from .launch import LaunchError, cluster_args_from, offset_port
+    try:
+        ca = cluster_args_from(args, listen=listen, advertise=advertise, seeds=seeds, replica_id=replica_id, role="w")
+    except (LaunchError, ValueError) as exc:
+        raise CliError(str(exc)) from None
+    metrics = args.metrics_port if args.metrics_port is not None else _env("METRICS_PORT")
+    return ca.listen, ca.advertise, ca.seeds, ca.replica_id, offset_port(ca, metrics)
+
+
+def _metrics_port(value: str | None, listen: str) -> str | None:
+    """--metrics-port (or P2PFT_METRICS_PORT), checked before anything starts."""
+    if not value:
+        return None
+    from .driver import parse_hostport
+    from .metrics import parse_metrics_addr
+    try:
+        parse_metrics_addr(value, parse_hostport(listen)[0])
+    except ValueError as exc:
+        raise CliError(f"bad --metrics-port: {exc}") from None
+    return value
 
 
 # ---------------------------------------------------------------------- members
@@ -141,6 +180,12 @@ def format_members(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+# ---------------------------------------------------------------------- top
+def cmd_top(args: argparse.Namespace) -> int:
+    from .top import run_top
+    return run_top(args, _secret(args), CliError)
+
+
 # ---------------------------------------------------------------------- parser
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="p2pft", description="Fault-tolerant data-parallel training without a "
@@ -158,6 +203,9 @@ def build_parser() -> argparse.ArgumentParser:
     peer.add_argument("--replica-id", default=None, help="stable name of this peer (default: its address)")
     peer.add_argument("--profile", choices=sorted(PROFILES), default="default", help="timing profile")
     peer.add_argument("--ready-file", help=argparse.SUPPRESS)
+    add_launch_args(peer)
+    peer.add_argument("--metrics-port", default=None, help="serve Prometheus metrics on PORT or HOST:PORT (a bare "
+                      "port binds the --listen host; env P2PFT_METRICS_PORT; default: off)")
     peer.add_argument("--max-inbound", type=int, default=None,
                       help="inbound connections kept open; past it the longest-idle is closed (default 2048)")
     peer.add_argument("--idle-timeout", type=float, default=None,
@@ -172,6 +220,9 @@ def build_parser() -> argparse.ArgumentParser:
     mem.add_argument("--secret-file", help="file holding the cluster secret")
     mem.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the answer")
     mem.set_defaults(fn=cmd_members)
+
+    from .top import register as register_top
+    register_top(sub, cmd_top)
 
     _add_optional_commands(sub)
     return p

@@ -31,6 +31,7 @@ from typing import Any, Callable
 from .config import DEFAULT, Profile
 from .log import set_context
 from .node import Node, WITNESS_KIND
+from .observe import Observer
 from .transport.wire import source_address
 from .wire import DEFAULT_MAX_FRAME, FrameDecoder, ReplayGuard, WireError, encode
 
@@ -85,14 +86,16 @@ class _Peer:
                 try:
                     reader, writer = await asyncio.wait_for(self.server.open_connection(host, port),
                                                             CONNECT_TIMEOUT)
-                except ConnectionRefusedError:
+                except ConnectionRefusedError as exc:
                     self.queue.clear()
                     self.server.counters["connect_refused"] += 1
+                    self.server.observer.connect_failed(self.addr, exc)
                     self.server.evidence(self.addr, certain=True)
                     return
-                except (OSError, asyncio.TimeoutError):
+                except (OSError, asyncio.TimeoutError) as exc:
                     self.queue.clear()
                     self.server.counters["connect_failed"] += 1
+                    self.server.observer.connect_failed(self.addr, exc)
                     return
                 eof = asyncio.get_running_loop().create_task(reader.read(1))
                 try:
@@ -179,6 +182,7 @@ class NodeServer:
         self._server: asyncio.base_events.Server | None = None
         self._timer: asyncio.Task[None] | None = None
         self._wake: asyncio.Event | None = None
+        self.observer = Observer(self)   # events for `p2pft top`, message counts, seed warnings
 
     @property
     def addr(self) -> str:
@@ -281,6 +285,7 @@ class NodeServer:
                 peer = self._peers[addr] = _Peer(self, addr)
             peer.send(frame)
             self.counters["frames_sent"] += 1
+            self.observer.note_sent(addr, msg["t"])
         node.outbox.clear()
         for kind, payload in node.events:
             if kind == "view":
@@ -388,6 +393,7 @@ class NodeServer:
                 return False
             return True
         body["t"] = mtype
+        self.observer.note_received(mtype)
         try:
             node.handle(body, time.monotonic())
         except (KeyError, TypeError, ValueError, AttributeError, IndexError, OverflowError):
@@ -405,6 +411,8 @@ class NodeServer:
     def _admin(self, mtype: str, body: dict[str, Any]) -> dict[str, Any]:
         if mtype == "admin.members":
             return self.members_report()
+        if mtype == "admin.top":
+            return self.observer.top_report()
         if mtype == "admin.stats":
             return {"counters": dict(self.counters), "node": dict(self.node.stats) if self.node else {}}
         return {"error": f"unknown admin request {mtype!r}"}

@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import os
 
+from .launch import LaunchError, add_launch_args, cluster_args_from, data_addrs, offset_port
+
 
 def add_replica_args(p: argparse.ArgumentParser, *, replicas: int, digest_every: int) -> None:
     """Identity, addresses, secret, model, optimisation and run-length options."""
@@ -29,8 +31,28 @@ def add_replica_args(p: argparse.ArgumentParser, *, replicas: int, digest_every:
                    "starts every replica first, then says go)")
     p.add_argument("--seed", type=int, default=0, help="model init seed (the same on every replica)")
     p.add_argument("--log-level", default=os.environ.get("P2PFT_LOG_LEVEL", "WARNING"))
+    p.add_argument("--metrics-port", default=os.environ.get("P2PFT_METRICS_PORT") or None,
+                   help="serve Prometheus metrics on PORT or HOST:PORT (a bare port binds the --listen host; "
+                        "env P2PFT_METRICS_PORT; default: off)")
+    add_launch_args(p)
 
 
 def require_replica_id(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Fill seeds, replica id and addresses from the scheduler (--seeds-from; what the user
+    gave wins), check the metrics address, then require a replica id."""
+    try:
+        ca = cluster_args_from(args, listen=args.listen, advertise=getattr(args, "advertise", None),
+                               seeds=[s for s in args.seeds.split(",") if s], replica_id=args.replica_id, role="r")
+        args.metrics_port = offset_port(ca, args.metrics_port)
+        if args.metrics_port:
+            from .metrics import parse_metrics_addr
+            parse_metrics_addr(args.metrics_port, ca.listen.rpartition(":")[0].strip("[]"))
+        if hasattr(args, "data_listen"):
+            args.data_listen, args.advertise_data = data_addrs(ca, args.data_listen, args.advertise_data)
+    except (LaunchError, ValueError) as exc:
+        p.error(str(exc))
+    args.listen, args.seeds, args.replica_id = ca.listen, ",".join(ca.seeds), ca.replica_id
+    if hasattr(args, "advertise"):
+        args.advertise = ca.advertise
     if not args.replica_id:
         p.error("--replica-id is required (or set P2PFT_REPLICA_ID)")

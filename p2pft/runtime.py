@@ -41,7 +41,8 @@ class Runtime:
                  data_host: str = "127.0.0.1", data_addrs: list[str] | None = None, shards: int = 1,
                  secret: bytes | None = None, profile: Profile = DEFAULT, comm_timeout: float = 10.0,
                  kind: str = TRAINER_KIND, status: str = "ready", step: int = 0, advertise: str | None = None,
-                 data_listen: str | None = None, advertise_data: str | None = None) -> None:
+                 data_listen: str | None = None, advertise_data: str | None = None,
+                 metrics_port: int | str | None = None) -> None:
         self.replica_id = str(replica_id)
         self.listen = listen
         self.seeds = list(seeds)
@@ -71,6 +72,8 @@ class Runtime:
         self._closed = False
         self._next_beat = 0.0
         self.view_log: list[tuple[float, int, int]] = []   # (wall time, epoch, data_epoch), bounded
+        self.metrics_port = metrics_port                   # PORT or HOST:PORT for /metrics (None: off)
+        self.metrics: Any = None                           # p2pft.metrics.MetricsEndpoint once served
 
     # ------------------------------------------------------------------ lifecycle
     def start(self, timeout: float = 10.0) -> "Runtime":
@@ -89,6 +92,13 @@ class Runtime:
             raise RuntimeStartError(f"control plane did not start within {timeout} s")
         if self._start_error is not None:
             raise RuntimeStartError(f"cannot start the control plane on {self.listen}: {self._start_error}")
+        if self.metrics_port is not None:
+            from .metrics import serve_runtime_metrics
+            try:
+                self.metrics = serve_runtime_metrics(self, self.metrics_port)
+            except (OSError, ValueError) as exc:
+                self.close(leave=False)
+                raise RuntimeStartError(f"cannot serve metrics on {self.metrics_port}: {exc}") from None
         return self
 
     def _run_loop(self, data_addr: str) -> None:
@@ -143,6 +153,8 @@ class Runtime:
                 pass
         if self.data is not None:
             self.data.close()
+        if self.metrics is not None:
+            self.metrics.close()
         with self._view_cv:
             self._view_cv.notify_all()
 

@@ -91,6 +91,8 @@ class DataServer:
         self.max_handshakes = int(max_handshakes)
         #: rejections and drops, by kind (see the module docstring)
         self.counters: collections.Counter[str] = collections.Counter()
+        #: completed collectives: count, bytes and seconds by op (read by the metrics at scrape time)
+        self.ops: collections.Counter[str] = collections.Counter()
         self._guard = HelloGuard(window=replay_window)
         self._last_log: dict[str, float] = {}
 
@@ -149,7 +151,7 @@ class DataServer:
         key = (int(epoch), int(shard))
         comm = TcpCommunicator(key[0], key[1], int(rank), list(peers), timeout=float(timeout),
                                connect_timeout=float(connect_timeout), options=self._ring_options(),
-                               on_dead=self._unregister)
+                               on_dead=self._unregister, on_op=self.note_op)
         with self._lock:
             if key in self._comms:
                 raise ValueError(f"a communicator for epoch {epoch} shard {shard} already exists")
@@ -416,6 +418,13 @@ class DataServer:
             err = CommTimeout(f"rank {hello.dst} did not open its communicator of epoch {hello.epoch} "
                               f"shard {hello.shard} within {self.pending_timeout:g} s", peer_rank=hello.dst)
             self._send_farewell(sock, hello, err)
+
+    def note_op(self, op: str, nbytes: int, seconds: float) -> None:
+        """A communicator finished a collective (one dict update per op: not per chunk)."""
+        ops = self.ops
+        ops[op] += 1
+        ops[op + "_bytes"] += nbytes
+        ops[op + "_seconds"] += seconds
 
     def _reject(self, kind: str, fmt: str, *args: object) -> None:
         """Count a rejection; log it, at most once per kind every few seconds (floods)."""

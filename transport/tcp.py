@@ -50,7 +50,8 @@ class TcpCommunicator(Communicator):
 
     def __init__(self, epoch: int, shard: int, rank: int, peers: list[str], *, timeout: float,
                  connect_timeout: float, options: RingOptions,
-                 on_dead: Callable[["TcpCommunicator"], None]) -> None:
+                 on_dead: Callable[["TcpCommunicator"], None],
+                 on_op: Callable[[str, int, float], None] | None = None) -> None:
         self.epoch = epoch
         self.shard = shard
         self.rank = rank
@@ -64,6 +65,7 @@ class TcpCommunicator(Communicator):
         self.right = (rank + 1) % self.world
         self._options = options
         self._on_dead = on_dead
+        self._on_op = on_op  # a completed operation: (kind, bytes, seconds), for metrics
         self._fs = FailState()
         self._lock = self._fs.lock
         self._cond = self._fs.cond
@@ -97,6 +99,7 @@ class TcpCommunicator(Communicator):
                 if not contribute:
                     buf.zero(0, buf.nbytes)
                 return 1 if contribute else 0
+            t0 = time.monotonic()
             self._ensure_connected()
             plans = allreduce_plan(buf.nbytes, buf.itemsize, self.world, self.rank,
                                    self._op_chunk(buf.nbytes // self.world), self.lanes)
@@ -104,7 +107,10 @@ class TcpCommunicator(Communicator):
                                            self.rank, self._op_seq, int(tag), buf.nbytes)
             prefix_in = FRAME_PREFIX.pack(FRAME_MAGIC, OP_ALLREDUCE, buf.dtype_code, self.epoch, self.shard,
                                           self.left, self._op_seq, int(tag), buf.nbytes)
-            return self._run_lanes(LaneReceiver.allreduce, plans, buf, prefix_out, prefix_in, bool(contribute), tmo)
+            counts = self._run_lanes(LaneReceiver.allreduce, plans, buf, prefix_out, prefix_in, bool(contribute), tmo)
+            if self._on_op is not None:
+                self._on_op("allreduce", buf.nbytes, time.monotonic() - t0)
+            return counts
         except CommError:
             raise self._finish_failed_op() from None
         except OSError as e:  # a socket closed under us by a concurrent failure, or a real I/O error

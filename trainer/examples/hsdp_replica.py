@@ -107,6 +107,7 @@ def worker(args: argparse.Namespace) -> int:
         from torch.distributed._composable.fsdp import fully_shard  # type: ignore[no-redef]
 
     from p2pft.log import setup_logging
+    from p2pft.metrics import StepMetrics
     from p2pft.trainer.data import TextDataset
     from p2pft.trainer.hsdp import HSDP, Stopped
     from p2pft.trainer.model import model_config_for
@@ -143,8 +144,9 @@ def worker(args: argparse.Namespace) -> int:
     rep = HSDP.start(model, opt, replica_id=args.replica_id, listen=args.listen,
                      seeds=[s for s in args.seeds.split(",") if s], secret=load_secret(args.secret_file),
                      batch_per_replica=args.batch, nominal_replicas=args.replicas, lr_policy=args.lr_policy,
-                     rank_timeout=args.rank_timeout)
+                     rank_timeout=args.rank_timeout, runtime_kw={"metrics_port": args.metrics_port})
     box.append(rep)
+    steps = StepMetrics.attach(rep.rt, rep)   # rank 0 with --metrics-port; a no-op otherwise
     pids: list[int | None] = [None] * world
     dist.all_gather_object(pids, os.getpid())
     fh = open(args.stats, "a", buffering=1) if (args.stats and rank == 0) else None
@@ -180,6 +182,7 @@ def worker(args: argparse.Namespace) -> int:
             res = rep.commit()
         except Stopped:
             break
+        steps.observe_step(res)
         digests = rep.digests() if res.committed and args.digest_every and res.step % args.digest_every == 0 else None
         if rep.rt is not None:
             view = rep.rt.view

@@ -90,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from p2pft import Runtime
     from p2pft.log import setup_logging
+    from p2pft.metrics import StepMetrics
     from p2pft.trainer import FaultTolerant
     from p2pft.trainer.ft import Stopped
     from p2pft.trainer.data import TextDataset
@@ -126,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     seeds = [s for s in args.seeds.split(",") if s]
     rt = Runtime(replica_id=args.replica_id, listen=args.listen, seeds=seeds,
                  secret=load_secret(args.secret_file), advertise=args.advertise, data_listen=args.data_listen,
-                 advertise_data=args.advertise_data, comm_timeout=args.comm_timeout).start()
+                 advertise_data=args.advertise_data, comm_timeout=args.comm_timeout,
+                 metrics_port=args.metrics_port).start()
     stop = {"flag": False}
 
     ft_box: list[FaultTolerant] = []
@@ -143,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
                        checkpoint_every=args.checkpoint_every, state_rate_limit=args.state_rate_limit or None,
                        loop_timeout=args.loop_timeout or None)
     ft_box.append(ft)
+    steps = StepMetrics.attach(rt, ft)   # per-step metrics; a no-op without --metrics-port
     stats.write({"t": time.time(), "kind": "start", "t_process": T_START, "t_imported": t_imported,
                  "node": rt.node_id, "step": ft.step, "pid": os.getpid()})
     stats.flush()
@@ -177,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
             res = ft.commit()
         except Stopped:
             break
+        steps.observe_step(res)
         view = rt.view
         rec = {"t": time.time(), "step": res.step, "c": int(res.committed), "role": res.role,
                "n": res.contributors, "r": res.retries, "e": view.epoch if view else 0}
