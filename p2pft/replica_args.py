@@ -31,6 +31,9 @@ def add_replica_args(p: argparse.ArgumentParser, *, replicas: int, digest_every:
                    "starts every replica first, then says go)")
     p.add_argument("--seed", type=int, default=0, help="model init seed (the same on every replica)")
     p.add_argument("--log-level", default=os.environ.get("P2PFT_LOG_LEVEL", "WARNING"))
+    p.add_argument("--progress", choices=["auto", "on", "off"], default="auto",
+                   help="a progress line every few seconds and a summary at the end, on stderr "
+                        "(auto: when stderr is a terminal)")
     p.add_argument("--metrics-port", default=os.environ.get("P2PFT_METRICS_PORT") or None,
                    help="serve Prometheus metrics on PORT or HOST:PORT (a bare port binds the --listen host; "
                         "env P2PFT_METRICS_PORT; default: off)")

@@ -93,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     from p2pft.metrics import StepMetrics
     from p2pft.trainer import FaultTolerant
     from p2pft.trainer.ft import Stopped
+    from p2pft.trainer.progress import Progress
     from p2pft.trainer.data import TextDataset
     from p2pft.trainer.model import build_mlp_for_params, model_config_for
     from p2pft.wire import load_secret
@@ -146,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
                        loop_timeout=args.loop_timeout or None)
     ft_box.append(ft)
     steps = StepMetrics.attach(rt, ft)   # per-step metrics; a no-op without --metrics-port
+    progress = Progress(args.replica_id, mode=args.progress)
     stats.write({"t": time.time(), "kind": "start", "t_process": T_START, "t_imported": t_imported,
                  "node": rt.node_id, "step": ft.step, "pid": os.getpid()})
     stats.flush()
@@ -182,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
             break
         steps.observe_step(res)
         view = rt.view
+        progress.step(res, view.epoch if view else None, loss_val)
         rec = {"t": time.time(), "step": res.step, "c": int(res.committed), "role": res.role,
                "n": res.contributors, "r": res.retries, "e": view.epoch if view else 0}
         if res.fast_forwarded:
@@ -201,6 +204,8 @@ def main(argv: list[str] | None = None) -> int:
         while ft.events:  # popleft: the catch-up worker appends concurrently
             ev = ft.events.popleft()
             stats.write({**ev, "kind": "event", "event": ev["kind"]})
+            progress.event(ev)
+    progress.summary(ft.step)
     # Mid catch-up the weights are neither the old step's nor the snapshot's: no digest then.
     stats.write({"t": time.time(), "kind": "exit", "step": ft.step, "cursor": ft.cursor.state_dict(),
                  **({"digest": ft.digest()} if ft.synced else {}), "data_counters": dict(rt.data.counters)})
