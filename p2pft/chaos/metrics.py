@@ -1,48 +1,16 @@
 """What a chaos run measured, computed from the replicas' JSON-lines stats and the harness events."""
 from __future__ import annotations
 
-import json
 import statistics
 from collections import defaultdict
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from .cluster import Cluster
+from .cluster import Cluster
+from .records import read_stats
+
+__all__ = ["read_stats", "summarize"]  # read_stats is re-exported for the benchmarks
 
 STALL_WINDOW = 5.0   # seconds after a failure in which a survivor's longest commit gap is its stall
-
-
-def read_stats(path: Path) -> list[dict[str, Any]]:
-    out = []
-    try:
-        with open(path) as fh:
-            for line in fh:
-                try:
-                    out.append(json.loads(line))
-                except json.JSONDecodeError:
-                    break  # the last line of a SIGKILLed process may be cut
-    except FileNotFoundError:
-        pass
-    return out
-
-
-def latest_leader(cluster: "Cluster") -> int | None:
-    """Ask a live replica's control port who leads Raft; map the leader to a replica index."""
-    from .. import aio
-    from ..driver import admin_request
-    for i in cluster.live():
-        try:
-            rep = aio.run(admin_request(cluster.addrs[i], "admin.members", timeout=1.0))
-        except Exception:
-            continue
-        leader = rep.get("leader")
-        for m in rep.get("members", []):
-            if m["node"] == leader:
-                rid = str(m["replica_id"])
-                if rid.startswith("r") and rid[1:].isdigit():
-                    return int(rid[1:])
-    return None
 
 
 def _pct(xs: list[float], q: float) -> float | None:
@@ -53,7 +21,7 @@ def _pct(xs: list[float], q: float) -> float | None:
     return xs[k]
 
 
-def summarize(cluster: "Cluster", t_end: float) -> dict[str, Any]:
+def summarize(cluster: Cluster, t_end: float) -> dict[str, Any]:
     """The row of one system: progress, stalls, rejoins, crashes, divergence."""
     procs = sorted(cluster.finished, key=lambda p: (p.replica, p.incarnation))
     recs: dict[tuple[int, int], list[dict[str, Any]]] = {(p.replica, p.incarnation): read_stats(p.stats)

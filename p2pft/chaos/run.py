@@ -12,7 +12,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .cluster import ChaosConfig, Cluster, Schedule
-from .metrics import latest_leader, summarize
+from .interrupt import Interrupt
+from .metrics import summarize
+from .records import read_stats
 
 log = logging.getLogger(__name__)
 
@@ -20,28 +22,35 @@ SYSTEMS = ("p2pft", "sync", "failure_free")
 
 
 def run_chaos(cfg: ChaosConfig, workdir: Path, systems: tuple[str, ...] = SYSTEMS,
-              on_tick: Callable[[dict[str, Cluster], float], None] | None = None) -> dict[str, Any]:
-    """Start every system, apply the schedule, stop them all after cfg.duration; return the report."""
+              on_tick: Callable[[dict[str, Cluster], float], None] | None = None,
+              interrupt: Interrupt | None = None) -> dict[str, Any]:
+    """Start every system, apply the schedule, stop them all after cfg.duration; return the report.
+
+    With ``interrupt`` (see ``interrupt.py``) a signal ends the run early: every cluster is
+    stopped, and the report covers the time until the signal (``interrupted`` names it). A
+    signal before training began raises ``Interrupted`` once everything is stopped.
+    """
     cfg.validate()
-    clusters = {s: Cluster(s, cfg, workdir / s) for s in systems if s != "torchft"}
+    interrupt = interrupt or Interrupt()
+    clusters: dict[str, Cluster] = {}
     extra: dict[str, Any] = {}
-    if "torchft" in systems:
-        from .torchft_system import TorchftCluster
-        clusters["torchft"] = TorchftCluster("torchft", cfg, workdir / "torchft")  # type: ignore[assignment]
-    for c in clusters.values():
-        c.start()
-    # Measure from when every replica of every system is up and training: process startup
-    # (Python and torch imports on a loaded machine) is not training time.
-    _wait_started(clusters, timeout=180.0)
-    t0 = time.time()
-    for c in clusters.values():
-        c.t0 = t0
-    schedule = Schedule(cfg)
-    pending_restarts: list[tuple[float, str, int]] = []
-    pending_resumes: list[tuple[float, str, int]] = []
-    next_fault = 0
+    t0 = t_end = 0.0
     try:
-        while True:
+        for s in systems:
+            clusters[s] = _make_cluster(s, cfg, workdir / s)
+            clusters[s].start()
+            interrupt.check()
+        # Measure from when every replica of every system is up and training: process startup
+        # (Python and torch imports on a loaded machine) is not training time.
+        _wait_started(clusters, timeout=180.0, interrupt=interrupt)
+        t0 = time.time()
+        for c in clusters.values():
+            c.t0 = t0
+        schedule = Schedule(cfg)
+        pending_restarts: list[tuple[float, str, int]] = []
+        pending_resumes: list[tuple[float, str, int]] = []
+        next_fault = 0
+        while not interrupt.requested:
             now = time.time()
             el = now - t0
             if el >= cfg.duration:
@@ -71,8 +80,9 @@ def run_chaos(cfg: ChaosConfig, workdir: Path, systems: tuple[str, ...] = SYSTEM
             time.sleep(0.05)
     finally:
         t_end = time.time()
-        for c in clusters.values():
-            c.stop()
+        _stop_all(clusters)
+    if interrupt.requested:
+        extra["interrupted"] = interrupt.name
     rows = {name: summarize(c, t_end) for name, c in clusters.items()}
     base = rows.get("failure_free", {}).get("final_step") or 0
     base_samples = rows.get("failure_free", {}).get("samples") or 0
@@ -88,10 +98,30 @@ def run_chaos(cfg: ChaosConfig, workdir: Path, systems: tuple[str, ...] = SYSTEM
     return {"config": cfg.__dict__, "systems": list(rows.values()), **extra}
 
 
-def _wait_started(clusters: dict[str, Cluster], timeout: float) -> None:
-    from .metrics import read_stats
+def _make_cluster(system: str, cfg: ChaosConfig, workdir: Path) -> Cluster:
+    if system == "torchft":
+        from .torchft_system import TorchftCluster
+        return TorchftCluster(system, cfg, workdir)
+    return Cluster(system, cfg, workdir)
+
+
+def _stop_all(clusters: dict[str, Cluster]) -> None:
+    """Stop every cluster, even when stopping one of them fails."""
+    errors = []
+    for c in clusters.values():
+        try:
+            c.stop()
+        except Exception as exc:  # keep stopping the others; the process groups are killed anyway
+            log.error("stopping %s failed: %s", c.system, exc)
+            errors.append(exc)
+    if errors:
+        raise errors[0]
+
+
+def _wait_started(clusters: dict[str, Cluster], timeout: float, interrupt: Interrupt) -> None:
     deadline = time.time() + timeout
     while time.time() < deadline:
+        interrupt.check()
         ready = all(any(r.get("kind") == "start" for r in read_stats(p.stats))
                     for c in clusters.values() for p in c.procs.values())
         if ready:
@@ -111,7 +141,7 @@ def _inject(cfg: ChaosConfig, clusters: dict[str, Cluster], schedule: Schedule, 
     if not faulty:
         return
     ref = clusters["p2pft"] if "p2pft" in clusters else clusters[faulty[0]]
-    leader = latest_leader(ref) if cfg.fault == "leader" else None
+    leader = ref.leader() if cfg.fault == "leader" else None
     # Victims are replicas that are training in the reference system (a failure of a process
     # that is still importing torch tests nothing); every system loses the same index.
     live = sorted(ref.training()) or sorted(ref.live())

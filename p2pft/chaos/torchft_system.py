@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -22,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .cluster import Cluster, Proc, free_ports
+from .cluster import Cluster, Proc, free_ports, stop_procs
 
 # Lighthouse settings. torchft's README starts it with --min_replicas 1 --quorum_tick_ms 100
 # --join_timeout_ms 10000 (heartbeat timeout default 5000 ms). The two timeouts bound how long
@@ -72,7 +71,7 @@ class TorchftCluster(Cluster):
     grads: str = field(default_factory=lambda: os.environ.get("P2PFT_TORCHFT_GRADS", "ddp"))
     max_restarts: int = field(default_factory=lambda: int(os.environ.get("P2PFT_TORCHFT_MAX_RESTARTS", "0")))
     worker_args: list[str] = field(default_factory=list)
-    lighthouse: subprocess.Popen[bytes] | None = field(default=None, init=False)
+    lighthouse: Proc | None = field(default=None, init=False)
     lighthouse_down: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
@@ -96,13 +95,13 @@ class TorchftCluster(Cluster):
         too and their managers retry the connection, so the two startups overlap instead of
         delaying the replicas.
         """
-        if self.lighthouse is not None and self.lighthouse.poll() is None:
+        if self.lighthouse is not None and self.lighthouse.running():
             return
         log = open(self.workdir / "lighthouse.log", "ab")
         env = dict(os.environ, RUST_BACKTRACE="1")
-        self.lighthouse = subprocess.Popen(lighthouse_command(self.lighthouse_addr), stdout=log,
-                                           stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        p = self.group.spawn(lighthouse_command(self.lighthouse_addr), stdout=log, stderr=subprocess.STDOUT, env=env)
         log.close()
+        self.lighthouse = Proc(-1, 0, p, time.time(), self.workdir / "lighthouse.log", kind="lighthouse")
         self.lighthouse_down = False
 
     def start(self) -> None:
@@ -129,10 +128,10 @@ class TorchftCluster(Cluster):
         if ifname:
             env["GLOO_SOCKET_IFNAME"] = ifname
         err = open(self.workdir / f"r{i}-{inc}.log", "wb")
-        p = subprocess.Popen(cmd, stdout=err, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        p = self.group.spawn(cmd, stdout=err, stderr=subprocess.STDOUT, env=env)
         err.close()
         now = time.time()
-        self.procs[i] = Proc(i, inc, p, now, stats)
+        self.procs[i] = Proc(i, inc, p, now, stats, kind="replica" if inc == 0 else "joiner")
         self.events.append({"t": now, "kind": "start" if inc == 0 else "restart", "replica": i})
 
     def reap(self) -> None:
@@ -156,7 +155,7 @@ class TorchftCluster(Cluster):
                 if i not in self.procs:
                     self.spawn(i)
         lh = self.lighthouse
-        if lh is not None and lh.poll() is not None and not self.lighthouse_down:
+        if lh is not None and not lh.running() and not self.lighthouse_down:
             self.lighthouse_down = True
             self.events.append({"t": time.time(), "kind": "lighthouse_exit", "replica": -1, "rc": lh.returncode})
 
@@ -171,11 +170,14 @@ class TorchftCluster(Cluster):
         lh = self.lighthouse
         if lh is None:
             return
-        if lh.poll() is None:
-            lh.send_signal(signal.SIGTERM)
-            try:
-                lh.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                lh.kill()
-                lh.wait(timeout=5)
-        self.lighthouse = None
+        try:
+            stop_procs([lh], 5.0)
+        finally:
+            self.group.kill()
+
+    def cpu_by_kind(self) -> dict[str, float]:
+        out = super().cpu_by_kind()
+        lh = self.lighthouse
+        if lh is not None and lh.cpu_s is not None:
+            out["lighthouse"] = round(lh.cpu_s, 2)
+        return out
