@@ -24,8 +24,8 @@ def register(sub: Any) -> None:
     p = sub.add_parser("chaos", help="train a local cluster under a failure schedule and report",
                        description="Start local replicas (processes on loopback, CPU) training a small language "
                        "model, SIGKILL a random one every --kill-every seconds, restart it --restart-after seconds "
-                       "later, and compare with a failure-free run and a synchronous-restart baseline run at the "
-                       "same time (and torchft when it is installed). Ends with a table, JSON and a PNG timeline.")
+                       "later, and compare with a failure-free run and plain DDP restarted as a whole from its last "
+                       "checkpoint, run at the same time (and torchft when it is installed). Ends with a table, JSON and a PNG timeline.")
     p.add_argument("--replicas", type=int, default=3)
     p.add_argument("--duration", type=float, default=60.0, help="seconds of training per system")
     p.add_argument("--kill-every", type=float, default=10.0, help="seconds between failures")
@@ -37,9 +37,11 @@ def register(sub: Any) -> None:
     p.add_argument("--step-delay", type=float, default=0.1, help="emulated accelerator seconds per step")
     p.add_argument("--model", choices=["tiny", "small"], default="tiny")
     p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--checkpoint-every", type=int, default=20, help="sync baseline: steps between checkpoints")
+    p.add_argument("--checkpoint-every", type=int, default=20,
+                   help="ddp and sync baselines: steps between disk checkpoints")
     p.add_argument("--systems", default="auto",
-                   help="comma list of p2pft,sync,failure_free,torchft (auto: all, torchft when installed)")
+                   help="comma list of p2pft,ddp,sync,failure_free,torchft (auto: p2pft,ddp,failure_free and "
+                   "torchft when installed; sync: p2pft replicas restarted as a whole job, like ddp)")
     p.add_argument("--witnesses", type=int, default=2, help="witness peers per cluster (voters, never killed)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="results/chaos", help="folder for chaos.json, timeline.png and logs")
@@ -109,9 +111,9 @@ def _chaos(args: argparse.Namespace) -> int:
 
 
 def _systems(text: str) -> list[str]:
-    known = ("p2pft", "sync", "failure_free", "torchft")
+    known = ("p2pft", "ddp", "sync", "failure_free", "torchft")
     if text == "auto":
-        out = ["p2pft", "sync", "failure_free"]
+        out = ["p2pft", "ddp", "failure_free"]
         if importlib.util.find_spec("torchft") is not None:
             out.append("torchft")
         return out

@@ -111,6 +111,10 @@ class Cluster:
     procs: dict[int, Proc] = field(default_factory=dict)
     finished: list[Proc] = field(default_factory=list)
 
+    # sync: any failure stops every replica and restarts them all from the last checkpoint
+    restarts_all: bool = field(default=False, init=False)
+    stop_grace: float = field(default=8.0, init=False)  # seconds a replica has to exit at the end
+
     def __post_init__(self) -> None:
         self.ports = free_ports(self.cfg.replicas + self.cfg.witnesses)
         self.addrs = [f"127.0.0.1:{p}" for p in self.ports[:self.cfg.replicas]]
@@ -118,6 +122,7 @@ class Cluster:
         self.witness_procs: list[Proc] = []
         self.group = ProcGroup()
         self.incarnations = [0] * self.cfg.replicas
+        self.restarts_all = self.system == "sync"
         if self.workdir.exists():
             shutil.rmtree(self.workdir)  # stats files are appended to: never mix two runs
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -146,7 +151,8 @@ class Cluster:
         p = self.group.spawn(cmd, stdout=subprocess.DEVNULL, stderr=err, env=env)
         err.close()
         now = time.time()
-        self.procs[i] = Proc(i, inc, p, now, stats, kind="replica" if inc == 0 else "joiner")
+        # A restarted p2pft replica joins as a joiner; a restarted sync job starts all over.
+        self.procs[i] = Proc(i, inc, p, now, stats, kind="joiner" if inc and not self.restarts_all else "replica")
         self.events.append({"t": now, "kind": "start" if inc == 0 else "restart", "replica": i})
 
     def start(self) -> None:
@@ -175,7 +181,12 @@ class Cluster:
 
     def signal(self, i: int, sig: int, kind: str) -> None:
         pr = self.procs.get(i)
-        if pr is None or not pr.running():
+        if pr is None:
+            return
+        if not pr.running():
+            if sig == signal.SIGKILL and pr.killed_by_us:  # a job-wide stop found it already gone
+                self.events.append({"t": time.time(), "kind": kind, "replica": i})
+                self.finished.append(self.procs.pop(i))
             return
         if sig == signal.SIGKILL:
             pr.killed_by_us = True
@@ -212,7 +223,7 @@ class Cluster:
         """Replicas first (SIGTERM, 8 s to finish), then the witnesses; then SIGKILL to the whole
         process group, which also takes any grandchild and anything that ignored SIGTERM."""
         try:
-            stop_procs(list(self.procs.values()), 8.0)
+            stop_procs(list(self.procs.values()), self.stop_grace)
             for i in list(self.procs):
                 p = self.procs.pop(i)
                 p.killed_by_us = True  # stopped by us at the end: not a crash

@@ -5,6 +5,7 @@ import statistics
 from collections import defaultdict
 from typing import Any
 
+from .breakdown import commit_series, contributor_seconds, phase_windows, step_time_by_phase
 from .cluster import Cluster
 from .records import read_stats
 
@@ -57,14 +58,25 @@ def summarize(cluster: Cluster, t_end: float) -> dict[str, Any]:
             if any(e["kind"] in ("kill", "stop", "crash") and e["replica"] == p.replica
                    and p.started <= float(e["t"]) < t_end for e in cluster.events)}
     final_step = max((s for k, s in last_step.items() if k not in gone), default=0)
+    if cluster.restarts_all:
+        # A job restarted as a whole resumes from its last disk checkpoint: that step is kept.
+        final_step = max([final_step] + [int(r["step"]) for rs in recs.values() for r in rs
+                                         if _checkpointed(r, cluster) and float(r["t"]) <= t_end])
     ended_before = {(p.replica, p.incarnation): t for p in procs
                     for t in [next((float(e["t"]) for e in cluster.events if e["kind"] in ("kill", "stop", "crash")
                                     and e["replica"] == p.replica and float(e["t"]) >= p.started), None)]
                     if t is not None}
     stalls, raw_gaps = [], []
+    all_commits = sorted(t for ts in commit_times.values() for t in ts)
     for k in kills:
         tk = float(k["t"])
         worst = 0.0
+        if cluster.restarts_all:
+            # Nobody survives a failure: the stall lasts until the restarted job commits again.
+            worst = next((t for t in all_commits if t > tk), t_end) - tk
+            raw_gaps.append(worst)
+            stalls.append(max(0.0, worst - step_p50))
+            continue
         for (rep, inc), ts in commit_times.items():
             if rep == k["replica"] or not ts or ts[0] > tk:
                 continue  # the victim itself, or a replica not yet training at the failure
@@ -94,7 +106,8 @@ def summarize(cluster: Cluster, t_end: float) -> dict[str, Any]:
     return {
         "system": cluster.system,
         "final_step": final_step,
-        "samples": sum(contributors.values()) * cluster.cfg.batch,
+        # Samples in the steps the run kept: steps lost to a rollback are not progress.
+        "samples": sum(n for step, n in contributors.items() if step <= final_step) * cluster.cfg.batch,
         "kills": len(kills),
         "survivor_crashes": len(crashes),
         "stall_p50_s": _round(statistics.median(stalls)) if stalls else None,
@@ -107,10 +120,30 @@ def summarize(cluster: Cluster, t_end: float) -> dict[str, Any]:
         "divergent_steps": divergent,
         "digest_steps_checked": sum(1 for d in digests.values() if d),
         "loss": sorted(losses)[-1][1] if losses else None,
+        **_breakdown(cluster, recs, t_end, step_p50, [float(k["t"]) for k in kills]),
         "_losses": sorted(losses),
         "_commits": {f"r{r}.{i}": ts for (r, i), ts in commit_times.items()},
         "_events": cluster.events,
         "_steps": _step_series(recs, t_end),
+    }
+
+
+def _checkpointed(r: dict[str, Any], cluster: Cluster) -> bool:
+    """A committed step written to disk: marked by the DDP worker, every N-th step for sync."""
+    if r.get("kind") is not None or not r.get("c") or "step" not in r:
+        return False
+    every = cluster.cfg.checkpoint_every
+    return bool(r.get("ckpt")) or (cluster.system == "sync" and every > 0 and int(r["step"]) % every == 0)
+
+
+def _breakdown(cluster: Cluster, recs: dict[tuple[int, int], list[dict[str, Any]]], t_end: float,
+               step_p50: float, failures: list[float]) -> dict[str, Any]:
+    series = commit_series(recs, cluster.t0, t_end)
+    return {
+        "contributor_seconds": contributor_seconds(series, cluster.t0, t_end, step_p50, cluster.cfg.replicas),
+        "step_time_by_phase": step_time_by_phase(series, phase_windows(recs, step_p50), failures, step_p50),
+        "cpu_s": cluster.cpu_by_kind(),
+        "_contributors": [[c.t, c.n] for c in series],
     }
 
 

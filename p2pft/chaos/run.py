@@ -18,7 +18,7 @@ from .records import read_stats
 
 log = logging.getLogger(__name__)
 
-SYSTEMS = ("p2pft", "sync", "failure_free")
+SYSTEMS = ("p2pft", "ddp", "failure_free")
 
 
 def run_chaos(cfg: ChaosConfig, workdir: Path, systems: tuple[str, ...] = SYSTEMS,
@@ -62,7 +62,7 @@ def run_chaos(cfg: ChaosConfig, workdir: Path, systems: tuple[str, ...] = SYSTEM
                 if now >= item[0]:
                     pending_restarts.remove(item)
                     c = clusters[item[1]]
-                    if item[1] == "sync":
+                    if c.restarts_all:
                         c.start()  # the go file exists: they train as soon as all are back
                     elif item[2] not in c.procs:
                         c.spawn(item[2])
@@ -91,6 +91,8 @@ def run_chaos(cfg: ChaosConfig, workdir: Path, systems: tuple[str, ...] = SYSTEM
         r["baseline_final_step"] = base
         # Steps with fewer contributors train fewer samples: report that ratio as well.
         r["sample_ett"] = round(r["samples"] / base_samples, 3) if base_samples else None
+    if "ddp" in rows and "failure_free" in rows:
+        extra["overhead_vs_ddp"] = _overhead(rows["failure_free"], rows["ddp"])
     for c in clusters.values():
         c.cleanup()
     extra["t0"] = t0
@@ -98,10 +100,21 @@ def run_chaos(cfg: ChaosConfig, workdir: Path, systems: tuple[str, ...] = SYSTEM
     return {"config": cfg.__dict__, "systems": list(rows.values()), **extra}
 
 
+def _overhead(p2pft: dict[str, Any], ddp: dict[str, Any]) -> float | None:
+    """p2pft's failure-free step time over plain DDP's step time between failures, minus one:
+    what the runtime costs when nothing fails (measured side by side on the same cores)."""
+    a = p2pft.get("step_time_p50_s")
+    b = (ddp.get("step_time_by_phase") or {}).get("normal", {}).get("step_p50_s")
+    return round(a / b - 1.0, 3) if a and b else None
+
+
 def _make_cluster(system: str, cfg: ChaosConfig, workdir: Path) -> Cluster:
     if system == "torchft":
         from .torchft_system import TorchftCluster
         return TorchftCluster(system, cfg, workdir)
+    if system == "ddp":
+        from .ddp_system import DdpCluster
+        return DdpCluster(system, cfg, workdir)
     return Cluster(system, cfg, workdir)
 
 
@@ -148,8 +161,11 @@ def _inject(cfg: ChaosConfig, clusters: dict[str, Cluster], schedule: Schedule, 
     targets = schedule.targets(live, leader)
     for name in faulty:
         c = clusters[name]
-        if name == "sync":
+        if c.restarts_all:
             # Any failure stops the synchronous job: every replica restarts from the checkpoint.
+            # The survivors are marked first: one that fails on its own in between is no crash.
+            for p in c.procs.values():
+                p.killed_by_us = True
             for i in list(c.procs):
                 c.signal(i, signal.SIGKILL, "kill" if i in targets else "stop")
             pending_restarts.append((now + cfg.restart_after, name, -1))

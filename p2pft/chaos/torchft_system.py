@@ -4,8 +4,9 @@ It runs under the same schedule and the same harness rules as p2pft: the harness
 replica only when the harness killed it; a replica that exits on its own is a survivor crash
 (``Cluster.reap`` records it) and stays down, exactly as a p2pft replica that crashed would.
 ``P2PFT_TORCHFT_MAX_RESTARTS`` opts in to torchrun-style restarts of crashed replicas (still
-counted as crashes), and ``P2PFT_TORCHFT_GRADS`` picks torchft's DDP wrapper (default) or a
-manual ``manager.allreduce``; docs/torchft.md explains both. The lighthouse is torchft's central
+counted as crashes), and ``P2PFT_TORCHFT_GRADS`` picks a manual ``manager.allreduce`` (default:
+torchft's best mode, it survives a killed replica) or torchft's DDP wrapper (whose comm hook
+crashes every survivor of a kill in 0.2.0); docs/torchft.md explains both. The lighthouse is torchft's central
 coordinator; it is started with the replicas and stopped after them, and is never a failure
 target (the schedule hits replicas only).
 """
@@ -32,7 +33,7 @@ LIGHTHOUSE_QUORUM_TICK_MS = 100
 LIGHTHOUSE_JOIN_TIMEOUT_MS = 1000
 LIGHTHOUSE_HEARTBEAT_TIMEOUT_MS = 1000
 
-GRAD_MODES = ("ddp", "manual")
+GRAD_MODES = ("manual", "ddp")
 CRASH_RESTART_DELAY = 1.0   # seconds; an in-place launcher restart, quicker than replacing a host
 
 
@@ -68,10 +69,11 @@ def loopback_ifname() -> str | None:
 class TorchftCluster(Cluster):
     """Replicas running ``python -m p2pft.chaos.torchft_worker`` around one torchft lighthouse."""
 
-    grads: str = field(default_factory=lambda: os.environ.get("P2PFT_TORCHFT_GRADS", "ddp"))
+    grads: str = field(default_factory=lambda: os.environ.get("P2PFT_TORCHFT_GRADS", "manual"))
     max_restarts: int = field(default_factory=lambda: int(os.environ.get("P2PFT_TORCHFT_MAX_RESTARTS", "0")))
     worker_args: list[str] = field(default_factory=list)
-    lighthouse: Proc | None = field(default=None, init=False)
+    lighthouse: subprocess.Popen[bytes] | None = field(default=None, init=False)
+    lighthouse_proc: Proc | None = field(default=None, init=False)  # the same process, with its CPU time
     lighthouse_down: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
@@ -95,13 +97,14 @@ class TorchftCluster(Cluster):
         too and their managers retry the connection, so the two startups overlap instead of
         delaying the replicas.
         """
-        if self.lighthouse is not None and self.lighthouse.running():
+        if self.lighthouse_proc is not None and self.lighthouse_proc.running():
             return
         log = open(self.workdir / "lighthouse.log", "ab")
         env = dict(os.environ, RUST_BACKTRACE="1")
         p = self.group.spawn(lighthouse_command(self.lighthouse_addr), stdout=log, stderr=subprocess.STDOUT, env=env)
         log.close()
-        self.lighthouse = Proc(-1, 0, p, time.time(), self.workdir / "lighthouse.log", kind="lighthouse")
+        self.lighthouse = p
+        self.lighthouse_proc = Proc(-1, 0, p, time.time(), self.workdir / "lighthouse.log", kind="lighthouse")
         self.lighthouse_down = False
 
     def start(self) -> None:
@@ -154,7 +157,7 @@ class TorchftCluster(Cluster):
                 del self.pending_crash_restarts[i]
                 if i not in self.procs:
                     self.spawn(i)
-        lh = self.lighthouse
+        lh = self.lighthouse_proc
         if lh is not None and not lh.running() and not self.lighthouse_down:
             self.lighthouse_down = True
             self.events.append({"t": time.time(), "kind": "lighthouse_exit", "replica": -1, "rc": lh.returncode})
@@ -167,17 +170,18 @@ class TorchftCluster(Cluster):
             self.stop_lighthouse()
 
     def stop_lighthouse(self) -> None:
-        lh = self.lighthouse
-        if lh is None:
+        lh = self.lighthouse_proc
+        if lh is None or self.lighthouse is None:
             return
         try:
             stop_procs([lh], 5.0)
         finally:
             self.group.kill()
+        self.lighthouse = None
 
     def cpu_by_kind(self) -> dict[str, float]:
         out = super().cpu_by_kind()
-        lh = self.lighthouse
+        lh = self.lighthouse_proc
         if lh is not None and lh.cpu_s is not None:
             out["lighthouse"] = round(lh.cpu_s, 2)
         return out
