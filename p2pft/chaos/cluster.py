@@ -199,6 +199,23 @@ class Cluster:
             pr.running(timeout=5)
             self.finished.append(self.procs.pop(i))
 
+    def kill_job(self, targets: list[int]) -> None:
+        """A failure stops a job that restarts as a whole: SIGKILL every replica at once (so that
+        no survivor sees the victim's death first), then reap them all."""
+        procs = list(self.procs.items())
+        now = time.time()
+        for i, p in procs:
+            p.killed_by_us = True  # a survivor that fails on its own in between is no crash
+            if p.running():
+                try:
+                    os.kill(p.popen.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            self.events.append({"t": now, "kind": "kill" if i in targets else "stop", "replica": i})
+        for i, p in procs:
+            p.running(timeout=5)
+            self.finished.append(self.procs.pop(i))
+
     def live(self) -> list[int]:
         return [i for i, p in self.procs.items() if p.running() and not p.paused]
 
@@ -271,14 +288,24 @@ class Schedule:
         self.times = [cfg.kill_every * k for k in range(1, int(cfg.duration / cfg.kill_every) + 1)
                       if cfg.kill_every * k < cfg.duration - 1.0]
 
-    def targets(self, live: list[int], leader: int | None) -> list[int]:
-        if not live:
+    def targets(self, training: list[int], live: list[int], leader: int | None) -> list[int]:
+        """Victims among the replicas that train (a failure of a process still importing torch
+        tests nothing), except that a destructive fault never takes the last replica that holds
+        the model state while the others are still starting: that kills every in-memory copy
+        and measures disk recovery (covered by tests/integration/test_reliability.py), and on
+        an overloaded machine, where a restart takes longer than the kill interval, it would
+        happen in most runs. A starting replica fails instead; with nobody else alive, nobody."""
+        if self.cfg.fault == "pause" or len(training) >= 2:
+            pool = training or live
+        else:
+            pool = [i for i in live if i not in training]
+        if not pool:
             return []
-        if self.cfg.fault == "leader" and leader is not None and leader in live:
+        if self.cfg.fault == "leader" and leader is not None and leader in pool:
             return [leader]
         if self.cfg.fault == "two":
-            return self.rng.sample(live, min(2, len(live) - 1))
-        return [self.rng.choice(live)]
+            return self.rng.sample(pool, min(2, len(pool) - 1 if pool is training else len(pool)))
+        return [self.rng.choice(pool)]
 
 
 def stop_procs(procs: list[Proc], grace: float) -> None:

@@ -157,17 +157,17 @@ def _inject(cfg: ChaosConfig, clusters: dict[str, Cluster], schedule: Schedule, 
     leader = ref.leader() if cfg.fault == "leader" else None
     # Victims are replicas that are training in the reference system (a failure of a process
     # that is still importing torch tests nothing); every system loses the same index.
-    live = sorted(ref.training()) or sorted(ref.live())
-    targets = schedule.targets(live, leader)
+    targets = schedule.targets(sorted(ref.training()), sorted(ref.live()), leader)
+    if not targets:
+        log.info("failure at %.1f s skipped: no replica may fail", now)
+        for name in faulty:
+            clusters[name].events.append({"t": now, "kind": "skipped", "replica": -1})
+        return
     for name in faulty:
         c = clusters[name]
         if c.restarts_all:
             # Any failure stops the synchronous job: every replica restarts from the checkpoint.
-            # The survivors are marked first: one that fails on its own in between is no crash.
-            for p in c.procs.values():
-                p.killed_by_us = True
-            for i in list(c.procs):
-                c.signal(i, signal.SIGKILL, "kill" if i in targets else "stop")
+            c.kill_job(targets)
             pending_restarts.append((now + cfg.restart_after, name, -1))
             continue
         for i in targets:
