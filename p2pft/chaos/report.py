@@ -81,7 +81,7 @@ def print_table(report: dict[str, Any], console: Console | None = None) -> None:
     console.print(breakdown_table(report))
     if report.get("overhead_vs_ddp") is not None:
         console.print(f"failure-free overhead: a p2pft step takes {report['overhead_vs_ddp']:+.0%} against a plain "
-                      "DDP step (median step times, same cores, same time)")
+                      "DDP step (median step times before the first failure, same cores, same time)")
     step = next((s.get("step_time_p50_s") for s in report["systems"] if s["system"] == "failure_free"), None)
     console.print(EXPLAIN.format(step=f"{step:.2f} s" if step else "-", digest=report["config"]["digest_every"],
                                  ckpt=report["config"]["checkpoint_every"]))

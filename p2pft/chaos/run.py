@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import statistics
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -101,10 +102,20 @@ def run_chaos(cfg: ChaosConfig, workdir: Path, systems: tuple[str, ...] = SYSTEM
 
 
 def _overhead(p2pft: dict[str, Any], ddp: dict[str, Any]) -> float | None:
-    """p2pft's failure-free step time over plain DDP's step time between failures, minus one:
-    what the runtime costs when nothing fails (measured side by side on the same cores)."""
-    a = p2pft.get("step_time_p50_s")
-    b = (ddp.get("step_time_by_phase") or {}).get("normal", {}).get("step_p50_s")
+    """p2pft's step time over plain DDP's, minus one: what the runtime costs when nothing fails.
+
+    Both are median gaps between committed steps before the first failure, when both run
+    failure-free on the same cores at the same time (later, restarts load the machine unevenly).
+    """
+    until = min((float(e["t"]) for e in ddp.get("_events", []) if e["kind"] in ("kill", "pause")),
+                default=float("inf"))
+
+    def median_gap(row: dict[str, Any]) -> float | None:
+        ts = [float(t) for t, _ in row.get("_contributors", []) if t <= until]
+        gaps = [b - a for a, b in zip(ts, ts[1:])]
+        return statistics.median(gaps) if gaps else None
+
+    a, b = median_gap(p2pft), median_gap(ddp)
     return round(a / b - 1.0, 3) if a and b else None
 
 
