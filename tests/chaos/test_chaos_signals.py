@@ -90,16 +90,16 @@ def training(out: Path) -> bool:
 
 @pytest.mark.timeout(200)
 def test_no_process_outlives_the_harness(tmp_path: Path) -> None:
+    # One harness at a time, each signalled as soon as all its children exist (the SIGTERM one
+    # once it trains, to check its report): the others would only add load to the first.
     cases = [(signal.SIGTERM, True), (signal.SIGHUP, False), (signal.SIGKILL, False)]
-    started = [(sig, wait_training, tmp_path / sig.name) for sig, wait_training in cases]
-    harnesses = {}
-    for sig, _, out in started:
-        out.mkdir()
-        harnesses[sig] = start_harness(out)
     seen: dict[int, int] = {}
+    harness: subprocess.Popen[bytes] | None = None
     try:
-        for sig, wait_training, out in started:
-            h = harnesses[sig]
+        for sig, wait_training in cases:
+            out = tmp_path / sig.name
+            out.mkdir()
+            harness = h = start_harness(out)
             wait_for(lambda: len(descendants(h.pid)) >= EXPECTED_CHILDREN, 60, "every child", h)
             if wait_training:
                 wait_for(lambda: training(out), 120, "training", h)
@@ -120,9 +120,8 @@ def test_no_process_outlives_the_harness(tmp_path: Path) -> None:
                 assert {s["system"] for s in report["systems"]} == {"p2pft", "failure_free"}
                 assert report["t_end"] > report["t0"]
     finally:
-        for h in harnesses.values():
-            if h.poll() is None:
-                h.kill()
-                h.wait(timeout=10)
+        if harness is not None and harness.poll() is None:
+            harness.kill()
+            harness.wait(timeout=10)
         for pid in alive(seen):  # only on failure: the processes this test caused to exist
             os.kill(pid, signal.SIGKILL)
