@@ -184,7 +184,8 @@ class _Live:
         for name, c in clusters.items():
             for e in c.events[-3:]:
                 if e["kind"] not in ("start",):
-                    events.append((e["t"], f"{name}: {e['kind']} r{e['replica']}"))
+                    who = f" r{e['replica']}" if e["replica"] >= 0 else ""
+                    events.append((e["t"], f"{name}: {e['kind']}{who}"))
         events.sort()
         t.caption = " | ".join(x[1] for x in events[-4:])
         self.live.update(t)
