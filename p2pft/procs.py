@@ -96,6 +96,8 @@ def spawn(cmd: Sequence[str], group: ProcGroup | None = None, **popen: Any) -> s
     for key in ("preexec_fn", "start_new_session", "process_group"):
         if key in popen:
             raise ValueError(f"spawn sets {key} itself")
+    # Not the terminal's foreground group: a read from the terminal would stop the child (SIGTTIN).
+    popen.setdefault("stdin", subprocess.DEVNULL)
     p: subprocess.Popen[bytes] = subprocess.Popen(
         list(cmd), preexec_fn=_child_setup(os.getpid(), group.pgid if group else None), **popen)
     if group is not None:
