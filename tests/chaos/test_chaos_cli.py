@@ -11,6 +11,7 @@ import pytest
 pytestmark = pytest.mark.slow
 
 
+@pytest.mark.timeout(420)  # three systems of real processes on a shared machine: the run's own limit is 400 s
 def test_short_chaos_run_reports_and_holds_invariants(tmp_path: Path) -> None:
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "p2pft.cli", "chaos", "--duration", "16", "--kill-every", "6",
