@@ -24,6 +24,8 @@ import sys
 import time
 from typing import Any
 
+from p2pft.procs import die_with_parent
+
 MB = 1 << 20
 
 
@@ -37,6 +39,7 @@ def _free_port() -> int:
 def _allreduce_worker(rank: int, n: int, gloo_port: int, sizes: list[int], warmup: int, iters: int,
                       chunk_bytes: int, lanes: int, bufsize: int, inline: bool, addr_q: Any, peers_q: Any,
                       out_q: Any) -> None:
+    die_with_parent()
     import torch
     import torch.distributed as dist
 
@@ -142,6 +145,7 @@ def _rss_kb(field: str) -> int:
 
 
 def _donor(total_bytes: int, addr_q: Any, done_q: Any, stop_q: Any) -> None:
+    die_with_parent()
     import torch
 
     from p2pft.transport import DataServer, StateSnapshot
@@ -165,6 +169,7 @@ def _donor(total_bytes: int, addr_q: Any, done_q: Any, stop_q: Any) -> None:
 
 
 def _joiner(addr: str, out_q: Any) -> None:
+    die_with_parent()
     import torch  # noqa: F401 - counted in the baseline, not in the transfer
 
     from p2pft.transport import fetch_state

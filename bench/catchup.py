@@ -26,6 +26,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from p2pft.procs import spawn as spawn_child
+
 
 def ports(n: int) -> list[int]:
     socks = [socket.socket() for _ in range(n)]
@@ -75,8 +77,7 @@ def main() -> int:
                str(args.step_delay), "--stats", str(tmp / f"r{i}.jsonl"), "--digest-every", "1",
                "--log-level", "INFO", "--min-replicas", "2" if i < 2 else "1"]
         log = open(tmp / f"r{i}.log", "wb")
-        procs[i] = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log,
-                                    env=dict(os.environ, OMP_NUM_THREADS="1"))
+        procs[i] = spawn_child(cmd, stdout=subprocess.DEVNULL, stderr=log, env=dict(os.environ, OMP_NUM_THREADS="1"))
         log.close()
 
     def wait(cond: Any, what: str) -> None:

@@ -38,6 +38,7 @@ from p2pft.transport.stream import StateSnapshot, fetch_state
 from p2pft.transport.wire import (ACK_LEN, HELLO_LEN, KIND_RING, ST_AUTH, ST_OK, find_error_frame, pack_ack,
                                   pack_error_frame, pack_hello, parse_ack, parse_hello)
 from p2pft.transport.errors import PeerFailed
+from p2pft.procs import spawn as spawn_child
 from p2pft.wire import FrameDecoder, WireError, encode
 
 SECRET = b"fuzz-secret-0123456789"
@@ -199,9 +200,9 @@ def phase_live(seed: int, conns: int, tmp: Path) -> dict[str, Any]:
     secret_file = tmp / "secret"
     secret_file.write_bytes(SECRET)
     port = _free_port()
-    peer = subprocess.Popen([sys.executable, "-m", "p2pft", "peer", "--listen", f"127.0.0.1:{port}",
-                             "--secret-file", str(secret_file)], stdout=subprocess.DEVNULL,
-                            stderr=open(tmp / "peer.log", "wb"))
+    peer = spawn_child([sys.executable, "-m", "p2pft", "peer", "--listen", f"127.0.0.1:{port}",
+                        "--secret-file", str(secret_file)], stdout=subprocess.DEVNULL,
+                       stderr=open(tmp / "peer.log", "wb"))
     ds = DataServer("127.0.0.1", 0, secret=SECRET)
     ds.serve_state(lambda req: StateSnapshot(meta={"ok": 1}, tensors={}))
 

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from p2pft.config import DEFAULT
+from p2pft.procs import spawn as spawn_child
 from p2pft.sim import InvariantChecker, InvariantViolation, Simulator
 
 TARGETS = {
@@ -281,9 +282,9 @@ async def real_run(n: int, kills: int, seed: int, window: float) -> dict[str, An
     def spawn(a: str) -> Path:
         ready = tmp / f"ready-{a.rsplit(':', 1)[1]}-{time.monotonic_ns()}"
         log = open(tmp / f"{a.rsplit(':', 1)[1]}.log", "ab")
-        procs[a] = subprocess.Popen(_peer_cmd() + ["--log-level", "WARNING", "peer", "--listen", a, "--seeds",
-                                                   ",".join(seeds), "--ready-file", str(ready)],
-                                    stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+        procs[a] = spawn_child(_peer_cmd() + ["--log-level", "WARNING", "peer", "--listen", a, "--seeds",
+                                              ",".join(seeds), "--ready-file", str(ready)],
+                               stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
         log.close()
         return ready
 

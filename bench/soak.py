@@ -100,7 +100,7 @@ def main() -> int:
                         c.procs[item[2]].paused = False
             if now >= next_sample:
                 next_sample += args.sample_every
-                procs = {f"w{k}": w.pid for k, w in enumerate(c.witness_procs)}
+                procs = {f"w{k}": w.popen.pid for k, w in enumerate(c.witness_procs)}
                 procs.update({f"r{p.replica}.{p.incarnation}": p.popen.pid for p in c.procs.values()})
                 for name, pid in procs.items():
                     s = proc_sample(pid)

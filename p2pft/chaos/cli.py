@@ -1,9 +1,14 @@
-"""``p2pft chaos``: argument parsing and the live view."""
+"""``p2pft chaos``: argument parsing and the live view.
+
+Usage errors end with one line on stderr and exit status 2, as every ``p2pft`` command's do;
+the chaos command prints them itself, so that this package never imports ``p2pft.cli`` (which
+imports this module to register the command).
+"""
 from __future__ import annotations
 
 import argparse
-import sys
 import importlib.util
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -11,13 +16,16 @@ from typing import Any
 from .cluster import FAULTS, ChaosConfig, Cluster
 
 
+class UsageError(Exception):
+    """A user-facing error of ``p2pft chaos``: printed as one line, exit status 2."""
+
 
 def register(sub: Any) -> None:
     p = sub.add_parser("chaos", help="train a local cluster under a failure schedule and report",
                        description="Start local replicas (processes on loopback, CPU) training a small language "
                        "model, SIGKILL a random one every --kill-every seconds, restart it --restart-after seconds "
-                       "later, and compare with a failure-free run and a synchronous-restart baseline run at the "
-                       "same time (and torchft when it is installed). Ends with a table, JSON and a PNG timeline.")
+                       "later, and compare with a failure-free run and plain DDP restarted as a whole from its last "
+                       "checkpoint, run at the same time (and torchft when it is installed). Ends with a table, JSON and a PNG timeline.")
     p.add_argument("--replicas", type=int, default=3)
     p.add_argument("--duration", type=float, default=60.0, help="seconds of training per system")
     p.add_argument("--kill-every", type=float, default=10.0, help="seconds between failures")
@@ -29,9 +37,11 @@ def register(sub: Any) -> None:
     p.add_argument("--step-delay", type=float, default=0.1, help="emulated accelerator seconds per step")
     p.add_argument("--model", choices=["tiny", "small"], default="tiny")
     p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--checkpoint-every", type=int, default=20, help="sync baseline: steps between checkpoints")
+    p.add_argument("--checkpoint-every", type=int, default=20,
+                   help="ddp and sync baselines: steps between disk checkpoints")
     p.add_argument("--systems", default="auto",
-                   help="comma list of p2pft,sync,failure_free,torchft (auto: all, torchft when installed)")
+                   help="comma list of p2pft,ddp,sync,failure_free,torchft (auto: p2pft,ddp,failure_free and "
+                   "torchft when installed; sync: p2pft replicas restarted as a whole job, like ddp)")
     p.add_argument("--witnesses", type=int, default=2, help="witness peers per cluster (voters, never killed)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="results/chaos", help="folder for chaos.json, timeline.png and logs")
@@ -40,7 +50,17 @@ def register(sub: Any) -> None:
 
 
 def cmd_chaos(args: argparse.Namespace) -> int:
-    from ..cli import CliError
+    try:
+        return _chaos(args)
+    except UsageError as exc:
+        print(f"p2pft chaos: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _chaos(args: argparse.Namespace) -> int:
+    """Run, then report. Ctrl-C, SIGTERM and SIGHUP stop the clusters and report what was
+    measured until then (exit status 128 + the signal's number)."""
+    from .interrupt import Interrupt, Interrupted
     from .report import plot_timeline, print_table, write_json
     from .run import run_chaos
 
@@ -52,46 +72,57 @@ def cmd_chaos(args: argparse.Namespace) -> int:
     try:
         cfg.validate()
     except ValueError as exc:
-        raise CliError(str(exc)) from None
+        raise UsageError(str(exc)) from None
     systems = _systems(args.systems)
     out = Path(args.out)
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise CliError(f"cannot create {out}: {exc.strerror or exc}") from None
+        raise UsageError(f"cannot create {out}: {exc.strerror or exc}") from None
     from rich.console import Console
     console = Console() if sys.stdout.isatty() else Console(width=150)
     console.print(f"[bold]p2pft chaos[/]: {', '.join(systems)} side by side for {cfg.duration:g} s "
                   f"({cfg.replicas} replicas each); logs in {out}/")
-    live = None if args.no_live or not console.is_terminal else _Live(console)
-    on_tick = live.update if live else _Plain(console).update
-    try:
-        report = run_chaos(cfg, out / "runs", tuple(systems), on_tick=on_tick)
-    finally:
-        if live:
-            live.stop()
-    write_json(report, out / "chaos.json")
-    write_json(report, out / "chaos-full.json", full=True)
-    plot_timeline(report, out / "timeline.png")
-    print_table(report, console)
-    console.print(f"wrote {out / 'chaos.json'}, {out / 'timeline.png'}")
-    return 0
+    interrupt = Interrupt()
+    with interrupt.handling():
+        live = None if args.no_live or not console.is_terminal else _Live(console)
+        on_tick = live.update if live else _Plain(console).update
+        try:
+            report = run_chaos(cfg, out / "runs", tuple(systems), on_tick=on_tick, interrupt=interrupt)
+        except Interrupted as exc:
+            print(f"p2pft chaos: {exc}; every process stopped, no report", file=sys.stderr)
+            return 128 + exc.signum
+        finally:
+            if live:
+                live.stop()
+        # Files first: after a SIGHUP the terminal may be gone and printing fail.
+        write_json(report, out / "chaos.json")
+        write_json(report, out / "chaos-full.json", full=True)
+        plot_timeline(report, out / "timeline.png")
+        try:
+            if interrupt.requested:
+                console.print(f"[bold]stopped by {interrupt.name}[/] after "
+                              f"{report['t_end'] - report['t0']:.1f} s of training: the report covers that time")
+            print_table(report, console)
+            console.print(f"wrote {out / 'chaos.json'}, {out / 'timeline.png'}")
+        except OSError:
+            pass  # the terminal went away (SIGHUP); the files hold the report
+    return 128 + interrupt.signum if interrupt.signum is not None else 0
 
 
 def _systems(text: str) -> list[str]:
-    from ..cli import CliError
-    known = ("p2pft", "sync", "failure_free", "torchft")
+    known = ("p2pft", "ddp", "sync", "failure_free", "torchft")
     if text == "auto":
-        out = ["p2pft", "sync", "failure_free"]
+        out = ["p2pft", "ddp", "failure_free"]
         if importlib.util.find_spec("torchft") is not None:
             out.append("torchft")
         return out
     out = [s.strip() for s in text.split(",") if s.strip()]
     bad = [s for s in out if s not in known]
     if bad:
-        raise CliError(f"unknown system(s) {', '.join(bad)}; choose from {', '.join(known)}")
+        raise UsageError(f"unknown system(s) {', '.join(bad)}; choose from {', '.join(known)}")
     if "torchft" in out and importlib.util.find_spec("torchft") is None:
-        raise CliError("torchft is not installed (pip install 'p2pft[compare]')")
+        raise UsageError("torchft is not installed (pip install 'p2pft[compare]')")
     if "failure_free" not in out:
         out.append("failure_free")  # the denominator of ETT
     return out
@@ -153,7 +184,8 @@ class _Live:
         for name, c in clusters.items():
             for e in c.events[-3:]:
                 if e["kind"] not in ("start",):
-                    events.append((e["t"], f"{name}: {e['kind']} r{e['replica']}"))
+                    who = f" r{e['replica']}" if e["replica"] >= 0 else ""
+                    events.append((e["t"], f"{name}: {e['kind']}{who}"))
         events.sort()
         t.caption = " | ".join(x[1] for x in events[-4:])
         self.live.update(t)

@@ -1,7 +1,8 @@
 """A local cluster of replica processes and the failure schedule that hits it.
 
 Each replica is an ordinary OS process (``python -m p2pft.trainer.examples.replica``) killed
-with real signals; nothing is mocked. A *system* decides what a failure means:
+with real signals; nothing is mocked. All processes of a cluster share one process group and die
+with the harness (``p2pft.procs``), so no run, however it ends, leaves a process behind. A *system* decides what a failure means:
 
 - ``p2pft``: only the hit replica dies and is restarted after the delay; the others go on;
 - ``sync``: the classic synchronous job under an elastic launcher: any failure stops every
@@ -21,6 +22,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from ..procs import ProcGroup, collect
+from .records import read_stats
 
 FAULTS = ("kill", "pause", "leader", "two")
 
@@ -81,8 +85,21 @@ class Proc:
     popen: subprocess.Popen[bytes]
     started: float
     stats: Path
+    kind: str = "replica"             # replica | joiner (a restart) | witness | lighthouse
     killed_by_us: bool = False
     paused: bool = False
+    returncode: int | None = None
+    cpu_s: float | None = None        # user + system CPU seconds, read when it exited
+
+    def running(self, timeout: float = 0.0) -> bool:
+        """False once the process has exited (then reaped, its status and CPU time recorded)."""
+        if self.returncode is not None:
+            return False
+        ex = collect(self.popen, timeout)
+        if ex is None:
+            return True
+        self.returncode, self.cpu_s = ex.returncode, ex.cpu_s
+        return False
 
 
 @dataclass
@@ -94,12 +111,18 @@ class Cluster:
     procs: dict[int, Proc] = field(default_factory=dict)
     finished: list[Proc] = field(default_factory=list)
 
+    # sync: any failure stops every replica and restarts them all from the last checkpoint
+    restarts_all: bool = field(default=False, init=False)
+    stop_grace: float = field(default=8.0, init=False)  # seconds a replica has to exit at the end
+
     def __post_init__(self) -> None:
         self.ports = free_ports(self.cfg.replicas + self.cfg.witnesses)
         self.addrs = [f"127.0.0.1:{p}" for p in self.ports[:self.cfg.replicas]]
         self.witness_addrs = [f"127.0.0.1:{p}" for p in self.ports[self.cfg.replicas:]]
-        self.witness_procs: list[subprocess.Popen[bytes]] = []
+        self.witness_procs: list[Proc] = []
+        self.group = ProcGroup()
         self.incarnations = [0] * self.cfg.replicas
+        self.restarts_all = self.system == "sync"
         if self.workdir.exists():
             shutil.rmtree(self.workdir)  # stats files are appended to: never mix two runs
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -125,10 +148,11 @@ class Cluster:
                     str(cfg.checkpoint_every)]
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         err = open(self.workdir / f"r{i}-{inc}.log", "wb")
-        p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env=env, start_new_session=True)
+        p = self.group.spawn(cmd, stdout=subprocess.DEVNULL, stderr=err, env=env)
         err.close()
         now = time.time()
-        self.procs[i] = Proc(i, inc, p, now, stats)
+        # A restarted p2pft replica joins as a joiner; a restarted sync job starts all over.
+        self.procs[i] = Proc(i, inc, p, now, stats, kind="joiner" if inc and not self.restarts_all else "replica")
         self.events.append({"t": now, "kind": "start" if inc == 0 else "restart", "replica": i})
 
     def start(self) -> None:
@@ -145,11 +169,11 @@ class Cluster:
         for k, addr in enumerate(self.witness_addrs):
             seeds = ",".join(a for a in everyone if a != addr)
             log = open(self.workdir / f"w{k}.log", "wb")
-            self.witness_procs.append(subprocess.Popen(
-                [sys.executable, "-m", "p2pft.cli", "--log-level", "INFO", "peer", "--listen", addr,
-                 "--seeds", seeds, "--replica-id", f"w{k}"], stdout=subprocess.DEVNULL, stderr=log,
-                start_new_session=True))
+            p = self.group.spawn([sys.executable, "-m", "p2pft.cli", "--log-level", "INFO", "peer", "--listen",
+                                  addr, "--seeds", seeds, "--replica-id", f"w{k}"], stdout=subprocess.DEVNULL,
+                                 stderr=log)
             log.close()
+            self.witness_procs.append(Proc(-1 - k, 0, p, time.time(), self.workdir / f"w{k}.log", kind="witness"))
 
     def go(self) -> None:
         """Every replica is up: let them train (restarted replicas find the file at once)."""
@@ -157,7 +181,12 @@ class Cluster:
 
     def signal(self, i: int, sig: int, kind: str) -> None:
         pr = self.procs.get(i)
-        if pr is None or pr.popen.poll() is not None:
+        if pr is None:
+            return
+        if not pr.running():
+            if sig == signal.SIGKILL and pr.killed_by_us:  # a job-wide stop found it already gone
+                self.events.append({"t": time.time(), "kind": kind, "replica": i})
+                self.finished.append(self.procs.pop(i))
             return
         if sig == signal.SIGKILL:
             pr.killed_by_us = True
@@ -167,15 +196,31 @@ class Cluster:
             return
         self.events.append({"t": time.time(), "kind": kind, "replica": i})
         if sig == signal.SIGKILL:
-            pr.popen.wait(timeout=5)
+            pr.running(timeout=5)
+            self.finished.append(self.procs.pop(i))
+
+    def kill_job(self, targets: list[int]) -> None:
+        """A failure stops a job that restarts as a whole: SIGKILL every replica at once (so that
+        no survivor sees the victim's death first), then reap them all."""
+        procs = list(self.procs.items())
+        now = time.time()
+        for i, p in procs:
+            p.killed_by_us = True  # a survivor that fails on its own in between is no crash
+            if p.running():
+                try:
+                    os.kill(p.popen.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            self.events.append({"t": now, "kind": "kill" if i in targets else "stop", "replica": i})
+        for i, p in procs:
+            p.running(timeout=5)
             self.finished.append(self.procs.pop(i))
 
     def live(self) -> list[int]:
-        return [i for i, p in self.procs.items() if p.popen.poll() is None and not p.paused]
+        return [i for i, p in self.procs.items() if p.running() and not p.paused]
 
     def training(self, within: float = 2.0) -> list[int]:
         """Replicas that committed a step recently (not still starting, not paused)."""
-        from .metrics import read_stats
         now = time.time()
         out = []
         for i in self.live():
@@ -187,38 +232,47 @@ class Cluster:
     def reap(self) -> None:
         """Processes that ended without us killing them are crashes (survivor crashes)."""
         for i, p in list(self.procs.items()):
-            rc = p.popen.poll()
-            if rc is not None and not p.killed_by_us:
-                self.events.append({"t": time.time(), "kind": "crash", "replica": i, "rc": rc})
+            if not p.running() and not p.killed_by_us:
+                self.events.append({"t": time.time(), "kind": "crash", "replica": i, "rc": p.returncode})
                 self.finished.append(self.procs.pop(i))
 
     def stop(self) -> None:
-        for i, p in self.procs.items():
-            if p.paused:
-                os.kill(p.popen.pid, signal.SIGCONT)
-            if p.popen.poll() is None:
-                p.popen.send_signal(signal.SIGTERM)
-        deadline = time.time() + 8
-        for p in self.procs.values():
+        """Replicas first (SIGTERM, 8 s to finish), then the witnesses; then SIGKILL to the whole
+        process group, which also takes any grandchild and anything that ignored SIGTERM."""
+        try:
+            stop_procs(list(self.procs.values()), self.stop_grace)
+            for i in list(self.procs):
+                p = self.procs.pop(i)
+                p.killed_by_us = True  # stopped by us at the end: not a crash
+                self.finished.append(p)
+            stop_procs(self.witness_procs, 5.0)
+        finally:
+            self.group.kill()
+
+    def cpu_by_kind(self) -> dict[str, float]:
+        """CPU seconds of every process that exited, summed per kind (replica, joiner, witness...)."""
+        out: dict[str, float] = {}
+        for p in [*self.finished, *self.witness_procs]:
+            if p.cpu_s is not None:
+                out[p.kind] = round(out.get(p.kind, 0.0) + p.cpu_s, 2)
+        return out
+
+    def leader(self) -> int | None:
+        """Ask a live replica's control port who leads Raft; map the leader to a replica index."""
+        from .. import aio
+        from ..driver import admin_request
+        for i in self.live():
             try:
-                p.popen.wait(timeout=max(0.1, deadline - time.time()))
-            except subprocess.TimeoutExpired:
-                p.killed_by_us = True
-                p.popen.kill()
-                p.popen.wait(timeout=5)
-        for i in list(self.procs):
-            p = self.procs.pop(i)
-            p.killed_by_us = True  # stopped by us at the end: not a crash
-            self.finished.append(p)
-        for w in self.witness_procs:
-            if w.poll() is None:
-                w.send_signal(signal.SIGTERM)
-        for w in self.witness_procs:
-            try:
-                w.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                w.kill()
-                w.wait(timeout=5)
+                rep = aio.run(admin_request(self.addrs[i], "admin.members", timeout=1.0))
+            except Exception:
+                continue
+            leader = rep.get("leader")
+            for m in rep.get("members", []):
+                if m["node"] == leader:
+                    rid = str(m["replica_id"])
+                    if rid.startswith("r") and rid[1:].isdigit():
+                        return int(rid[1:])
+        return None
 
     def cleanup(self) -> None:
         for d in self.workdir.glob("ckpt-*"):
@@ -234,17 +288,37 @@ class Schedule:
         self.times = [cfg.kill_every * k for k in range(1, int(cfg.duration / cfg.kill_every) + 1)
                       if cfg.kill_every * k < cfg.duration - 1.0]
 
-    def targets(self, live: list[int], leader: int | None) -> list[int]:
-        if not live:
+    def targets(self, training: list[int], live: list[int], leader: int | None) -> list[int]:
+        """Victims among the replicas that train (a failure of a process still importing torch
+        tests nothing), except that a destructive fault never takes the last replica that holds
+        the model state while the others are still starting: that kills every in-memory copy
+        and measures disk recovery (covered by tests/integration/test_reliability.py), and on
+        an overloaded machine, where a restart takes longer than the kill interval, it would
+        happen in most runs. A starting replica fails instead; with nobody else alive, nobody."""
+        if self.cfg.fault == "pause" or len(training) >= 2:
+            pool = training or live
+        else:
+            pool = [i for i in live if i not in training]
+        if not pool:
             return []
-        if self.cfg.fault == "leader" and leader is not None and leader in live:
+        if self.cfg.fault == "leader" and leader is not None and leader in pool:
             return [leader]
         if self.cfg.fault == "two":
-            return self.rng.sample(live, min(2, len(live) - 1))
-        return [self.rng.choice(live)]
+            return self.rng.sample(pool, min(2, len(pool) - 1 if pool is training else len(pool)))
+        return [self.rng.choice(pool)]
 
 
-def leader_replica(cluster: Cluster) -> int | None:
-    """Index of the replica whose node leads Raft, read from the latest stats view lines."""
-    from .metrics import latest_leader
-    return latest_leader(cluster)
+def stop_procs(procs: list[Proc], grace: float) -> None:
+    """SIGTERM (a paused process is continued first), ``grace`` seconds to exit, then SIGKILL."""
+    for p in procs:
+        if p.paused:
+            os.kill(p.popen.pid, signal.SIGCONT)
+            p.paused = False
+        if p.running():
+            p.popen.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for p in procs:
+        if p.running(timeout=max(0.1, deadline - time.monotonic())):
+            p.killed_by_us = True
+            p.popen.kill()
+            p.running(timeout=5)

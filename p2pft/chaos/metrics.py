@@ -1,48 +1,17 @@
 """What a chaos run measured, computed from the replicas' JSON-lines stats and the harness events."""
 from __future__ import annotations
 
-import json
 import statistics
 from collections import defaultdict
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from .cluster import Cluster
+from .breakdown import commit_series, contributor_seconds, phase_windows, step_time_by_phase
+from .cluster import Cluster
+from .records import read_stats
+
+__all__ = ["read_stats", "summarize"]  # read_stats is re-exported for the benchmarks
 
 STALL_WINDOW = 5.0   # seconds after a failure in which a survivor's longest commit gap is its stall
-
-
-def read_stats(path: Path) -> list[dict[str, Any]]:
-    out = []
-    try:
-        with open(path) as fh:
-            for line in fh:
-                try:
-                    out.append(json.loads(line))
-                except json.JSONDecodeError:
-                    break  # the last line of a SIGKILLed process may be cut
-    except FileNotFoundError:
-        pass
-    return out
-
-
-def latest_leader(cluster: "Cluster") -> int | None:
-    """Ask a live replica's control port who leads Raft; map the leader to a replica index."""
-    from .. import aio
-    from ..driver import admin_request
-    for i in cluster.live():
-        try:
-            rep = aio.run(admin_request(cluster.addrs[i], "admin.members", timeout=1.0))
-        except Exception:
-            continue
-        leader = rep.get("leader")
-        for m in rep.get("members", []):
-            if m["node"] == leader:
-                rid = str(m["replica_id"])
-                if rid.startswith("r") and rid[1:].isdigit():
-                    return int(rid[1:])
-    return None
 
 
 def _pct(xs: list[float], q: float) -> float | None:
@@ -53,7 +22,7 @@ def _pct(xs: list[float], q: float) -> float | None:
     return xs[k]
 
 
-def summarize(cluster: "Cluster", t_end: float) -> dict[str, Any]:
+def summarize(cluster: Cluster, t_end: float) -> dict[str, Any]:
     """The row of one system: progress, stalls, rejoins, crashes, divergence."""
     procs = sorted(cluster.finished, key=lambda p: (p.replica, p.incarnation))
     recs: dict[tuple[int, int], list[dict[str, Any]]] = {(p.replica, p.incarnation): read_stats(p.stats)
@@ -89,14 +58,25 @@ def summarize(cluster: "Cluster", t_end: float) -> dict[str, Any]:
             if any(e["kind"] in ("kill", "stop", "crash") and e["replica"] == p.replica
                    and p.started <= float(e["t"]) < t_end for e in cluster.events)}
     final_step = max((s for k, s in last_step.items() if k not in gone), default=0)
+    if cluster.restarts_all:
+        # A job restarted as a whole resumes from its last disk checkpoint: that step is kept.
+        final_step = max([final_step] + [int(r["step"]) for rs in recs.values() for r in rs
+                                         if _checkpointed(r, cluster) and float(r["t"]) <= t_end])
     ended_before = {(p.replica, p.incarnation): t for p in procs
                     for t in [next((float(e["t"]) for e in cluster.events if e["kind"] in ("kill", "stop", "crash")
                                     and e["replica"] == p.replica and float(e["t"]) >= p.started), None)]
                     if t is not None}
     stalls, raw_gaps = [], []
+    all_commits = sorted(t for ts in commit_times.values() for t in ts)
     for k in kills:
         tk = float(k["t"])
         worst = 0.0
+        if cluster.restarts_all:
+            # Nobody survives a failure: the stall lasts until the restarted job commits again.
+            worst = next((t for t in all_commits if t > tk), t_end) - tk
+            raw_gaps.append(worst)
+            stalls.append(max(0.0, worst - step_p50))
+            continue
         for (rep, inc), ts in commit_times.items():
             if rep == k["replica"] or not ts or ts[0] > tk:
                 continue  # the victim itself, or a replica not yet training at the failure
@@ -126,7 +106,8 @@ def summarize(cluster: "Cluster", t_end: float) -> dict[str, Any]:
     return {
         "system": cluster.system,
         "final_step": final_step,
-        "samples": sum(contributors.values()) * cluster.cfg.batch,
+        # Samples in the steps the run kept: steps lost to a rollback are not progress.
+        "samples": sum(n for step, n in contributors.items() if step <= final_step) * cluster.cfg.batch,
         "kills": len(kills),
         "survivor_crashes": len(crashes),
         "stall_p50_s": _round(statistics.median(stalls)) if stalls else None,
@@ -139,10 +120,30 @@ def summarize(cluster: "Cluster", t_end: float) -> dict[str, Any]:
         "divergent_steps": divergent,
         "digest_steps_checked": sum(1 for d in digests.values() if d),
         "loss": sorted(losses)[-1][1] if losses else None,
+        **_breakdown(cluster, recs, t_end, step_p50, [float(k["t"]) for k in kills]),
         "_losses": sorted(losses),
         "_commits": {f"r{r}.{i}": ts for (r, i), ts in commit_times.items()},
         "_events": cluster.events,
         "_steps": _step_series(recs, t_end),
+    }
+
+
+def _checkpointed(r: dict[str, Any], cluster: Cluster) -> bool:
+    """A committed step written to disk: marked by the DDP worker, every N-th step for sync."""
+    if r.get("kind") is not None or not r.get("c") or "step" not in r:
+        return False
+    every = cluster.cfg.checkpoint_every
+    return bool(r.get("ckpt")) or (cluster.system == "sync" and every > 0 and int(r["step"]) % every == 0)
+
+
+def _breakdown(cluster: Cluster, recs: dict[tuple[int, int], list[dict[str, Any]]], t_end: float,
+               step_p50: float, failures: list[float]) -> dict[str, Any]:
+    series = commit_series(recs, cluster.t0, t_end)
+    return {
+        "contributor_seconds": contributor_seconds(series, cluster.t0, t_end, step_p50, cluster.cfg.replicas),
+        "step_time_by_phase": step_time_by_phase(series, phase_windows(recs, step_p50), failures, step_p50),
+        "cpu_s": cluster.cpu_by_kind(),
+        "_contributors": [[c.t, c.n] for c in series],
     }
 
 

@@ -7,41 +7,51 @@ from __future__ import annotations
 
 import logging
 import signal
+import statistics
 import time
 from pathlib import Path
 from typing import Any, Callable
 
 from .cluster import ChaosConfig, Cluster, Schedule
-from .metrics import latest_leader, summarize
+from .interrupt import Interrupt
+from .metrics import summarize
+from .records import read_stats
 
 log = logging.getLogger(__name__)
 
-SYSTEMS = ("p2pft", "sync", "failure_free")
+SYSTEMS = ("p2pft", "ddp", "failure_free")
 
 
 def run_chaos(cfg: ChaosConfig, workdir: Path, systems: tuple[str, ...] = SYSTEMS,
-              on_tick: Callable[[dict[str, Cluster], float], None] | None = None) -> dict[str, Any]:
-    """Start every system, apply the schedule, stop them all after cfg.duration; return the report."""
+              on_tick: Callable[[dict[str, Cluster], float], None] | None = None,
+              interrupt: Interrupt | None = None) -> dict[str, Any]:
+    """Start every system, apply the schedule, stop them all after cfg.duration; return the report.
+
+    With ``interrupt`` (see ``interrupt.py``) a signal ends the run early: every cluster is
+    stopped, and the report covers the time until the signal (``interrupted`` names it). A
+    signal before training began raises ``Interrupted`` once everything is stopped.
+    """
     cfg.validate()
-    clusters = {s: Cluster(s, cfg, workdir / s) for s in systems if s != "torchft"}
+    interrupt = interrupt or Interrupt()
+    clusters: dict[str, Cluster] = {}
     extra: dict[str, Any] = {}
-    if "torchft" in systems:
-        from .torchft_system import TorchftCluster
-        clusters["torchft"] = TorchftCluster("torchft", cfg, workdir / "torchft")  # type: ignore[assignment]
-    for c in clusters.values():
-        c.start()
-    # Measure from when every replica of every system is up and training: process startup
-    # (Python and torch imports on a loaded machine) is not training time.
-    _wait_started(clusters, timeout=180.0)
-    t0 = time.time()
-    for c in clusters.values():
-        c.t0 = t0
-    schedule = Schedule(cfg)
-    pending_restarts: list[tuple[float, str, int]] = []
-    pending_resumes: list[tuple[float, str, int]] = []
-    next_fault = 0
+    t0 = t_end = 0.0
     try:
-        while True:
+        for s in systems:
+            clusters[s] = _make_cluster(s, cfg, workdir / s)
+            clusters[s].start()
+            interrupt.check()
+        # Measure from when every replica of every system is up and training: process startup
+        # (Python and torch imports on a loaded machine) is not training time.
+        _wait_started(clusters, timeout=180.0, interrupt=interrupt)
+        t0 = time.time()
+        for c in clusters.values():
+            c.t0 = t0
+        schedule = Schedule(cfg)
+        pending_restarts: list[tuple[float, str, int]] = []
+        pending_resumes: list[tuple[float, str, int]] = []
+        next_fault = 0
+        while not interrupt.requested:
             now = time.time()
             el = now - t0
             if el >= cfg.duration:
@@ -53,7 +63,7 @@ def run_chaos(cfg: ChaosConfig, workdir: Path, systems: tuple[str, ...] = SYSTEM
                 if now >= item[0]:
                     pending_restarts.remove(item)
                     c = clusters[item[1]]
-                    if item[1] == "sync":
+                    if c.restarts_all:
                         c.start()  # the go file exists: they train as soon as all are back
                     elif item[2] not in c.procs:
                         c.spawn(item[2])
@@ -71,8 +81,9 @@ def run_chaos(cfg: ChaosConfig, workdir: Path, systems: tuple[str, ...] = SYSTEM
             time.sleep(0.05)
     finally:
         t_end = time.time()
-        for c in clusters.values():
-            c.stop()
+        _stop_all(clusters)
+    if interrupt.requested:
+        extra["interrupted"] = interrupt.name
     rows = {name: summarize(c, t_end) for name, c in clusters.items()}
     base = rows.get("failure_free", {}).get("final_step") or 0
     base_samples = rows.get("failure_free", {}).get("samples") or 0
@@ -81,6 +92,8 @@ def run_chaos(cfg: ChaosConfig, workdir: Path, systems: tuple[str, ...] = SYSTEM
         r["baseline_final_step"] = base
         # Steps with fewer contributors train fewer samples: report that ratio as well.
         r["sample_ett"] = round(r["samples"] / base_samples, 3) if base_samples else None
+    if "ddp" in rows and "failure_free" in rows:
+        extra["overhead_vs_ddp"] = _overhead(rows["failure_free"], rows["ddp"])
     for c in clusters.values():
         c.cleanup()
     extra["t0"] = t0
@@ -88,10 +101,51 @@ def run_chaos(cfg: ChaosConfig, workdir: Path, systems: tuple[str, ...] = SYSTEM
     return {"config": cfg.__dict__, "systems": list(rows.values()), **extra}
 
 
-def _wait_started(clusters: dict[str, Cluster], timeout: float) -> None:
-    from .metrics import read_stats
+def _overhead(p2pft: dict[str, Any], ddp: dict[str, Any]) -> float | None:
+    """p2pft's step time over plain DDP's, minus one: what the runtime costs when nothing fails.
+
+    Both are median gaps between committed steps before the first failure, when both run
+    failure-free on the same cores at the same time (later, restarts load the machine unevenly).
+    """
+    until = min((float(e["t"]) for e in ddp.get("_events", []) if e["kind"] in ("kill", "pause")),
+                default=float("inf"))
+
+    def median_gap(row: dict[str, Any]) -> float | None:
+        ts = [float(t) for t, _ in row.get("_contributors", []) if t <= until]
+        gaps = [b - a for a, b in zip(ts, ts[1:])]
+        return statistics.median(gaps) if gaps else None
+
+    a, b = median_gap(p2pft), median_gap(ddp)
+    return round(a / b - 1.0, 3) if a and b else None
+
+
+def _make_cluster(system: str, cfg: ChaosConfig, workdir: Path) -> Cluster:
+    if system == "torchft":
+        from .torchft_system import TorchftCluster
+        return TorchftCluster(system, cfg, workdir)
+    if system == "ddp":
+        from .ddp_system import DdpCluster
+        return DdpCluster(system, cfg, workdir)
+    return Cluster(system, cfg, workdir)
+
+
+def _stop_all(clusters: dict[str, Cluster]) -> None:
+    """Stop every cluster, even when stopping one of them fails."""
+    errors = []
+    for c in clusters.values():
+        try:
+            c.stop()
+        except Exception as exc:  # keep stopping the others; the process groups are killed anyway
+            log.error("stopping %s failed: %s", c.system, exc)
+            errors.append(exc)
+    if errors:
+        raise errors[0]
+
+
+def _wait_started(clusters: dict[str, Cluster], timeout: float, interrupt: Interrupt) -> None:
     deadline = time.time() + timeout
     while time.time() < deadline:
+        interrupt.check()
         ready = all(any(r.get("kind") == "start" for r in read_stats(p.stats))
                     for c in clusters.values() for p in c.procs.values())
         if ready:
@@ -111,17 +165,20 @@ def _inject(cfg: ChaosConfig, clusters: dict[str, Cluster], schedule: Schedule, 
     if not faulty:
         return
     ref = clusters["p2pft"] if "p2pft" in clusters else clusters[faulty[0]]
-    leader = latest_leader(ref) if cfg.fault == "leader" else None
+    leader = ref.leader() if cfg.fault == "leader" else None
     # Victims are replicas that are training in the reference system (a failure of a process
     # that is still importing torch tests nothing); every system loses the same index.
-    live = sorted(ref.training()) or sorted(ref.live())
-    targets = schedule.targets(live, leader)
+    targets = schedule.targets(sorted(ref.training()), sorted(ref.live()), leader)
+    if not targets:
+        log.info("failure at %.1f s skipped: no replica may fail", now)
+        for name in faulty:
+            clusters[name].events.append({"t": now, "kind": "skipped", "replica": -1})
+        return
     for name in faulty:
         c = clusters[name]
-        if name == "sync":
+        if c.restarts_all:
             # Any failure stops the synchronous job: every replica restarts from the checkpoint.
-            for i in list(c.procs):
-                c.signal(i, signal.SIGKILL, "kill" if i in targets else "stop")
+            c.kill_job(targets)
             pending_restarts.append((now + cfg.restart_after, name, -1))
             continue
         for i in targets:

@@ -4,8 +4,9 @@ It runs under the same schedule and the same harness rules as p2pft: the harness
 replica only when the harness killed it; a replica that exits on its own is a survivor crash
 (``Cluster.reap`` records it) and stays down, exactly as a p2pft replica that crashed would.
 ``P2PFT_TORCHFT_MAX_RESTARTS`` opts in to torchrun-style restarts of crashed replicas (still
-counted as crashes), and ``P2PFT_TORCHFT_GRADS`` picks torchft's DDP wrapper (default) or a
-manual ``manager.allreduce``; docs/torchft.md explains both. The lighthouse is torchft's central
+counted as crashes), and ``P2PFT_TORCHFT_GRADS`` picks a manual ``manager.allreduce`` (default:
+torchft's best mode, it survives a killed replica) or torchft's DDP wrapper (whose comm hook
+crashes every survivor of a kill in 0.2.0); docs/torchft.md explains both. The lighthouse is torchft's central
 coordinator; it is started with the replicas and stopped after them, and is never a failure
 target (the schedule hits replicas only).
 """
@@ -13,7 +14,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .cluster import Cluster, Proc, free_ports
+from .cluster import Cluster, Proc, free_ports, stop_procs
 
 # Lighthouse settings. torchft's README starts it with --min_replicas 1 --quorum_tick_ms 100
 # --join_timeout_ms 10000 (heartbeat timeout default 5000 ms). The two timeouts bound how long
@@ -33,7 +33,7 @@ LIGHTHOUSE_QUORUM_TICK_MS = 100
 LIGHTHOUSE_JOIN_TIMEOUT_MS = 1000
 LIGHTHOUSE_HEARTBEAT_TIMEOUT_MS = 1000
 
-GRAD_MODES = ("ddp", "manual")
+GRAD_MODES = ("manual", "ddp")
 CRASH_RESTART_DELAY = 1.0   # seconds; an in-place launcher restart, quicker than replacing a host
 
 
@@ -69,10 +69,11 @@ def loopback_ifname() -> str | None:
 class TorchftCluster(Cluster):
     """Replicas running ``python -m p2pft.chaos.torchft_worker`` around one torchft lighthouse."""
 
-    grads: str = field(default_factory=lambda: os.environ.get("P2PFT_TORCHFT_GRADS", "ddp"))
+    grads: str = field(default_factory=lambda: os.environ.get("P2PFT_TORCHFT_GRADS", "manual"))
     max_restarts: int = field(default_factory=lambda: int(os.environ.get("P2PFT_TORCHFT_MAX_RESTARTS", "0")))
     worker_args: list[str] = field(default_factory=list)
     lighthouse: subprocess.Popen[bytes] | None = field(default=None, init=False)
+    lighthouse_proc: Proc | None = field(default=None, init=False)  # the same process, with its CPU time
     lighthouse_down: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
@@ -96,13 +97,14 @@ class TorchftCluster(Cluster):
         too and their managers retry the connection, so the two startups overlap instead of
         delaying the replicas.
         """
-        if self.lighthouse is not None and self.lighthouse.poll() is None:
+        if self.lighthouse_proc is not None and self.lighthouse_proc.running():
             return
         log = open(self.workdir / "lighthouse.log", "ab")
         env = dict(os.environ, RUST_BACKTRACE="1")
-        self.lighthouse = subprocess.Popen(lighthouse_command(self.lighthouse_addr), stdout=log,
-                                           stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        p = self.group.spawn(lighthouse_command(self.lighthouse_addr), stdout=log, stderr=subprocess.STDOUT, env=env)
         log.close()
+        self.lighthouse = p
+        self.lighthouse_proc = Proc(-1, 0, p, time.time(), self.workdir / "lighthouse.log", kind="lighthouse")
         self.lighthouse_down = False
 
     def start(self) -> None:
@@ -129,10 +131,10 @@ class TorchftCluster(Cluster):
         if ifname:
             env["GLOO_SOCKET_IFNAME"] = ifname
         err = open(self.workdir / f"r{i}-{inc}.log", "wb")
-        p = subprocess.Popen(cmd, stdout=err, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        p = self.group.spawn(cmd, stdout=err, stderr=subprocess.STDOUT, env=env)
         err.close()
         now = time.time()
-        self.procs[i] = Proc(i, inc, p, now, stats)
+        self.procs[i] = Proc(i, inc, p, now, stats, kind="replica" if inc == 0 else "joiner")
         self.events.append({"t": now, "kind": "start" if inc == 0 else "restart", "replica": i})
 
     def reap(self) -> None:
@@ -155,8 +157,8 @@ class TorchftCluster(Cluster):
                 del self.pending_crash_restarts[i]
                 if i not in self.procs:
                     self.spawn(i)
-        lh = self.lighthouse
-        if lh is not None and lh.poll() is not None and not self.lighthouse_down:
+        lh = self.lighthouse_proc
+        if lh is not None and not lh.running() and not self.lighthouse_down:
             self.lighthouse_down = True
             self.events.append({"t": time.time(), "kind": "lighthouse_exit", "replica": -1, "rc": lh.returncode})
 
@@ -168,14 +170,18 @@ class TorchftCluster(Cluster):
             self.stop_lighthouse()
 
     def stop_lighthouse(self) -> None:
-        lh = self.lighthouse
-        if lh is None:
+        lh = self.lighthouse_proc
+        if lh is None or self.lighthouse is None:
             return
-        if lh.poll() is None:
-            lh.send_signal(signal.SIGTERM)
-            try:
-                lh.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                lh.kill()
-                lh.wait(timeout=5)
+        try:
+            stop_procs([lh], 5.0)
+        finally:
+            self.group.kill()
         self.lighthouse = None
+
+    def cpu_by_kind(self) -> dict[str, float]:
+        out = super().cpu_by_kind()
+        lh = self.lighthouse_proc
+        if lh is not None and lh.cpu_s is not None:
+            out["lighthouse"] = round(lh.cpu_s, 2)
+        return out

@@ -1,10 +1,10 @@
 """One torchft replica training the chaos workload (what ``TorchftCluster`` launches).
 
 It trains the same model, optimizer, data and emulated step time as
-``p2pft.trainer.examples.replica`` but through torchft 0.2.0 the way torchft's own DDP example
-does: a ``torchft.Manager`` per replica group talking to a lighthouse, ``ProcessGroupGloo``
-across replicas, torchft's ``DistributedDataParallel`` (gradients averaged in a DDP comm hook)
-and the Manager's step protocol (``start_quorum`` before the forward pass, ``should_commit``
+``p2pft.trainer.examples.replica`` but through torchft 0.2.0: a ``torchft.Manager`` per replica
+group talking to a lighthouse, ``ProcessGroupGloo`` across replicas, gradients averaged by one
+``manager.allreduce`` (default) or by torchft's ``DistributedDataParallel`` comm hook as in
+torchft's DDP example (``--grads ddp``), and the Manager's step protocol (``start_quorum`` before the forward pass, ``should_commit``
 before the optimizer step, which is what torchft's ``Optimizer`` wrapper does).
 A restarted replica heals by pulling model and optimizer state from a peer through the
 checkpoint transport. The stats file has the same JSON-lines records as p2pft's replica, so the
@@ -55,9 +55,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--transport", choices=["pg", "http"], default="pg",
                    help="checkpoint transport for healing: pg (over the Gloo group, as torchft's DDP example) "
                    "or http (the Manager's default HTTPTransport)")
-    p.add_argument("--grads", choices=["ddp", "manual"], default="ddp",
-                   help="ddp: torchft.DistributedDataParallel, the path torchft's README and DDP example use; "
-                   "manual: one manager.allreduce over the flattened gradients after backward")
+    p.add_argument("--grads", choices=["manual", "ddp"], default="manual",
+                   help="manual (default): one manager.allreduce over the flattened gradients after backward, "
+                   "which survives a killed peer; ddp: torchft.DistributedDataParallel, the path torchft's README "
+                   "and DDP example use, whose comm hook crashes on a killed peer in torchft 0.2.0")
     p.add_argument("--pg-timeout", type=float, default=5.0, help="Gloo collective timeout, seconds")
     p.add_argument("--timeout", type=float, default=30.0, help="Manager timeout (should_commit, healing), seconds")
     p.add_argument("--quorum-timeout", type=float, default=60.0, help="Manager quorum timeout, seconds")

@@ -15,12 +15,10 @@ to ``--stats``, with every rank's shard digest every ``--digest-every`` steps.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import signal
 import socket
-import subprocess
 import sys
 import time
 
@@ -48,26 +46,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 # ---------------------------------------------------------------------- local launcher
-def _die_with_parent() -> None:
-    """Child side: SIGKILL when the launcher dies, so a killed launcher leaves no orphan rank."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
 def launch(nproc: int, argv: list[str]) -> int:
-    """Spawn `nproc` ranks of this script; any rank dying kills the whole replica."""
+    """Spawn `nproc` ranks of this script; any rank dying kills the whole replica.
+
+    The ranks share one process group and die with the launcher (``p2pft.procs``): SIGTERM,
+    SIGINT and SIGHUP stop them in order, and a SIGKILLed launcher leaves no orphan rank.
+    """
+    from p2pft.procs import ProcGroup
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     procs = []
+    group = ProcGroup()
     for r in range(nproc):
         env = dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
                    P2PFT_T_LAUNCH=str(T_START))
-        procs.append(subprocess.Popen([sys.executable, "-m", "p2pft.trainer.examples.hsdp_replica", *argv],
-                                      env=env, preexec_fn=_die_with_parent))
+        procs.append(group.spawn([sys.executable, "-m", "p2pft.trainer.examples.hsdp_replica", *argv], env=env))
     stopping = {"t": None}
 
     def on_term(signum: int, frame: object) -> None:
@@ -75,8 +70,8 @@ def launch(nproc: int, argv: list[str]) -> int:
         for p in procs:
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
-    signal.signal(signal.SIGTERM, on_term)
-    signal.signal(signal.SIGINT, on_term)
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, on_term)
     while True:
         rcs = [p.poll() for p in procs]
         failed = [rc for rc in rcs if rc is not None and rc != 0]
@@ -86,6 +81,7 @@ def launch(nproc: int, argv: list[str]) -> int:
                     p.kill()
             for p in procs:
                 p.wait()
+            group.kill()
             print(f"hsdp launcher: a rank exited with {failed}; replica torn down", file=sys.stderr, flush=True)
             return 1
         if all(rc == 0 for rc in rcs):
