@@ -15,7 +15,7 @@ import logging
 import statistics
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -26,7 +26,13 @@ from .observe import family, rejected_counts
 
 if TYPE_CHECKING:
     from .driver import NodeServer
-    from .runtime import Runtime
+
+
+class Runtime(Protocol):
+    """What the metrics read of a ``p2pft.Runtime`` (a protocol: the runtime imports this module)."""
+
+    server: Any
+    data: Any
 
 log = logging.getLogger(__name__)
 

@@ -20,10 +20,18 @@ import socket
 import time
 from collections import Counter, deque
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Callable, Protocol
 
-if TYPE_CHECKING:
-    from .driver import NodeServer
+
+class NodeServer(Protocol):
+    """What the observer reads of the driver's ``NodeServer`` (a protocol: no import back)."""
+
+    seeds: list[str]
+    node: Any
+    counters: Any
+    on_view: list[Callable[[Any], None]]
+
+    def members_report(self) -> dict[str, Any]: ...
 
 log = logging.getLogger("p2pft.seeds")
 
@@ -110,7 +118,7 @@ class Observer:
     """Per-node record of cluster events and message counts (driver loop thread only, except
     the counters, which a metrics scrape copies)."""
 
-    def __init__(self, server: "NodeServer") -> None:
+    def __init__(self, server: NodeServer) -> None:
         self.server = server
         self.sent: Counter[str] = Counter()
         self.received: Counter[str] = Counter()

@@ -106,6 +106,7 @@ def worker(args: argparse.Namespace) -> int:
     from p2pft.metrics import StepMetrics
     from p2pft.trainer.data import TextDataset
     from p2pft.trainer.hsdp import HSDP, Stopped
+    from p2pft.trainer.progress import Progress
     from p2pft.trainer.model import model_config_for
     from p2pft.wire import load_secret
 
@@ -145,6 +146,7 @@ def worker(args: argparse.Namespace) -> int:
     steps = StepMetrics.attach(rep.rt, rep)   # rank 0 with --metrics-port; a no-op otherwise
     pids: list[int | None] = [None] * world
     dist.all_gather_object(pids, os.getpid())
+    progress = Progress(f"{args.replica_id}", mode=args.progress if rank == 0 else "off")
     fh = open(args.stats, "a", buffering=1) if (args.stats and rank == 0) else None
 
     def write(rec: dict) -> None:
@@ -192,9 +194,13 @@ def worker(args: argparse.Namespace) -> int:
                 last_epoch = view.epoch
                 rec["view"] = [[m.replica_id, m.role.value[0]] for m in view.members]
             write(rec)
+            progress.step(res, view.epoch if view else None)
             for ev in list(rep.events):
                 write({**ev, "kind": "event", "event": ev["kind"]})
+                progress.event(ev)
         rep.events.clear()
+    if rank == 0:
+        progress.summary(rep.step)
     digests = rep.digests()
     write({"t": time.time(), "kind": "exit", "step": rep.step, "digest": ",".join(digests)})
     if fh is not None:
