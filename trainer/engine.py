@@ -26,6 +26,7 @@ from ..runtime import Runtime
 from ..step import (FRESH_EPOCH_WAIT_S, IDLE_PAUSE_S, NEXT_VIEW_WAIT_S, RETRY_PAUSE_S, Action, Reduced, decide,
                     view_wait_after_failure)
 from ..transport import CommAborted, CommError, DataServer
+from ..transport.backend import choose_backend, data_plane_from
 from ..transport.stream import StateSnapshot, fetch_state
 from ..view import Role
 from .attempt import Attempt, Entry, Plan, StepResult, StepTimeout, Stopped, Verdict
@@ -73,7 +74,7 @@ class StepEngine:
                  loop_timeout: float | None = 60.0, rank_timeout: float = RANK_TIMEOUT_S,
                  on_rank_lost: Callable[[int, float], None] = exit_replica, lr_scheduler: Any = None,
                  grad_scaler: Any = None, grad_hook: GradHook | None = None,
-                 state: dict[str, Stateful] | None = None) -> None:
+                 state: dict[str, Stateful] | None = None, data_plane: str | None = None) -> None:
         self.group = group
         self.rank = self.shard = group.rank
         self.world = group.world
@@ -111,7 +112,14 @@ class StepEngine:
         self.recent: deque[Entry] = deque(maxlen=max(1, recent_keep))  # served to peers that fast-forward
         self._recent_lock = threading.Lock()
         self.catchup = Catchup(self, replay_cap_bytes)
-        self.comms = ShardComms(data_server, self.shard, comm_timeout)
+        # The backend of every communicator, from the data plane asked for (argument, else the
+        # runtime's, else $P2PFT_DATA_PLANE) and the step buffer's device: an impossible 'nccl'
+        # fails here, before this rank serves state or opens its side channel.
+        plane = data_plane_from(data_plane if data_plane is not None else getattr(runtime, "data_plane", None))
+        dev = self.buf.flat.device
+        self.backend = choose_backend(plane, dev.type)
+        self.comms = ShardComms(data_server, self.shard, comm_timeout, backend=self.backend,
+                                device=dev.index if dev.type == "cuda" else None)
         self._donors = SnapshotRequests()
         self._stop = threading.Event()
         self._slot: int | None = None
