@@ -451,7 +451,8 @@ class StepEngine:
             got = snap.meta.get("steps", [])
             if not got or got[0] != lo or len(got) != hi - lo:
                 continue
-            return node, [Entry(int(s), snap.tensors[f"g{s}"], int(snap.meta["counts"][i]),
+            dev = self.buf.flat.device  # the log arrives in host memory; apply() reads it on the buffer's device
+            return node, [Entry(int(s), snap.tensors[f"g{s}"].to(dev), int(snap.meta["counts"][i]),
                                 [bool(x) for x in snap.meta["masks"][i]]) for i, s in enumerate(got)]
         return None
 
