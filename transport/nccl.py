@@ -291,40 +291,45 @@ class NcclCommunicator(Communicator):
                 raise self._fail(CommTimeout(f"{what} made no progress within the timeout"))
             time.sleep(_POLL_S)
 
-    def _exchange_small(self, comm: Any, values: list[int], stream: int, deadline: float, dev: _Device) -> list[list[int]]:
-        """allGather a few int64 per rank (tags, contribution flags) so every rank can name a mismatching peer."""
+    def allreduce(self, tensor: Any, *, contribute: bool = True, tag: int = 0, timeout: float | None = None) -> int:
+        """Enqueue, on the tensor's current stream and without a host sync in between: an
+        allGather of (tag, contribute) of every rank, the zeroing of a joiner's buffer, the sum.
+        Then poll until the stream has finished them (the only wait: abort and timeouts work),
+        and check the tags; a mismatch fails the communicator naming a mismatching rank."""
+        dev = _Device(tensor)  # TypeError for a CPU tensor before cupy is needed
         import cupy
 
-        device = dev.device.index if dev.device is not None else cupy.cuda.Device().id
-        # Same device and same stream as the tensor, so the copies are ordered with the collective.
-        with cupy.cuda.Device(device), cupy.cuda.ExternalStream(stream):
-            send = cupy.asarray(values, dtype=cupy.int64)
-            recv = cupy.empty(len(values) * self.world, dtype=cupy.int64)
-            comm.allGather(send.data.ptr, recv.data.ptr, len(values), _NCCL_DTYPES["int64"], stream)
-            self._wait(stream, deadline, "tag exchange")
-            flat = recv.get().tolist()
-        k = len(values)
-        return [flat[i * k:(i + 1) * k] for i in range(self.world)]
-
-    def allreduce(self, tensor: Any, *, contribute: bool = True, tag: int = 0, timeout: float | None = None) -> int:
-        dev = _Device(tensor)
+        tag = int(tag)
+        if not -(1 << 63) <= tag < (1 << 63):
+            raise ValueError(f"tag {tag} does not fit in 64 bits")
         tmo = self.timeout if timeout is None else float(timeout)
         deadline = time.monotonic() + tmo
         if self._failed is not None:
             raise self._failed
         comm = self._ready(deadline)
-        rows = self._exchange_small(comm, [int(tag), 1 if contribute else 0], dev.stream, deadline, dev)
+        device = dev.device.index if dev.device is not None else cupy.cuda.Device().id
+        # cupy's copies and allocations on the same device and stream as the collective.
+        with cupy.cuda.Device(device), cupy.cuda.ExternalStream(dev.stream):
+            send = cupy.asarray([tag, 1 if contribute else 0], dtype=cupy.int64)
+            recv = cupy.empty(2 * self.world, dtype=cupy.int64)
+            try:
+                comm.allGather(send.data.ptr, recv.data.ptr, 2, _NCCL_DTYPES["int64"], dev.stream)
+                if not contribute:
+                    dev.zero()
+                comm.allReduce(dev.ptr, dev.ptr, dev.count, dev.dtype, _NCCL_SUM, dev.stream)
+            except Exception as e:  # noqa: BLE001
+                raise self._fail(CommError(f"ncclAllReduce failed: {e}")) from None
+            self._wait(dev.stream, deadline, "allreduce")
+            flat = recv.get().tolist()  # the stream is idle: no wait
+        rows = [flat[2 * i:2 * i + 2] for i in range(self.world)]
         for r, (t, _c) in enumerate(rows):
-            if t != int(tag):
-                raise self._fail(ProtocolMismatch(f"tag mismatch: rank {r} has tag {t}, this rank {tag}", peer_rank=r))
-        if not contribute:
-            dev.zero()
-        try:
-            comm.allReduce(dev.ptr, dev.ptr, dev.count, dev.dtype, _NCCL_SUM, dev.stream)
-        except Exception as e:  # noqa: BLE001
-            raise self._fail(CommError(f"ncclAllReduce failed: {e}")) from None
-        self._wait(dev.stream, deadline, "allreduce")
+            if t != tag:
+                raise self._fail(ProtocolMismatch(f"tag mismatch: rank {r} has tag {t}, this rank {tag}",
+                                                  peer_rank=r, peer_addr=self._peer_addr(r)))
         return sum(c for _t, c in rows)
+
+    def _peer_addr(self, r: int) -> str | None:
+        return self._star.peers[r] if self._star is not None else None
 
     def broadcast(self, tensor: Any, root: int, *, timeout: float | None = None) -> None:
         if not 0 <= root < self.world:

@@ -221,3 +221,69 @@ def test_sigkill_of_a_rank_names_it_on_every_survivor() -> None:
             if f is not None:
                 f.close()
         _close(comms, servers)
+
+
+def _cuda_devices() -> int:
+    try:
+        import torch
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except ImportError:
+        return 0
+
+
+def _nccl_ok() -> bool:
+    from p2pft.transport import nccl_available
+    return nccl_available()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _nccl_ok(), reason="needs cupy with NCCL and a CUDA device")
+def test_server_built_nccl_communicator_on_one_gpu() -> None:
+    import torch
+
+    ds = DataServer("127.0.0.1", 0)
+    try:
+        c = ds.communicator(1, 0, 0, [ds.addr], backend="nccl", timeout=60.0)
+        x = torch.arange(1001, dtype=torch.float32, device="cuda")
+        assert c.allreduce(x, tag=4) == 1 and torch.equal(x, torch.arange(1001, dtype=torch.float32, device="cuda"))
+        assert c.allreduce(x, contribute=False, tag=5) == 0 and int(torch.count_nonzero(x)) == 0
+        c.abort("next epoch")
+        with pytest.raises(CommAborted):
+            c.allreduce(x)
+        c2 = ds.communicator(2, 0, 0, [ds.addr], backend="nccl", timeout=60.0)
+        x.fill_(2)
+        assert c2.allreduce(x) == 1 and bool(torch.all(x == 2))
+        c2.close()
+    finally:
+        ds.close()
+
+
+_GPU_RANK = r"""
+import sys, time, torch
+from pathlib import Path
+from p2pft.transport import DataServer
+rank, world, d = int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3])
+torch.cuda.set_device(rank)
+s = DataServer("127.0.0.1", 0, secret=b"k")
+(d / f"a{rank}").write_text(s.addr)
+end = time.time() + 60
+while not all((d / f"a{r}").exists() for r in range(world)) and time.time() < end:
+    time.sleep(0.05)
+peers = [(d / f"a{r}").read_text() for r in range(world)]
+c = s.communicator(1, 0, rank, peers, backend="nccl", timeout=60.0, connect_timeout=30.0, device=rank)
+x = torch.full((1 << 20,), float(rank + 1), device="cuda")
+n = c.allreduce(x, contribute=True, tag=5)
+assert n == world and bool(torch.all(x == world * (world + 1) / 2)), (n, x[:4])
+c.close()
+s.close()
+print("ok", flush=True)
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _nccl_ok() or _cuda_devices() < 2, reason="needs 2 GPUs with cupy and NCCL")
+def test_two_gpus_id_handed_over_by_data_servers(tmp_path: Any) -> None:
+    procs = [subprocess.Popen([sys.executable, "-c", _GPU_RANK, str(r), "2", str(tmp_path)], stdout=subprocess.PIPE,
+                              text=True) for r in range(2)]
+    outs = [p.communicate(timeout=180)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0] and all("ok" in o for o in outs)
