@@ -107,6 +107,16 @@ def test_wrong_secret_is_refused_and_both_sides_name_the_peer() -> None:
         _close([c0, c1], [a, b])
 
 
+def test_unknown_backend_is_refused_before_anything_is_built() -> None:
+    s, = _servers(1)
+    try:
+        with pytest.raises(ValueError, match="unknown backend 'gloo'"):
+            s.communicator(1, 0, 0, [s.addr], backend="gloo")
+        s.communicator(1, 0, 0, [s.addr], backend="tcp").close()  # the key was not taken
+    finally:
+        s.close()
+
+
 def test_tampered_id_fails_its_mac() -> None:
     """The id is authenticated on its own: a hello that passes but an id changed on the way fails."""
     from p2pft.transport.ncclid import uid_mac
