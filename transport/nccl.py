@@ -192,7 +192,7 @@ class NcclCommunicator(Communicator):
                 self._star.push(uid, deadline)
         else:
             assert self._star is not None
-            uid = self._star.receive(deadline)
+            uid = self._star.receive(deadline, deadline + self.connect_timeout)
         if self._star is not None:
             self._star.watch()
         return uid

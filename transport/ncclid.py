@@ -5,6 +5,11 @@ a hello of kind ``KIND_NCCL_ID``: the ring's handshake (HMAC with the cluster se
 guard, pending table while the peer has not created its communicator yet). It then sends the
 128-byte id followed by HMAC(secret, hello || id), so the id itself is authenticated too.
 
+Each rank acknowledges the id (one byte), and only when every rank has done so does rank 0 say
+go (one byte to each): ncclCommInitRank blocks until every rank has called it and cannot be
+cancelled, so no rank starts it before every other rank is known to hold the id and to be
+about to start it too; a rank that never takes the id is named instead.
+
 Why the data plane and not gossip: the id belongs to one (data epoch, shard), shard ranks other
 than 0 of an FSDP replica never see gossip, and the data server already authenticates peers.
 
@@ -44,6 +49,8 @@ KIND_NCCL_ID = 3          # hello kind: "here is the NCCL id of (epoch, shard)"
 UID_BYTES = 128
 _MAC_LEN = 32
 _WATCH_SLICE_S = 0.1
+ACK = b"\x01"   # rank r -> rank 0: I hold the id
+GO = b"\x02"    # rank 0 -> every rank: everybody holds it, start ncclCommInitRank
 
 
 def uid_mac(secret: bytes | None, hello_raw: bytes, uid: bytes) -> bytes:
@@ -95,7 +102,8 @@ class StarLinks:
 
     # ------------------------------------------------------------------ rank 0
     def push(self, uid: bytes, deadline: float) -> None:
-        """Hand `uid` to every other rank; raises CommError naming a rank that cannot be reached."""
+        """Hand `uid` to every other rank, collect their acks, say go; raises CommError naming a
+        rank that cannot be reached or does not take the id in time."""
         for r in range(1, self.world):
             sock = self._connect(r, uid, deadline)
             with self._cond:
@@ -103,6 +111,33 @@ class StarLinks:
                     close_quietly(sock)
                     raise CommAborted("communicator closed while handing out the NCCL id")
                 self.socks[r] = sock
+        for r in range(1, self.world):
+            self._expect(r, ACK, deadline, "take the NCCL id")
+        for r in range(1, self.world):
+            try:
+                self.socks[r].sendall(GO)
+            except OSError as e:
+                raise PeerFailed(f"rank {r} went away before NCCL init: {e!r}", peer_rank=r,
+                                 peer_addr=self.peers[r]) from None
+
+    def _expect(self, peer: int, byte: bytes, deadline: float, what: str) -> None:
+        """Read one byte from `peer` (bounded); anything else is its error frame or garbage."""
+        s = self.socks[peer]
+        addr = self.peers[peer]
+        first = b""
+        try:
+            s.settimeout(max(0.01, deadline - time.monotonic()))
+            first = s.recv(1)
+            s.settimeout(None)
+        except (socket.timeout, TimeoutError):
+            raise CommTimeout(f"rank {peer} did not {what} in time", peer_rank=peer, peer_addr=addr) from None
+        except OSError:
+            pass
+        if first == byte:
+            return
+        if not first:
+            raise PeerFailed(f"rank {peer} went away before NCCL init", peer_rank=peer, peer_addr=addr)
+        raise self._read_verdict(s, peer, first)
 
     def _connect(self, r: int, uid: bytes, deadline: float) -> socket.socket:
         opts = self.options
@@ -157,8 +192,10 @@ class StarLinks:
             backoff = min(backoff * 2, 0.2)
 
     # ------------------------------------------------------------------ ranks other than 0
-    def receive(self, deadline: float) -> bytes:
-        """Wait (bounded) for rank 0's id and check its MAC."""
+    def receive(self, deadline: float, go_deadline: float) -> bytes:
+        """Wait (bounded) for rank 0's id, check its MAC, ack it and wait for go (until
+        `go_deadline`, later than rank 0's own wait, so that rank 0's verdict naming a rank that
+        never took the id arrives here first)."""
         with self._cond:
             while 0 not in self.socks and not self._closed:
                 left = deadline - time.monotonic()
@@ -184,6 +221,11 @@ class StarLinks:
         if not hmac.compare_digest(mac, uid_mac(self.options.secret, hello_raw, uid)):
             raise ProtocolMismatch("the NCCL id from rank 0 fails its MAC (cluster secret)", peer_rank=0,
                                    peer_addr=self.peers[0])
+        try:
+            sock.sendall(ACK)
+        except OSError as e:
+            raise PeerFailed(f"rank 0 went away: {e!r}", peer_rank=0, peer_addr=self.peers[0]) from None
+        self._expect(0, GO, go_deadline, "say go for NCCL init")
         return uid
 
     # ------------------------------------------------------------------ liveness, both sides
@@ -210,12 +252,14 @@ class StarLinks:
                 self.on_error(err)
                 return
 
-    def _read_verdict(self, s: socket.socket, peer: int) -> CommError:
+    def _read_verdict(self, s: socket.socket, peer: int, first: bytes = b"") -> CommError:
+        """The error frame `peer` wrote (its first bytes already read: `first`), or why there is none."""
         addr = self.peers[peer]
         head = bytearray(FRAME_LEN)
+        head[:len(first)] = first
         try:
             s.settimeout(1.0)
-            recv_exact(s, memoryview(head))
+            recv_exact(s, memoryview(head)[len(first):])
             prefix = FRAME_PREFIX.unpack_from(head)
             plen = FRAME_SUFFIX.unpack_from(head, PREFIX_LEN)[4]
             if prefix[0] != FRAME_MAGIC or prefix[1] != OP_ERROR or plen > MAX_ERROR_PAYLOAD:

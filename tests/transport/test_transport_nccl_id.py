@@ -140,9 +140,18 @@ def test_abort_reaches_every_rank_naming_the_aborter() -> None:
         for c in comms[:2]:
             assert isinstance(c.failed, CommAborted) and c.failed.peer_rank == 2, c.failed
             assert c.failed.peer_addr == peers[2]
-        # A failed communicator is unregistered: the same (epoch, shard) may be created again.
-        again = servers[0].communicator(3, 0, 0, peers, backend="nccl", connect_timeout=0.2)
-        again.close()
+        # A failed communicator unregisters itself (right after recording its error): the same
+        # (epoch, shard) may then be created again.
+        made: list[Any] = []
+
+        def recreate() -> bool:
+            try:
+                made.append(servers[0].communicator(3, 0, 0, peers, backend="nccl", connect_timeout=0.2))
+                return True
+            except ValueError:
+                return False
+        assert _wait(recreate, 2.0)
+        made[0].close()
     finally:
         _close(comms, servers)
 
@@ -170,6 +179,23 @@ def test_peer_that_never_opens_its_communicator_is_named() -> None:
         assert isinstance(c0.failed, CommTimeout) and c0.failed.peer_rank == 1, c0.failed
     finally:
         _close([c0], servers)
+
+
+def test_nobody_starts_nccl_init_until_every_rank_holds_the_id() -> None:
+    """Rank 2 never opens its communicator (it moved on to a newer data epoch): rank 0 gets no
+    ack from it and names it; rank 1 holds the id but never gets go, and learns rank 0's verdict.
+    Neither starts ncclCommInitRank, which could not be cancelled once blocked on rank 2."""
+    servers = _servers(3)
+    peers = [s.addr for s in servers]
+    c1 = servers[1].communicator(4, 0, 1, peers, backend="nccl", connect_timeout=1.0)
+    c0 = servers[0].communicator(4, 0, 0, peers, backend="nccl", connect_timeout=1.0)
+    try:
+        assert _wait(lambda: c0.failed is not None and c1.failed is not None, 5.0)
+        assert isinstance(c0.failed, CommTimeout) and c0.failed.peer_rank == 2, c0.failed
+        assert isinstance(c1.failed, CommTimeout) and c1.failed.peer_rank == 2, c1.failed
+        assert not c0.uid_known.is_set() and not c1.uid_known.is_set()
+    finally:
+        _close([c0, c1], servers)
 
 
 def test_backends_that_differ_are_a_protocol_mismatch() -> None:
@@ -213,6 +239,7 @@ def test_sigkill_of_a_rank_names_it_on_every_survivor() -> None:
         proc.stdin.flush()
         comms = [s.communicator(1, 0, r, peers, backend="nccl", connect_timeout=10.0) for r, s in enumerate(servers)]
         line = proc.stdout.readline().split()
+        assert comms[0].uid_known.wait(5.0)  # rank 0 records the id right after saying go
         assert line[0] == "uid" and bytes.fromhex(line[1]) == comms[0].unique_id
         assert comms[1].uid_known.wait(5.0) and comms[1].unique_id == comms[0].unique_id
         t0 = time.monotonic()
