@@ -8,6 +8,7 @@ hand-off also runs with random ids so it is tested where CuPy is absent.
 
 from __future__ import annotations
 
+import importlib
 import os
 import subprocess
 import sys
@@ -19,9 +20,9 @@ import pytest
 from p2pft.transport import CommAborted, CommTimeout, DataServer, PeerFailed, ProtocolMismatch
 
 try:
-    from cupy.cuda import nccl as _cupy_nccl  # noqa: F401
+    importlib.import_module("cupy.cuda.nccl")
     HAVE_CUPY_NCCL = True
-except Exception:  # noqa: BLE001
+except Exception:  # noqa: BLE001 - ImportError, or CuPy without its NCCL library
     HAVE_CUPY_NCCL = False
 
 
