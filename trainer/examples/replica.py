@@ -105,8 +105,14 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     stats = Stats(args.stats)
     t_imported = time.time()
-    torch.manual_seed(args.seed)
+    from p2pft.transport.backend import DataPlaneError, choose_backend, data_plane_from
     device = torch.device(args.device)
+    try:  # an impossible data plane is one line, before anything is bound
+        choose_backend(data_plane_from(args.data_plane), device.type)
+    except DataPlaneError as exc:
+        print(f"replica: {exc}", file=sys.stderr)
+        return 2
+    torch.manual_seed(args.seed)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if args.mlp_params:
