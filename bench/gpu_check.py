@@ -343,6 +343,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.bw_worker is not None:
         bw_worker(args.bw_worker, args.world, Path(args.tmp), args.port)
         return 0
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     ngpu = gpu_count()
     result: dict[str, Any] = {"gpus": ngpu, "checks": {}}
     if ngpu == 0:

@@ -11,7 +11,7 @@ SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "gpu_check.py"
 
 
 def test_without_a_gpu_it_says_so_and_exits_0(tmp_path: Path) -> None:
-    out_json = tmp_path / "gpu.json"
+    out_json = tmp_path / "results" / "gpu.json"   # the folder is made
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")  # no device, also on a GPU machine
     out = subprocess.run([sys.executable, str(SCRIPT), "--json", str(out_json)], capture_output=True, text=True,
                          timeout=120, env=env)
