@@ -42,8 +42,11 @@ class Runtime:
                  secret: bytes | None = None, profile: Profile = DEFAULT, comm_timeout: float = 10.0,
                  kind: str = TRAINER_KIND, status: str = "ready", step: int = 0, advertise: str | None = None,
                  data_listen: str | None = None, advertise_data: str | None = None,
-                 metrics_port: int | str | None = None) -> None:
+                 metrics_port: int | str | None = None, data_plane: str | None = None) -> None:
+        from .transport.backend import data_plane_from
         self.replica_id = str(replica_id)
+        # "auto" | "nccl" | "tcp" (None: $P2PFT_DATA_PLANE, else auto), for whoever builds communicators.
+        self.data_plane = data_plane_from(data_plane)
         self.listen = listen
         self.seeds = list(seeds)
         self.data_host = data_host
@@ -77,8 +80,11 @@ class Runtime:
 
     # ------------------------------------------------------------------ lifecycle
     def start(self, timeout: float = 10.0) -> "Runtime":
-        """Bind the data and control ports and join the cluster; returns once the node runs."""
+        """Bind the data and control ports and join the cluster; returns once the node runs.
+        An explicit data_plane='nccl' that cannot work here fails first, before anything is bound."""
+        from .transport.backend import check_data_plane
         from .transport.server import DataServer
+        check_data_plane(self.data_plane)
         if self._extra_data_addrs is None:
             host, port = (self.data_listen.rsplit(":", 1) if self.data_listen else (self.data_host, 0))
             self.data = DataServer(host.strip("[]"), int(port), secret=self.secret)
@@ -235,8 +241,10 @@ class Runtime:
         return n.member_step(node) if n else 0
 
     # ------------------------------------------------------------------ data plane
-    def communicator(self, view: View | None = None, shard: int = 0) -> Any:
-        """The communicator of the view's data epoch for this shard (built once, cached)."""
+    def communicator(self, view: View | None = None, shard: int = 0, device: str = "cpu") -> Any:
+        """The communicator of the view's data epoch for this shard (built once, cached), for
+        tensors on `device` ('cpu' or 'cuda': picks the backend with this runtime's data_plane)."""
+        from .transport.backend import choose_backend
         view = view if view is not None else self._view
         if view is None:
             raise RuntimeStartError("no committed view yet")
@@ -252,7 +260,8 @@ class Runtime:
             raise RuntimeStartError(str(exc)) from None
         if comm is not None:
             comm.close()
-        comm = self.data.communicator(d, shard, rank, view.shard_addrs(shard), timeout=self.comm_timeout)
+        comm = self.data.communicator(d, shard, rank, view.shard_addrs(shard), timeout=self.comm_timeout,
+                                      backend=choose_backend(self.data_plane, device))
         with self._comm_lock:
             if (self._view or view).data_epoch > d:
                 comm.abort("superseded before first use")

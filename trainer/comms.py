@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 from ..runtime import Runtime
 from ..transport import DataServer
+from ..transport.backend import Backend
 
 log = logging.getLogger(__name__)
 
@@ -31,8 +32,11 @@ PING_EVERY_S = 0.5
 class ShardComms:
     """Communicator cache of one rank; rank 0 also drives aborts and rank liveness."""
 
-    def __init__(self, ds: DataServer, shard: int, comm_timeout: float) -> None:
+    def __init__(self, ds: DataServer, shard: int, comm_timeout: float, backend: Backend = Backend.TCP,
+                 device: int | None = None) -> None:
         self.ds = ds
+        self.backend = backend    # every communicator of this rank: tcp or nccl (transport.backend)
+        self.device = device      # CUDA device index for nccl
         self.shard = shard
         self.comm_timeout = comm_timeout
         self._comms: dict[int, Any] = {}
@@ -53,7 +57,8 @@ class ShardComms:
         for c in old:
             c.abort(f"replaced by data epoch {d}")
             c.close()
-        comm = self.ds.communicator(d, self.shard, rank, peers, timeout=self.comm_timeout)
+        comm = self.ds.communicator(d, self.shard, rank, peers, timeout=self.comm_timeout, backend=self.backend,
+                                    device=self.device)
         with self._lock:
             if d < self._superseded_by:
                 # A newer data epoch was announced while this attempt was being planned: the new

@@ -26,6 +26,7 @@ from ..runtime import Runtime
 from ..step import (FRESH_EPOCH_WAIT_S, IDLE_PAUSE_S, NEXT_VIEW_WAIT_S, RETRY_PAUSE_S, Action, Reduced, decide,
                     view_wait_after_failure)
 from ..transport import CommAborted, CommError, DataServer
+from ..transport.backend import choose_backend, data_plane_from
 from ..transport.stream import StateSnapshot, fetch_state
 from ..view import Role
 from .attempt import Attempt, Entry, Plan, StepResult, StepTimeout, Stopped, Verdict
@@ -74,7 +75,7 @@ class StepEngine:
                  on_rank_lost: Callable[[int, float], None] = exit_replica, lr_scheduler: Any = None,
                  grad_scaler: Any = None, grad_hook: GradHook | None = None,
                  after_step: GradHook | None = None,
-                 state: dict[str, Stateful] | None = None) -> None:
+                 state: dict[str, Stateful] | None = None, data_plane: str | None = None) -> None:
         self.group = group
         self.rank = self.shard = group.rank
         self.world = group.world
@@ -113,7 +114,14 @@ class StepEngine:
         self.recent: deque[Entry] = deque(maxlen=max(1, recent_keep))  # served to peers that fast-forward
         self._recent_lock = threading.Lock()
         self.catchup = Catchup(self, replay_cap_bytes)
-        self.comms = ShardComms(data_server, self.shard, comm_timeout)
+        # The backend of every communicator, from the data plane asked for (argument, else the
+        # runtime's, else $P2PFT_DATA_PLANE) and the step buffer's device: an impossible 'nccl'
+        # fails here, before this rank serves state or opens its side channel.
+        plane = data_plane_from(data_plane if data_plane is not None else getattr(runtime, "data_plane", None))
+        dev = self.buf.flat.device
+        self.backend = choose_backend(plane, dev.type)
+        self.comms = ShardComms(data_server, self.shard, comm_timeout, backend=self.backend,
+                                device=dev.index if dev.type == "cuda" else None)
         self._donors = SnapshotRequests()
         self._stop = threading.Event()
         self._slot: int | None = None
@@ -455,7 +463,8 @@ class StepEngine:
             got = snap.meta.get("steps", [])
             if not got or got[0] != lo or len(got) != hi - lo:
                 continue
-            return node, [Entry(int(s), snap.tensors[f"g{s}"], int(snap.meta["counts"][i]),
+            dev = self.buf.flat.device  # the log arrives in host memory; apply() reads it on the buffer's device
+            return node, [Entry(int(s), snap.tensors[f"g{s}"].to(dev), int(snap.meta["counts"][i]),
                                 [bool(x) for x in snap.meta["masks"][i]]) for i, s in enumerate(got)]
         return None
 

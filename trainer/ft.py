@@ -52,7 +52,7 @@ class FaultTolerant(StepEngine):
                  resume: bool = True, state_rate_limit: float | None = None,
                  loop_timeout: float | None = 60.0, lr_scheduler: Any = None, grad_scaler: Any = None,
                  grad_hook: GradHook | None = None, after_step: GradHook | None = None,
-                 state: dict[str, Stateful] | None = None) -> None:
+                 state: dict[str, Stateful] | None = None, data_plane: str | None = None) -> None:
         super().__init__(model, optimizer, group=LocalGroup(), runtime=runtime, data_server=runtime.data,
                          state_io=WHOLE_STATE, batch_per_replica=batch_per_replica,
                          nominal_replicas=nominal_replicas, lr_policy=lr_policy, max_slots=max_slots,
@@ -60,7 +60,7 @@ class FaultTolerant(StepEngine):
                          comm_timeout=runtime.comm_timeout, secret=runtime.secret,
                          state_rate_limit=state_rate_limit, loop_timeout=loop_timeout,
                          lr_scheduler=lr_scheduler, grad_scaler=grad_scaler, grad_hook=grad_hook,
-                         after_step=after_step, state=state)
+                         after_step=after_step, state=state, data_plane=data_plane)
         self.ckpt = AsyncCheckpointer(checkpoint_dir) if checkpoint_dir else None
         self.checkpoint_every = checkpoint_every
         if self.ckpt is not None and resume:

@@ -45,7 +45,7 @@ class HSDP(StepEngine):
                  on_rank_lost: Callable[[int, float], None] = exit_replica,
                  loop_timeout: float | None = 60.0, lr_scheduler: Any = None, grad_scaler: Any = None,
                  grad_hook: GradHook | None = None, after_step: GradHook | None = None,
-                 state: dict[str, Stateful] | None = None) -> None:
+                 state: dict[str, Stateful] | None = None, data_plane: str | None = None) -> None:
         super().__init__(model, optimizer, group=DistGroup(group), runtime=runtime, data_server=data_server,
                          state_io=SHARD_STATE, batch_per_replica=batch_per_replica,
                          nominal_replicas=nominal_replicas, lr_policy=lr_policy, max_slots=max_slots,
@@ -53,7 +53,7 @@ class HSDP(StepEngine):
                          secret=secret, state_rate_limit=state_rate_limit, loop_timeout=loop_timeout,
                          rank_timeout=rank_timeout, on_rank_lost=on_rank_lost, lr_scheduler=lr_scheduler,
                          grad_scaler=grad_scaler, grad_hook=grad_hook, after_step=after_step,
-                         state=state)
+                         state=state, data_plane=data_plane)
         self._start_control()
 
     @classmethod

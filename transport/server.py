@@ -20,15 +20,19 @@ import selectors
 import socket
 import threading
 import time
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
+from .backend import Backend
 from .errors import CommTimeout, ProtocolMismatch
+from .nccl import NcclCommunicator
+from .ncclid import KIND_NCCL_ID
 from .options import DEFAULT_CHUNK_BYTES, DEFAULT_STATE_CHUNK_BYTES, ChunkHook, DonorLimits, RingOptions
 from .sockutil import close_quietly, shutdown_quietly
 from .stream import StateSnapshot, serve_state_connection
-from .tcp import TcpCommunicator
+from .staging import DEFAULT_PIECE_BYTES, StagingTcpCommunicator
 from .wire import (
-    HELLO_LEN, KIND_RING, KIND_STATE, ST_BAD, ST_BUSY, ST_CLOSED, ST_NO_STATE, ST_OK, ST_PENDING, ST_REPLAY,
+    HELLO_LEN, KIND_RING, KIND_STATE, ST_BAD, ST_BUSY, ST_CLOSED, ST_MISMATCH, ST_NO_STATE, ST_OK, ST_PENDING,
+    ST_REPLAY,
     Hello, HelloGuard, pack_ack, pack_error_frame, parse_hello, set_local_host, split_addr, tune_socket,
 )
 
@@ -42,6 +46,19 @@ logger = logging.getLogger(__name__)
 _TICK_S = 0.1
 _CLOSED_KEYS_CAP = 4096
 _LOG_EVERY_S = 5.0
+
+
+class _Registered(Protocol):
+    """What the server needs of a communicator it routes connections to (tcp or nccl)."""
+
+    epoch: int
+    shard: int
+    hello_kind: int
+
+    def check_hello(self, h: Hello) -> int: ...
+    def attach(self, h: Hello, sock: socket.socket) -> None: ...
+    def reject_kind(self, h: Hello) -> None: ...
+    def close(self) -> None: ...
 
 
 class _Handshake:
@@ -104,7 +121,11 @@ class DataServer:
         # Re-entrant: a communicator that fails inside check_hello (called under this lock)
         # unregisters itself.
         self._lock = threading.RLock()
-        self._comms: dict[tuple[int, int], TcpCommunicator] = {}
+        self._comms: dict[tuple[int, int], _Registered] = {}
+        #: test hook: makes the NCCL unique id on rank 0 (default: cupy's get_unique_id)
+        self.nccl_uid_factory: Callable[[], bytes] | None = None
+        #: staging piece size of CUDA tensors on the tcp backend (see staging.py)
+        self.piece_bytes = DEFAULT_PIECE_BYTES
         self._pending: dict[tuple[int, int], list[tuple[socket.socket, Hello, float]]] = {}
         self._npending = 0
         self._closed_keys: collections.OrderedDict[tuple[int, int], None] = collections.OrderedDict()
@@ -130,12 +151,20 @@ class DataServer:
         return f"{host}:{self._port}"
 
     def communicator(self, epoch: int, shard: int, rank: int, peers: list[str], *, timeout: float = 10.0,
-                     connect_timeout: float = 5.0) -> "Communicator":
+                     connect_timeout: float = 5.0, backend: "Backend | str" = Backend.TCP,
+                     device: int | None = None) -> "Communicator":
         """Create the communicator of (epoch, shard) in which this process is `rank`.
 
-        peers[i] is the data address of rank i (peers[rank] is this server). Connections are made
-        lazily by the first operation, which waits up to `connect_timeout` for the neighbours.
+        peers[i] is the data address of rank i (peers[rank] is this server). tcp: connections are
+        made lazily by the first operation, which waits up to `connect_timeout` for the
+        neighbours; CUDA tensors go through pinned staging. nccl: rank 0 hands the unique id to
+        the others within `connect_timeout` and ncclCommInitRank runs on a helper thread on CUDA
+        device `device` (default: the caller's current one); every rank must pick the same backend.
         """
+        try:
+            backend = Backend(backend)
+        except ValueError:
+            raise ValueError(f"unknown backend {backend!r}; choose 'tcp' or 'nccl'") from None
         if self._closing.is_set():
             raise RuntimeError("data server is closed")
         if epoch < 0 or shard < 0:
@@ -149,9 +178,17 @@ class DataServer:
         if not (timeout > 0 and connect_timeout > 0):
             raise ValueError("timeout and connect_timeout must be > 0")
         key = (int(epoch), int(shard))
-        comm = TcpCommunicator(key[0], key[1], int(rank), list(peers), timeout=float(timeout),
-                               connect_timeout=float(connect_timeout), options=self._ring_options(),
-                               on_dead=self._unregister, on_op=self.note_op)
+        comm: Any
+        if backend is Backend.NCCL:
+            comm = NcclCommunicator(key[0], key[1], int(rank), len(peers), None, timeout=float(timeout),
+                                    device=device, peers=list(peers), options=self._ring_options(),
+                                    connect_timeout=float(connect_timeout), make_uid=self.nccl_uid_factory,
+                                    on_dead=self._unregister)
+        else:
+            comm = StagingTcpCommunicator(key[0], key[1], int(rank), list(peers), timeout=float(timeout),
+                                          connect_timeout=float(connect_timeout), options=self._ring_options(),
+                                          on_dead=self._unregister, on_op=self.note_op,
+                                          piece_bytes=self.piece_bytes)
         with self._lock:
             if key in self._comms:
                 raise ValueError(f"a communicator for epoch {epoch} shard {shard} already exists")
@@ -160,7 +197,10 @@ class DataServer:
             waiting = self._pending.pop(key, [])
             self._npending -= len(waiting)
         for sock, hello, _t in waiting:
-            if comm.check_hello(hello) == ST_OK:
+            if hello.kind != comm.hello_kind:
+                comm.reject_kind(hello)
+                self._reject_pending(sock, hello, "the ranks use different data planes")
+            elif comm.check_hello(hello) == ST_OK:
                 comm.attach(hello, sock)
             else:
                 self._reject_pending(sock, hello, "communicator parameters differ")
@@ -216,7 +256,7 @@ class DataServer:
                            chunk_bytes=self.state_chunk_bytes, chunk_hook=self.state_chunk_hook)
 
     # ------------------------------------------------------------------ communicator callback
-    def _unregister(self, comm: TcpCommunicator) -> None:
+    def _unregister(self, comm: Any) -> None:
         """on_dead of every communicator: refuse later connections for its (epoch, shard)."""
         key = (comm.epoch, comm.shard)
         with self._lock:
@@ -322,19 +362,23 @@ class DataServer:
             self._send_ack(sock, raw, ST_REPLAY)
             close_quietly(sock)
             return
-        if hello.kind == KIND_RING:
-            self._route_ring(sock, hello)
+        if hello.kind in (KIND_RING, KIND_NCCL_ID):
+            self._route_comm(sock, hello)
         elif hello.kind == KIND_STATE:
             self._route_state(sock, hello)
         else:
             self._send_ack(sock, raw, ST_BAD)
             close_quietly(sock)
 
-    def _route_ring(self, sock: socket.socket, hello: Hello) -> None:
+    def _route_comm(self, sock: socket.socket, hello: Hello) -> None:
+        """A ring lane (tcp) or an NCCL id connection: to its communicator, or pending."""
         key = (hello.epoch, hello.shard)
         with self._lock:
             comm = self._comms.get(key)
-            if comm is not None:
+            if comm is not None and comm.hello_kind != hello.kind:
+                comm.reject_kind(hello)
+                status = ST_MISMATCH
+            elif comm is not None:
                 status = comm.check_hello(hello)
             elif key in self._closed_keys:
                 status = ST_CLOSED

@@ -22,6 +22,7 @@ import msgpack
 import numpy as np
 
 from .buffers import DTYPE_CODES, as_flat_buffer
+from .devcopy import DeviceSink, DeviceSource, PinnedPair, is_device_tensor, iter_chunks
 from .errors import CommError, CommTimeout, PeerFailed, ProtocolMismatch
 from .options import DonorLimits
 from .sockutil import close_quietly
@@ -109,23 +110,31 @@ def serve_state_connection(sock: socket.socket, provider: Callable[[dict], State
         _send_msg(sock, {"ok": False, "error": "donor has no snapshot for this request"})
         return
     names = list(snap.tensors)
-    bufs = []
+    bufs: list[Any] = []
     index = []
+    pairs: dict[Any, PinnedPair] = {}   # device tensors: two pinned chunks per device, not a host copy
+    chunk = limits.chunk_bytes
     for name in names:
         t = snap.tensors[name]
         if not t.is_contiguous():
             t = t.contiguous()
-        b = as_flat_buffer(t, reducible=False)
-        bufs.append(b)
-        index.append([name, b.dtype_name, list(t.shape), b.nbytes])
-    chunk = limits.chunk_bytes
+        if is_device_tensor(t):
+            dname = _dtype_name(t)
+            if dname not in DTYPE_CODES:
+                raise TypeError(f"unsupported dtype {dname} for tensor {name!r}")
+            pair = pairs.get(t.device) or pairs.setdefault(t.device, PinnedPair(chunk, t.device))
+            src: Any = DeviceSource(t, pair)
+            index.append([name, dname, list(t.shape), src.nbytes])
+        else:
+            src = as_flat_buffer(t, reducible=False)
+            index.append([name, src.dtype_name, list(t.shape), src.nbytes])
+        bufs.append(src)
     _send_msg(sock, {"ok": True, "meta": snap.meta, "tensors": index, "chunk": chunk})
     pacer = _Pacer(min(rates) if rates else None)
     hook = limits.chunk_hook
     seq = 0
     for ti, b in enumerate(bufs):
-        for off in range(0, b.nbytes, chunk):
-            payload = b.mv[off:off + chunk]
+        for off, payload in iter_chunks(b, chunk):
             crc = zlib.crc32(payload)
             if hook is not None:
                 payload = memoryview(hook(seq, payload))
@@ -137,6 +146,9 @@ def serve_state_connection(sock: socket.socket, provider: Callable[[dict], State
         sock.recv(1)
     except OSError:
         pass
+    if pairs:
+        logger.info("state stream staged device tensors through %d bytes of pinned memory",
+                    sum(p.nbytes for p in pairs.values()))
     logger.info("served state snapshot: %d tensors, %d bytes", len(bufs), sum(b.nbytes for b in bufs))
 
 
@@ -156,8 +168,10 @@ def fetch_state(addr: str, request: dict, *, secret: bytes | None = None, timeou
     """Pull a snapshot from the donor at `addr`; every chunk is crc32-checked.
 
     `timeout` bounds connecting and each wait for data (no progress). `into` optionally maps
-    names to existing contiguous CPU tensors (e.g. the model's own parameters) that receive the
+    names to existing contiguous tensors (e.g. the model's own parameters) that receive the
     bytes in place when name, dtype and shape match; the snapshot then returns those tensors.
+    CUDA `into` tensors are filled through two pinned chunk buffers (their size is returned in
+    ``meta["_staging_bytes"]``), never through a full host copy.
     Raises PeerFailed if the donor goes away, CommTimeout if it stalls, ProtocolMismatch on
     corruption or a bad handshake, CommError if the donor has nothing to give.
     The connection's source IP is `source_host`, by default the listen IP of this process's
@@ -193,26 +207,30 @@ def fetch_state(addr: str, request: dict, *, secret: bytes | None = None, timeou
         if not head.get("ok"):
             raise CommError(f"state donor: {head.get('error')}", peer_addr=addr)
         tensors: dict[str, Any] = {}
-        bufs = []
+        bufs: list[Any] = []
         fresh = []
+        pairs: dict[Any, PinnedPair] = {}
+        chunk = int(head["chunk"])
         for name, dtype, shape, nbytes in head["tensors"]:
             dt = getattr(torch, dtype, None)
             if not isinstance(dt, torch.dtype) or dtype not in DTYPE_CODES:
                 raise ProtocolMismatch(f"unknown dtype {dtype!r} for tensor {name!r}", peer_addr=addr)
             t = into.get(name) if into is not None else None
-            if (t is not None and t.dtype == dt and list(t.shape) == list(shape) and t.device.type == "cpu"
-                    and t.is_contiguous()):
+            if t is not None and t.dtype == dt and list(t.shape) == list(shape) and t.is_contiguous():
                 fresh.append(False)
             else:
                 t = _alloc(torch, dtype, shape)
                 fresh.append(True)
-            b = as_flat_buffer(t, reducible=False)
+            if t.device.type == "cuda":
+                pair = pairs.get(t.device) or pairs.setdefault(t.device, PinnedPair(chunk, t.device))
+                b: Any = DeviceSink(t, pair)
+            else:
+                b = as_flat_buffer(t, reducible=False)
             if b.nbytes != nbytes:
                 raise ProtocolMismatch(f"tensor {name!r}: {nbytes} bytes announced, shape gives {b.nbytes}",
                                        peer_addr=addr)
             tensors[name] = t
             bufs.append(b)
-        chunk = int(head["chunk"])
         hb = bytearray(CHUNK.size)
         hv = memoryview(hb)
         pacer = _Pacer(rate_limit_bytes_per_s)
@@ -223,16 +241,24 @@ def fetch_state(addr: str, request: dict, *, secret: bytes | None = None, timeou
                 magic, got_ti, got_off, got_n, crc = CHUNK.unpack(hb)
                 if magic != CHUNK_MAGIC or got_ti != ti or got_off != off or got_n != n:
                     raise ProtocolMismatch(f"state stream out of sync at tensor {ti} offset {off}", peer_addr=addr)
+                sink = b if isinstance(b, DeviceSink) else None
                 if fresh[ti]:
                     b.zero(off, n)  # take the page faults here, not inside recv with the socket locked
-                view = b.mv[off:off + n]
+                view = sink.buffer(n) if sink is not None else b.mv[off:off + n]
                 recv_exact(sock, view)
                 if zlib.crc32(view) != crc:
                     raise ProtocolMismatch(
                         f"corrupted state chunk: tensor {head['tensors'][ti][0]!r} bytes {off}..{off + n} "
                         f"fail the crc32 check", peer_addr=addr)
+                if sink is not None:
+                    sink.commit(off, n)
                 pacer.account(n)
-        return StateSnapshot(meta=head.get("meta") or {}, tensors=tensors)
+        meta = head.get("meta") or {}
+        if pairs:
+            for pair in pairs.values():
+                pair.finish()  # every chunk is on the device before the snapshot is used
+            meta["_staging_bytes"] = sum(p.nbytes for p in pairs.values())
+        return StateSnapshot(meta=meta, tensors=tensors)
     except (socket.timeout, TimeoutError):
         raise CommTimeout(f"state donor sent nothing for {timeout:g} s", peer_addr=addr) from None
     except EOFError:

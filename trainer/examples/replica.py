@@ -43,6 +43,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--checkpoint-dir", default=None)
     p.add_argument("--checkpoint-every", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    p.add_argument("--device", default=os.environ.get("P2PFT_DEVICE", "cpu"),
+                   help="torch device of the model and step buffer, e.g. cuda or cuda:1 (env P2PFT_DEVICE)")
+    p.add_argument("--data-plane", default=None, choices=["auto", "nccl", "tcp"],
+                   help="backend across replicas (default: $P2PFT_DATA_PLANE, else auto: nccl for CUDA "
+                        "tensors when CuPy+NCCL work, tcp otherwise)")
     p.add_argument("--comm-timeout", type=float, default=10.0, help="data-plane operation timeout (s)")
     p.add_argument("--loop-timeout", type=float, default=60.0,
                    help="the leader leaves this replica out when its training loop stalls this long (s)")
@@ -102,24 +107,33 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     stats = Stats(args.stats)
     t_imported = time.time()
+    from p2pft.transport.backend import DataPlaneError, choose_backend, data_plane_from
+    device = torch.device(args.device)
+    try:  # an impossible data plane is one line, before anything is bound
+        choose_backend(data_plane_from(args.data_plane), device.type)
+    except DataPlaneError as exc:
+        print(f"replica: {exc}", file=sys.stderr)
+        return 2
     torch.manual_seed(args.seed)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     if args.mlp_params:
-        model = build_mlp_for_params(args.mlp_params)
+        model = build_mlp_for_params(args.mlp_params).to(device)
         width = model[0].in_features
 
         def loss_fn(idx: list[int]) -> torch.Tensor:
             g = torch.Generator().manual_seed(idx[0])
-            x = torch.randn(len(idx), width, generator=g)
+            x = torch.randn(len(idx), width, generator=g).to(device)
             return (model(x) - x).pow(2).mean()
     else:
         cfg = model_config_for(args.model)
-        model = cfg.build()
+        model = cfg.build().to(device)
         data = TextDataset(cfg.seq_len)
 
         def loss_fn(idx: list[int]) -> torch.Tensor:
-            return model.loss(data.batch(idx))
+            return model.loss(data.batch(idx).to(device))
 
-        held_out = data.batch(list(range(len(data) - 32, len(data))))
+        held_out = data.batch(list(range(len(data) - 32, len(data)))).to(device)
 
         def eval_loss() -> float:
             with torch.no_grad():
@@ -129,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     rt = Runtime(replica_id=args.replica_id, listen=args.listen, seeds=seeds,
                  secret=load_secret(args.secret_file), advertise=args.advertise, data_listen=args.data_listen,
                  advertise_data=args.advertise_data, comm_timeout=args.comm_timeout,
-                 metrics_port=args.metrics_port).start()
+                 metrics_port=args.metrics_port, data_plane=args.data_plane).start()
     stop = {"flag": False}
 
     ft_box: list[FaultTolerant] = []

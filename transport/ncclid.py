@@ -1,0 +1,299 @@
+"""The NCCL unique id of one (data epoch, shard): from rank 0 to the other ranks, and a liveness star.
+
+Rank 0 of an NCCL communicator makes the id and connects to every other rank's DataServer with
+a hello of kind ``KIND_NCCL_ID``: the ring's handshake (HMAC with the cluster secret, replay
+guard, pending table while the peer has not created its communicator yet). It then sends the
+128-byte id followed by HMAC(secret, hello || id), so the id itself is authenticated too.
+
+Each rank acknowledges the id (one byte), and only when every rank has done so does rank 0 say
+go (one byte to each): ncclCommInitRank blocks until every rank has called it and cannot be
+cancelled, so no rank starts it before every other rank is known to hold the id and to be
+about to start it too; a rank that never takes the id is named instead.
+
+Why the data plane and not gossip: the id belongs to one (data epoch, shard), shard ranks other
+than 0 of an FSDP replica never see gossip, and the data server already authenticates peers.
+
+The connections stay open for the life of the communicator, a star around rank 0. A peer process
+that dies closes its end (rank 0, or the rank whose link to rank 0 breaks, learns at once); a
+rank that fails, aborts or closes writes an error frame (the ring's layout) on every link before
+closing it, and rank 0 relays what it hears. So an NCCL failure names its peer like a TCP one:
+``PeerFailed(peer_rank=the dead rank)``, ``CommAborted(peer_rank=the aborting rank)``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import select
+import socket
+import threading
+import time
+from typing import Callable
+
+from .errors import CommAborted, CommError, CommTimeout, PeerFailed, ProtocolMismatch
+from .failure import error_from_remote
+from .options import RingOptions
+from .sockutil import close_quietly, shutdown_quietly
+from .wire import (
+    ACK_LEN, FRAME_LEN, FRAME_PREFIX, FRAME_SUFFIX, MAX_ERROR_PAYLOAD, OP_ERROR, PREFIX_LEN, ST_BUSY, ST_CLOSED,
+    ST_MISMATCH, ST_OK, ST_PENDING, STATUS_TEXT, FRAME_MAGIC, Hello, pack_error_frame, pack_hello, parse_ack,
+    parse_error_payload, recv_exact, source_address, split_addr, tune_socket,
+)
+
+__all__ = ["KIND_NCCL_ID", "UID_BYTES", "StarLinks"]
+
+logger = logging.getLogger(__name__)
+
+KIND_NCCL_ID = 3          # hello kind: "here is the NCCL id of (epoch, shard)"
+UID_BYTES = 128
+_MAC_LEN = 32
+_WATCH_SLICE_S = 0.1
+ACK = b"\x01"   # rank r -> rank 0: I hold the id
+GO = b"\x02"    # rank 0 -> every rank: everybody holds it, start ncclCommInitRank
+
+
+def uid_mac(secret: bytes | None, hello_raw: bytes, uid: bytes) -> bytes:
+    """MAC of an id sent after `hello_raw` (zeros without a secret, like the hello's)."""
+    if secret is None:
+        return bytes(_MAC_LEN)
+    return hmac.new(secret, hello_raw + uid, hashlib.sha256).digest()
+
+
+class StarLinks:
+    """Rank 0's links to every other rank (rank r: its one link to rank 0) of one NCCL communicator.
+
+    `on_error(err)` is the communicator's sticky failure: called once a link reports a failure.
+    """
+
+    def __init__(self, *, epoch: int, shard: int, rank: int, peers: list[str], options: RingOptions,
+                 on_error: Callable[[CommError], object]) -> None:
+        self.epoch = epoch
+        self.shard = shard
+        self.rank = rank
+        self.peers = list(peers)
+        self.world = len(peers)
+        self.options = options
+        self.on_error = on_error
+        self.socks: dict[int, socket.socket] = {}
+        self._hello_raw: bytes | None = None
+        self._cond = threading.Condition()
+        self._closed = False
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------------ called by the DataServer
+    def check_hello(self, h: Hello) -> int:
+        """Ack status for rank 0's id connection (only rank 0 sends one, once, to this rank)."""
+        with self._cond:
+            if self._closed:
+                return ST_CLOSED
+            if self.rank == 0 or h.src != 0 or h.dst != self.rank or h.world != self.world or 0 in self.socks:
+                return ST_MISMATCH
+        return ST_OK
+
+    def attach(self, h: Hello, sock: socket.socket) -> None:
+        with self._cond:
+            if not self._closed and 0 not in self.socks:
+                self.socks[0] = sock
+                self._hello_raw = h.raw
+                self._cond.notify_all()
+                return
+        close_quietly(sock)
+
+    # ------------------------------------------------------------------ rank 0
+    def push(self, uid: bytes, deadline: float) -> None:
+        """Hand `uid` to every other rank, collect their acks, say go; raises CommError naming a
+        rank that cannot be reached or does not take the id in time."""
+        for r in range(1, self.world):
+            sock = self._connect(r, uid, deadline)
+            with self._cond:
+                if self._closed:
+                    close_quietly(sock)
+                    raise CommAborted("communicator closed while handing out the NCCL id")
+                self.socks[r] = sock
+        for r in range(1, self.world):
+            self._expect(r, ACK, deadline, "take the NCCL id")
+        for r in range(1, self.world):
+            try:
+                self.socks[r].sendall(GO)
+            except OSError as e:
+                raise PeerFailed(f"rank {r} went away before NCCL init: {e!r}", peer_rank=r,
+                                 peer_addr=self.peers[r]) from None
+
+    def _expect(self, peer: int, byte: bytes, deadline: float, what: str) -> None:
+        """Read one byte from `peer` (bounded); anything else is its error frame or garbage."""
+        s = self.socks[peer]
+        addr = self.peers[peer]
+        first = b""
+        try:
+            s.settimeout(max(0.01, deadline - time.monotonic()))
+            first = s.recv(1)
+            s.settimeout(None)
+        except (socket.timeout, TimeoutError):
+            raise CommTimeout(f"rank {peer} did not {what} in time", peer_rank=peer, peer_addr=addr) from None
+        except OSError:
+            pass
+        if first == byte:
+            return
+        if not first:
+            raise PeerFailed(f"rank {peer} went away before NCCL init", peer_rank=peer, peer_addr=addr)
+        raise self._read_verdict(s, peer, first)
+
+    def _connect(self, r: int, uid: bytes, deadline: float) -> socket.socket:
+        opts = self.options
+        addr = self.peers[r]
+        host, port = split_addr(addr)
+        backoff = 0.002
+        last = "no attempt"
+        while True:
+            with self._cond:
+                if self._closed:
+                    raise CommAborted("communicator closed while handing out the NCCL id")
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                cls = PeerFailed if "refused" in last else CommTimeout
+                raise cls(f"cannot hand the NCCL id to rank {r}: {last}", peer_rank=r, peer_addr=addr)
+            hello = pack_hello(opts.secret, KIND_NCCL_ID, self.epoch, self.shard, 0, r, self.world)
+            sock = None
+            try:
+                sock = socket.create_connection((host, port), timeout=min(remaining, 2.0),
+                                                source_address=source_address(opts.source_host, host))
+                tune_socket(sock, None)
+                sock.sendall(hello)
+                ack = bytearray(ACK_LEN)
+                recv_exact(sock, memoryview(ack))
+                status = parse_ack(opts.secret, hello, bytes(ack))
+                if status in (ST_OK, ST_PENDING):
+                    sock.sendall(uid + uid_mac(opts.secret, hello, uid))
+                    sock.settimeout(None)
+                    return sock
+                close_quietly(sock)
+                sock = None
+                if status == ST_CLOSED:
+                    raise CommAborted(f"rank {r} already closed its communicator of epoch {self.epoch}",
+                                      peer_rank=r, peer_addr=addr)
+                if status != ST_BUSY:
+                    raise ProtocolMismatch(f"rank {r} rejected the NCCL id: {STATUS_TEXT.get(status, status)}",
+                                           peer_rank=r, peer_addr=addr)
+                last = "peer busy"
+            except ProtocolMismatch as e:
+                if sock is not None:
+                    close_quietly(sock)
+                if e.peer_rank is None:
+                    e = ProtocolMismatch(e.reason, peer_rank=r, peer_addr=addr)
+                raise e from None
+            except CommError:
+                raise
+            except (EOFError, OSError) as e:
+                if sock is not None:
+                    close_quietly(sock)
+                last = "connection refused" if isinstance(e, ConnectionRefusedError) else repr(e)
+            time.sleep(min(backoff, max(0.0, deadline - time.monotonic())))
+            backoff = min(backoff * 2, 0.2)
+
+    # ------------------------------------------------------------------ ranks other than 0
+    def receive(self, deadline: float, go_deadline: float) -> bytes:
+        """Wait (bounded) for rank 0's id, check its MAC, ack it and wait for go (until
+        `go_deadline`, later than rank 0's own wait, so that rank 0's verdict naming a rank that
+        never took the id arrives here first)."""
+        with self._cond:
+            while 0 not in self.socks and not self._closed:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise CommTimeout(f"rank 0 did not hand over the NCCL id of epoch {self.epoch} shard "
+                                      f"{self.shard} in time", peer_rank=0, peer_addr=self.peers[0])
+                self._cond.wait(min(left, 0.05))
+            if self._closed:
+                raise CommAborted("communicator closed while waiting for the NCCL id")
+            sock, hello_raw = self.socks[0], self._hello_raw
+        assert hello_raw is not None
+        buf = bytearray(UID_BYTES + _MAC_LEN)
+        try:
+            sock.settimeout(max(0.01, deadline - time.monotonic()))
+            recv_exact(sock, memoryview(buf))
+            sock.settimeout(None)
+        except (socket.timeout, TimeoutError):
+            raise CommTimeout("rank 0 did not send the NCCL id in time", peer_rank=0, peer_addr=self.peers[0]) from None
+        except (EOFError, OSError) as e:
+            raise PeerFailed(f"rank 0 closed the NCCL id connection: {e!r}", peer_rank=0,
+                             peer_addr=self.peers[0]) from None
+        uid, mac = bytes(buf[:UID_BYTES]), bytes(buf[UID_BYTES:])
+        if not hmac.compare_digest(mac, uid_mac(self.options.secret, hello_raw, uid)):
+            raise ProtocolMismatch("the NCCL id from rank 0 fails its MAC (cluster secret)", peer_rank=0,
+                                   peer_addr=self.peers[0])
+        try:
+            sock.sendall(ACK)
+        except OSError as e:
+            raise PeerFailed(f"rank 0 went away: {e!r}", peer_rank=0, peer_addr=self.peers[0]) from None
+        self._expect(0, GO, go_deadline, "say go for NCCL init")
+        return uid
+
+    # ------------------------------------------------------------------ liveness, both sides
+    def watch(self) -> None:
+        """Watch the links on a thread of their own: EOF or an error frame fails the communicator."""
+        name = f"p2pft-nccl-star-e{self.epoch}s{self.shard}r{self.rank}"
+        self._thread = threading.Thread(target=self._watch, daemon=True, name=name)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        while True:
+            with self._cond:
+                if self._closed:
+                    return
+                by_sock = {s: r for r, s in self.socks.items()}
+            if not by_sock:
+                return
+            try:
+                ready, _, _ = select.select(list(by_sock), [], [], _WATCH_SLICE_S)
+            except (OSError, ValueError):  # a socket closed under us: we are closing
+                return
+            for s in ready:
+                err = self._read_verdict(s, by_sock[s])
+                self.on_error(err)
+                return
+
+    def _read_verdict(self, s: socket.socket, peer: int, first: bytes = b"") -> CommError:
+        """The error frame `peer` wrote (its first bytes already read: `first`), or why there is none."""
+        addr = self.peers[peer]
+        head = bytearray(FRAME_LEN)
+        head[:len(first)] = first
+        try:
+            s.settimeout(1.0)
+            recv_exact(s, memoryview(head)[len(first):])
+            prefix = FRAME_PREFIX.unpack_from(head)
+            plen = FRAME_SUFFIX.unpack_from(head, PREFIX_LEN)[4]
+            if prefix[0] != FRAME_MAGIC or prefix[1] != OP_ERROR or plen > MAX_ERROR_PAYLOAD:
+                return ProtocolMismatch(f"rank {peer} sent garbage on the NCCL link", peer_rank=peer, peer_addr=addr)
+            body = bytearray(plen)
+            recv_exact(s, memoryview(body))
+        except (EOFError, OSError) as e:
+            return PeerFailed(f"rank {peer} went away (its NCCL link closed: {type(e).__name__})",
+                              peer_rank=peer, peer_addr=addr)
+        remote = parse_error_payload(bytes(body))
+        return error_from_remote(remote, peer, rank=self.rank, my_tag=0, peers=self.peers)
+
+    def tell(self, err: CommError) -> None:
+        """Write this rank's verdict on every link (rank 0 thereby relays a peer's to the others)."""
+        origin = err.origin if err.origin is not None else self.rank
+        frame = pack_error_frame(self.epoch, self.shard, self.rank, err, origin)
+        with self._cond:
+            socks = list(self.socks.values())
+        for s in socks:
+            try:
+                s.send(frame, socket.MSG_DONTWAIT)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            socks = list(self.socks.values())
+            self._cond.notify_all()
+        for s in socks:
+            shutdown_quietly(s)
+            close_quietly(s)
+        th = self._thread
+        if th is not None and th is not threading.current_thread():
+            th.join(1.0)
