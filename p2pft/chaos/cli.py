@@ -28,6 +28,9 @@ def register(sub: Any) -> None:
     p.add_argument("--pause-for", type=float, default=3.0)
     p.add_argument("--step-delay", type=float, default=0.1, help="emulated accelerator seconds per step")
     p.add_argument("--model", choices=["tiny", "small"], default="tiny")
+    p.add_argument("--workload", choices=["example", "gpt"], default="example",
+                   help="example: the example replica; gpt: the GPT recipe (trainer/examples/gpt.py), whose "
+                   "committed steps are then replayed in one plain PyTorch process and compared (oracle columns)")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--checkpoint-every", type=int, default=20, help="sync baseline: steps between checkpoints")
     p.add_argument("--systems", default="auto",
@@ -48,7 +51,7 @@ def cmd_chaos(args: argparse.Namespace) -> int:
                       restart_after=args.restart_after, fault=args.fault, pause_for=args.pause_for,
                       step_delay=args.step_delay, model=args.model, batch=args.batch,
                       checkpoint_every=args.checkpoint_every, seed=args.seed,
-                      witnesses=args.witnesses)
+                      witnesses=args.witnesses, workload=args.workload)
     try:
         cfg.validate()
     except ValueError as exc:
@@ -70,6 +73,10 @@ def cmd_chaos(args: argparse.Namespace) -> int:
     finally:
         if live:
             live.stop()
+    if cfg.workload == "gpt":
+        from .oracle import add_to_report
+        console.print("replaying the committed steps in one plain PyTorch process (the oracle) ...")
+        add_to_report(report, out / "runs")
     write_json(report, out / "chaos.json")
     write_json(report, out / "chaos-full.json", full=True)
     plot_timeline(report, out / "timeline.png")

@@ -24,6 +24,8 @@ COLUMNS = [
     ("rejoin_p50_s", "rejoin p50", "{:.2f} s"),
     ("rejoin_excl_imports_p50_s", "rejoin w/o imports", "{:.2f} s"),
     ("divergent_steps", "divergent steps", "{}"),
+    ("oracle_max_abs_diff", "oracle abs", "{:.1e}"),
+    ("oracle_max_rel_diff", "oracle rel", "{:.1e}"),
 ]
 
 EXPLAIN = """\
@@ -34,7 +36,9 @@ two committed steps after a failure, minus one normal step ({step}); 'rejoin' = 
 process start to its first step that counts its gradients ('w/o imports': from after Python and
 torch imports). 'divergent steps' = steps at which two replicas held different weights (state
 digests compared every {digest} steps). sync = every failure restarts all replicas from the last
-disk checkpoint (every {ckpt} steps), as an elastic launcher does."""
+disk checkpoint (every {ckpt} steps), as an elastic launcher does. 'oracle abs/rel' (--workload gpt) =
+the largest difference between a survivor's final weights and the committed steps replayed in one
+plain PyTorch process (rel: per tensor, over its largest weight)."""
 
 
 def public(report: dict[str, Any]) -> dict[str, Any]:

@@ -88,6 +88,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--stats", default=None, help="JSON-lines file for per-step records")
     p.add_argument("--loss-every", type=int, default=1, help="write the training loss every N steps")
     p.add_argument("--final-weights", default=None, help="torch.save the parameters here at exit")
+    p.add_argument("--weights-every", type=int, default=0,
+                   help="also save them every N committed steps, next to --final-weights (NAME.stepN.pt)")
     p.add_argument("--progress", choices=["auto", "on", "off"], default="auto",
                    help="a progress line every few seconds (auto: when stdout is a terminal)")
     p.add_argument("--checkpoint-dir", default=None)
@@ -235,6 +237,7 @@ class Monitor:
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
         self.on_stop: list[Any] = []
+        self.model: Any = None   # saved every --weights-every steps
 
     def _on_signal(self, signum: int, frame: object) -> None:
         self.stopped = True
@@ -244,12 +247,15 @@ class Monitor:
     def running(self, step: int) -> bool:
         return not self.stopped and time.monotonic() < self.deadline and (not self.args.steps or step < self.args.steps)
 
-    def begin(self, ft: Any, slot: int | None) -> None:
-        """The ranges we are about to train for, before the commit: if this process dies after
-        the commit applied but before its step line, the oracle still knows what it trained."""
+    def before_commit(self, ft: Any, slot: int | None) -> None:
+        """Write the ranges this step trains, before the commit: if this process dies after the
+        commit applied but before its step line, the oracle still knows what it trained. Then
+        the emulated accelerator time (--step-delay)."""
         if slot is not None:
             self.write({"t": time.time(), "kind": "begin", "step": ft.step, "slot": slot,
                         "tr": [list(x) for x in ft.cursor.assign(slot)]})
+        if self.args.step_delay:
+            time.sleep(self.args.step_delay)
 
     def start(self, **extra: Any) -> None:
         self.write({"t": time.time(), "kind": "start", "t_process": T_START, "t_imported": self.t0,
@@ -272,6 +278,8 @@ class Monitor:
         self.counts["samples"] += sum(b - a for a, b in rec.get("tr", []))
         self.last = rec
         self.write(rec)
+        if rec["c"] and self.model is not None:
+            save_weights(self.args.final_weights, self.model, rec["step"], self.args.weights_every)
         self._progress()
 
     def event(self, ev: dict[str, Any]) -> None:
@@ -303,7 +311,12 @@ class Monitor:
               f"{json.dumps(self.events, sort_keys=True)}", flush=True)
 
 
-def save_weights(path: str | None, model: Any, step: int) -> None:
+def save_weights(path: str | None, model: Any, step: int, every: int = 0) -> None:
+    """At exit (every=0), or at each multiple of `every` as PATH-without-.pt + .stepN.pt."""
+    if every:
+        if not path or step % every:
+            return
+        path = f"{path[:-3] if path.endswith('.pt') else path}.step{step}.pt"
     if path:
         import torch
         tmp = f"{path}.{os.getpid()}.tmp"
@@ -315,6 +328,7 @@ def save_weights(path: str | None, model: Any, step: int) -> None:
 def train_plain(args: argparse.Namespace, r: Recipe, mon: Monitor) -> None:
     import torch
     model, opt, sched, scaler, data = build(r, args.data_dir)
+    mon.model = model
     batches = iter(torch.utils.data.DataLoader(data, batch_size=r.batch, sampler=Endless(len(data)),
                                                num_workers=args.workers))
     step = 0
@@ -346,6 +360,7 @@ def train_ft(args: argparse.Namespace, r: Recipe, mon: Monitor) -> None:
     from p2pft.trainer.loader import StepLoader
     from p2pft.wire import load_secret
     model, opt, sched, scaler, data = build(r, args.data_dir)
+    mon.model = model
     rt = Runtime(replica_id=args.replica_id, listen=args.listen, seeds=[s for s in args.seeds.split(",") if s],
                  secret=load_secret(args.secret_file), comm_timeout=args.comm_timeout).start()
     ft = FaultTolerant(rt, model, opt, batch_per_replica=r.batch, nominal_replicas=r.replicas,
@@ -358,9 +373,9 @@ def train_ft(args: argparse.Namespace, r: Recipe, mon: Monitor) -> None:
     while mon.running(ft.step):
         batch = batches.next_batch()
         ft.zero_grad()
-        slot = ft.current_slot
-        mon.begin(ft, slot)
         loss = forward_backward(model, batch, r, scaler) if batch is not None else None
+        slot = ft.current_slot
+        mon.before_commit(ft, slot)
         try:
             res = ft.commit()
         except Stopped:
@@ -400,12 +415,24 @@ def record(args: argparse.Namespace, mon: Monitor, ft: Any, rt: Any, res: Any, s
     if res.trained:
         rec["tr"] = [list(x) for x in res.trained]
         rec["slot"] = slot
+        if res.committed:
+            rec["dr"] = ring_position(ft, rt)
     if res.committed and args.digest_every and res.step % args.digest_every == 0:
         rec["digest"] = ft.digest()
     if view is not None and view.epoch != mon.last_epoch:
         mon.last_epoch = view.epoch
         rec["view"] = [[m.replica_id, m.role.value[0]] for m in view.members]
     return rec
+
+
+def ring_position(ft: Any, rt: Any) -> list[int] | None:
+    """[our data rank, data world] in the committed attempt: the oracle then sums gradients in
+    the ring's order (bitwise equal) instead of slot order (equal to float32 rounding)."""
+    view = getattr(ft, "_attempt_view", None)
+    try:
+        return [view.data_rank(rt.node_id), len(view.data_members)] if view is not None else None
+    except ValueError:
+        return None
 
 
 def main(argv: list[str] | None = None) -> int:
