@@ -278,7 +278,7 @@ class Monitor:
         self.counts["samples"] += sum(b - a for a, b in rec.get("tr", []))
         self.last = rec
         self.write(rec)
-        if rec["c"] and self.model is not None:
+        if rec["c"] and self.args.weights_every and self.model is not None:
             save_weights(self.args.final_weights, self.model, rec["step"], self.args.weights_every)
         self._progress()
 
