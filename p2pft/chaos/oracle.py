@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import sys
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -115,7 +116,9 @@ def rebuild(stats_files: list[Path]) -> History:
                 if c:
                     n = int(rec["n"])
                     if counts.setdefault(step - 1, n) != n:
-                        raise OracleError(f"step {step}: replicas recorded {counts[step - 1]} and {n} contributors")
+                        raise OracleError(f"step {step}: replicas recorded {counts[step - 1]} and {n} contributors: two "
+                                          "histories (did every replica holding the state die, so that "
+                                          "training began again from step 0?)")
                     if "lr" in rec:
                         lrs[step - 1] = float(rec["lr"])
                 if rec.get("tr"):
@@ -154,7 +157,7 @@ def _cursor_mismatches(history: History, upto: int) -> int:
 
 
 def replay(history: History, targets: dict[str, tuple[int, dict[str, Any]]],
-           data_dir: str | None = None) -> OracleResult:
+           data_dir: str | None = None, ring_order: bool = True) -> OracleResult:
     """Train the history in this process and compare with `targets` (name -> (step, params))."""
     import time
 
@@ -184,7 +187,7 @@ def replay(history: History, targets: dict[str, tuple[int, dict[str, Any]]],
             forward_backward(model, batch, r, scaler)
             grads.append(torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
                                     for p in params]))
-        total, exact = _sum(grads, [c.ring for c in st.contributions], ring_size)
+        total, exact = _sum(grads, [c.ring if ring_order else None for c in st.contributions], ring_size)
         in_ring_order += exact
         off = 0
         for p in params:
@@ -267,7 +270,7 @@ def _compare(model: Any, theirs: dict[str, Any]) -> tuple[float, float]:
     return abs_d, rel_d
 
 
-def check_run(run_dir: Path, data_dir: str | None = None) -> OracleResult:
+def check_run(run_dir: Path, data_dir: str | None = None, ring_order: bool = True) -> OracleResult:
     """Replay a run folder (``r<i>-<incarnation>.jsonl`` stats, ``.pt`` final weights) and compare
     with every replica that saved weights at the end."""
     import torch
@@ -281,7 +284,7 @@ def check_run(run_dir: Path, data_dir: str | None = None) -> OracleResult:
     for w in weights:
         saved = torch.load(w, map_location="cpu")
         targets[w.name] = (int(saved["step"]), saved["params"])
-    return replay(rebuild(stats), targets, data_dir)
+    return replay(rebuild(stats), targets, data_dir, ring_order)
 
 
 def add_to_report(report: dict[str, Any], runs_dir: Path) -> None:
@@ -296,5 +299,25 @@ def add_to_report(report: dict[str, Any], runs_dir: Path) -> None:
             row["oracle_error"] = str(exc)
 
 
+def main(argv: list[str] | None = None) -> int:
+    """``python -m p2pft.chaos.oracle RUN_DIR``: replay one run folder and print the result."""
+    import argparse
+    p = argparse.ArgumentParser(description=main.__doc__)
+    p.add_argument("run_dir", type=Path, help="a folder of r<i>-<incarnation>.jsonl stats and .pt weights")
+    p.add_argument("--slot-order", action="store_true", help="sum in slot order, not the ring's (rounding shows)")
+    p.add_argument("--data-dir", default=None)
+    args = p.parse_args(argv)
+    try:
+        result = check_run(args.run_dir, args.data_dir, ring_order=not args.slot_order)
+    except OracleError as exc:
+        print(f"oracle: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(asdict(result), indent=1))
+    return 0
+
+
 __all__ = ["Committed", "Contribution", "History", "OracleError", "OracleResult", "add_to_report", "check_run",
            "rebuild", "replay"]
+
+if __name__ == "__main__":
+    sys.exit(main())

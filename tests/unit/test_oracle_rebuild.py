@@ -58,7 +58,8 @@ def test_fast_forwarded_ranges_belong_to_the_first_step_applied(tmp_path: Path) 
         {"step": 1, "c": 1, "n": 2, "tr": [[0, 4]], "slot": 0},
         {"step": 2, "c": 1, "n": 1, "tr": [[8, 12]], "slot": 0},
     ])
-    behind = _write(tmp_path / "r1-0.jsonl", [_start(), {"step": 2, "c": 0, "n": 0, "ff": 2, "tr": [[4, 8]], "slot": 1}])
+    behind = _write(tmp_path / "r1-0.jsonl",
+                    [_start(), {"step": 2, "c": 0, "n": 0, "ff": 2, "tr": [[4, 8]], "slot": 1}])
     h = rebuild([ahead, behind])
     assert h.unresolved == [] and len(h.steps[0].contributions) == 2
 

@@ -200,8 +200,11 @@ def autocast(r: Recipe) -> AbstractContextManager[Any]:
     return torch.autocast("cpu", dtype=torch.bfloat16 if r.amp == "bf16" else torch.float16)
 
 
-def forward_backward(model: Any, batch: Any, r: Recipe, scaler: Any) -> float:
-    """Accumulate the gradient of one replica's batch over r.accum micro-batches; the mean loss."""
+def forward_backward(model: Any, batch: Any, r: Recipe, scaler: Any) -> float | None:
+    """Accumulate the gradient of one replica's batch over r.accum micro-batches; the mean loss
+    (None for no batch: the replica contributes nothing to this step)."""
+    if batch is None:
+        return None
     total = 0.0
     for micro in batch.chunk(r.accum):
         with autocast(r):
@@ -218,8 +221,9 @@ def clip(model: Any, r: Recipe) -> Any:
 
 # ---------------------------------------------------------------------- stats, progress, stop
 class Monitor:
-    """JSON-lines stats (flushed at every record: the process may be SIGKILLed at any moment),
-    the progress line, the stop conditions and the summary."""
+    """Everything around the loop that is not training: the JSON-lines stats (flushed at every
+    line: the process may be SIGKILLed at any moment), the progress line, stop conditions and
+    signals, the summary, the weights files."""
 
     def __init__(self, args: argparse.Namespace, r: Recipe) -> None:
         self.args, self.r = args, r
@@ -234,105 +238,171 @@ class Monitor:
         self.events: dict[str, int] = {}
         self.last: dict[str, Any] = {}
         self.last_epoch = -1
+        self.model: Any = None
+        self.ft: Any = None
+        self.rt: Any = None
+        self.slot: int | None = None
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
-        self.on_stop: list[Any] = []
-        self.model: Any = None   # saved every --weights-every steps
 
     def _on_signal(self, signum: int, frame: object) -> None:
         self.stopped = True
-        for fn in self.on_stop:
-            fn()
+        if self.ft is not None:
+            self.ft.request_stop()   # a commit in flight raises Stopped instead of retrying
+
+    def start(self, model: Any, ft: Any = None, rt: Any = None) -> None:
+        """Announce the start (the harness waits for it), then wait for its go file and peers."""
+        self.model, self.ft, self.rt = model, ft, rt
+        self.write({"t": time.time(), "kind": "start", "t_process": T_START, "t_imported": self.t0,
+                    "pid": os.getpid(), "recipe": dataclasses.asdict(self.r), "step": ft.step if ft else 0,
+                    **({"node": rt.node_id} if rt else {})})
+        if ft is None:
+            return
+        if self.args.go_file:
+            deadline = time.monotonic() + 600
+            while not os.path.exists(self.args.go_file) and time.monotonic() < deadline and not self.stopped:
+                time.sleep(0.02)
+        if self.args.min_replicas > 1 and ft.step == 0:  # a restarted replica must not wait
+            rt.wait_view(lambda v: len(v.participants) >= self.args.min_replicas
+                         or v.role_of(rt.node_id) == "joiner", timeout=30.0)
 
     def running(self, step: int) -> bool:
         return not self.stopped and time.monotonic() < self.deadline and (not self.args.steps or step < self.args.steps)
 
-    def before_commit(self, ft: Any, slot: int | None) -> None:
+    def before_commit(self) -> None:
         """Write the ranges this step trains, before the commit: if this process dies after the
         commit applied but before its step line, the oracle still knows what it trained. Then
         the emulated accelerator time (--step-delay)."""
-        if slot is not None:
-            self.write({"t": time.time(), "kind": "begin", "step": ft.step, "slot": slot,
-                        "tr": [list(x) for x in ft.cursor.assign(slot)]})
+        ft = self.ft
+        self.slot = ft.current_slot
+        if self.slot is not None:
+            self.write({"t": time.time(), "kind": "begin", "step": ft.step, "slot": self.slot,
+                        "tr": [list(x) for x in ft.cursor.assign(self.slot)]})
         if self.args.step_delay:
             time.sleep(self.args.step_delay)
-
-    def start(self, **extra: Any) -> None:
-        self.write({"t": time.time(), "kind": "start", "t_process": T_START, "t_imported": self.t0,
-                    "pid": os.getpid(), "recipe": dataclasses.asdict(self.r), **extra})
 
     def write(self, rec: dict[str, Any]) -> None:
         if self.fh is not None:
             self.fh.write(json.dumps(rec, separators=(",", ":")) + "\n")
             self.fh.flush()
 
-    def step(self, rec: dict[str, Any], loss: float | None) -> None:
+    def plain_step(self, step: int, loss: float, lr: float) -> None:
+        b = self.r.batch
+        self._step({"step": step, "c": 1, "role": "plain", "n": 1, "r": 0, "e": 0, "lr": lr,
+                    "tr": [[(step - 1) * b, step * b]]}, loss)
+
+    def ft_step(self, res: Any, loss: float | None) -> None:
+        """One commit's line (replica.py's format, plus lr, the slot and our ring position)."""
+        ft, view = self.ft, self.rt.view
+        rec: dict[str, Any] = {"step": res.step, "c": int(res.committed), "role": res.role,
+                               "n": res.contributors, "r": res.retries, "e": view.epoch if view else 0}
+        if res.committed or res.fast_forwarded:
+            rec["lr"] = ft.optimizer_step.last_lrs[0]
+        if res.fast_forwarded:
+            rec["ff"] = res.fast_forwarded
+        if res.trained:
+            rec.update(tr=[list(x) for x in res.trained], slot=self.slot)
+            if res.committed:
+                rec["dr"] = ring_position(ft, self.rt)
+        if res.committed and self.args.digest_every and res.step % self.args.digest_every == 0:
+            rec["digest"] = ft.digest()
+        if view is not None and view.epoch != self.last_epoch:
+            self.last_epoch = view.epoch
+            rec["view"] = [[m.replica_id, m.role.value[0]] for m in view.members]
+        self._step(rec, loss)
+        while ft.events:  # popleft: the catch-up worker appends concurrently
+            ev = ft.events.popleft()
+            self.events[ev["kind"]] = self.events.get(ev["kind"], 0) + 1
+            self.write({**ev, "kind": "event", "event": ev["kind"]})
+
+    def _step(self, rec: dict[str, Any], loss: float | None) -> None:
         rec = {"t": time.time(), **rec}
         if loss is not None:
             self.losses.append(loss)
             if self.args.loss_every and rec["step"] % self.args.loss_every == 0:
                 rec["loss"] = loss
-        self.counts["steps"] += rec["c"]
-        self.counts["retries"] += rec.get("r", 0)
-        self.counts["fast_forwarded"] += rec.get("ff", 0)
-        self.counts["samples"] += sum(b - a for a, b in rec.get("tr", []))
+        c = self.counts
+        c["steps"] += rec["c"]
+        c["retries"] += rec.get("r", 0)
+        c["fast_forwarded"] += rec.get("ff", 0)
+        c["samples"] += sum(b - a for a, b in rec.get("tr", []))
         self.last = rec
         self.write(rec)
-        if rec["c"] and self.args.weights_every and self.model is not None:
-            save_weights(self.args.final_weights, self.model, rec["step"], self.args.weights_every)
-        self._progress()
-
-    def event(self, ev: dict[str, Any]) -> None:
-        self.events[ev["kind"]] = self.events.get(ev["kind"], 0) + 1
-        self.write({**ev, "kind": "event", "event": ev["kind"]})
+        if rec["c"] and self.args.weights_every and rec["step"] % self.args.weights_every == 0:
+            save_weights(self.args.final_weights, self.model, rec["step"], suffix=f".step{rec['step']}")
+        if self.show and time.monotonic() >= self.next_line:
+            self.next_line = time.monotonic() + 3.0
+            ev = " ".join(f"{k} {v}" for k, v in sorted(self.events.items()))
+            print(f"step {rec['step']:6d}  loss {self._loss():.3f}  lr {rec.get('lr', 0.0):.2e}  contributors "
+                  f"{rec.get('n', 1)}/{self.r.replicas}  view {rec.get('e', '-')}  {rec.get('role', '')}  {ev}",
+                  flush=True)
 
     def _loss(self) -> float:
         tail = self.losses[-20:]
         return sum(tail) / len(tail) if tail else math.nan
 
-    def _progress(self) -> None:
-        if not self.show or time.monotonic() < self.next_line:
-            return
-        self.next_line = time.monotonic() + 3.0
-        x = self.last
-        ev = " ".join(f"{k} {v}" for k, v in sorted(self.events.items()))
-        print(f"step {x['step']:6d}  loss {self._loss():.3f}  lr {x.get('lr', 0.0):.2e}  contributors "
-              f"{x.get('n', 1)}/{self.r.replicas}  view {x.get('e', '-')}  {x.get('role', '')}  {ev}", flush=True)
-
-    def summary(self, step: int, extra: dict[str, Any]) -> None:
-        wall = time.time() - self.t0
+    def stop(self, step: int) -> None:
+        """The exit line, the final weights, the summary; then leave the cluster."""
+        ft, wall, c = self.ft, time.time() - self.t0, self.counts
+        synced = ft is None or ft.synced   # mid catch-up the weights are neither the old step's nor the new
+        if synced:
+            save_weights(self.args.final_weights, self.model, step)
+        extra = {"cursor": ft.cursor.state_dict(), **({"digest": ft.digest()} if synced else {})} if ft else {}
         self.write({"t": time.time(), "kind": "exit", "step": step, **extra})
         if self.fh is not None:
             self.fh.close()
-        c = self.counts
         print(f"stopped at step {step} after {wall:.1f} s ({c['steps'] / max(wall, 1e-9):.2f} steps/s): "
               f"loss {self._loss():.3f} (mean of the last 20), {c['samples']} samples trained here, "
               f"{c['retries']} retries, {c['fast_forwarded']} fast-forwarded, events "
               f"{json.dumps(self.events, sort_keys=True)}", flush=True)
+        if ft is not None:
+            ft.close()
+            self.rt.close(leave=True)
 
 
-def save_weights(path: str | None, model: Any, step: int, every: int = 0) -> None:
-    """At exit (every=0), or at each multiple of `every` as PATH-without-.pt + .stepN.pt."""
-    if every:
-        if not path or step % every:
-            return
-        path = f"{path[:-3] if path.endswith('.pt') else path}.step{step}.pt"
-    if path:
-        import torch
-        tmp = f"{path}.{os.getpid()}.tmp"
-        torch.save({"step": step, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}, tmp)
-        os.replace(tmp, path)
+def save_weights(path: str | None, model: Any, step: int, suffix: str = "") -> None:
+    """torch.save {"step", "params"} to PATH (with `suffix` before its .pt), atomically."""
+    if not path:
+        return
+    import torch
+    if suffix:
+        path = f"{path[:-3] if path.endswith('.pt') else path}{suffix}.pt"
+    tmp = f"{path}.{os.getpid()}.tmp"
+    torch.save({"step": step, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}, tmp)
+    os.replace(tmp, path)
+
+
+def ring_position(ft: Any, rt: Any) -> list[int] | None:
+    """[our data rank, data world] in the committed attempt: the oracle then sums gradients in
+    the ring's order (bitwise equal) instead of slot order (equal to float32 rounding)."""
+    view = getattr(ft, "_attempt_view", None)
+    try:
+        return [view.data_rank(rt.node_id), len(view.data_members)] if view is not None else None
+    except ValueError:
+        return None
+
+
+def start_runtime(args: argparse.Namespace) -> Any:
+    """This replica's control plane: addresses and secret from the command line."""
+    from p2pft import Runtime
+    from p2pft.wire import load_secret
+    return Runtime(replica_id=args.replica_id, listen=args.listen, seeds=[s for s in args.seeds.split(",") if s],
+                   secret=load_secret(args.secret_file), comm_timeout=args.comm_timeout).start()
+
+
+def ft_options(args: argparse.Namespace) -> dict[str, Any]:
+    return {"checkpoint_dir": args.checkpoint_dir, "checkpoint_every": args.checkpoint_every,
+            "loop_timeout": args.loop_timeout or None}
 
 
 # ---------------------------------------------------------------------- the two loops
 def train_plain(args: argparse.Namespace, r: Recipe, mon: Monitor) -> None:
     import torch
     model, opt, sched, scaler, data = build(r, args.data_dir)
-    mon.model = model
     batches = iter(torch.utils.data.DataLoader(data, batch_size=r.batch, sampler=Endless(len(data)),
                                                num_workers=args.workers))
+    mon.start(model)
     step = 0
-    mon.start(step=0)
     while mon.running(step):
         batch = next(batches)
         opt.zero_grad(set_to_none=True)
@@ -348,91 +418,30 @@ def train_plain(args: argparse.Namespace, r: Recipe, mon: Monitor) -> None:
             opt.step()
         sched.step()
         step += 1
-        mon.step({"step": step, "c": 1, "role": "plain", "n": 1, "r": 0, "e": 0, "lr": lr,
-                  "tr": [[(step - 1) * r.batch, step * r.batch]]}, loss)
-    save_weights(args.final_weights, model, step)
-    mon.summary(step, {})
+        mon.plain_step(step, loss, lr)
+    mon.stop(step)
 
 
 def train_ft(args: argparse.Namespace, r: Recipe, mon: Monitor) -> None:
-    from p2pft import Runtime
     from p2pft.trainer import FaultTolerant, Stopped
     from p2pft.trainer.loader import StepLoader
-    from p2pft.wire import load_secret
     model, opt, sched, scaler, data = build(r, args.data_dir)
-    mon.model = model
-    rt = Runtime(replica_id=args.replica_id, listen=args.listen, seeds=[s for s in args.seeds.split(",") if s],
-                 secret=load_secret(args.secret_file), comm_timeout=args.comm_timeout).start()
-    ft = FaultTolerant(rt, model, opt, batch_per_replica=r.batch, nominal_replicas=r.replicas,
-                       lr_policy=r.lr_policy, lr_scheduler=sched, grad_scaler=scaler, grad_hook=lambda: clip(model, r),
-                       checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
-                       loop_timeout=args.loop_timeout or None)
+    rt = start_runtime(args)
+    ft = FaultTolerant(rt, model, opt, batch_per_replica=r.batch, nominal_replicas=r.replicas, lr_policy=r.lr_policy,
+                       lr_scheduler=sched, grad_scaler=scaler, grad_hook=lambda: clip(model, r), **ft_options(args))
     batches = StepLoader(ft, data, num_workers=args.workers)
-    mon.on_stop.append(ft.request_stop)
-    wait_for_go(args, rt, ft, mon)
+    mon.start(model, ft, rt)
     while mon.running(ft.step):
         batch = batches.next_batch()
         ft.zero_grad()
-        loss = forward_backward(model, batch, r, scaler) if batch is not None else None
-        slot = ft.current_slot
-        mon.before_commit(ft, slot)
+        loss = forward_backward(model, batch, r, scaler)
+        mon.before_commit()
         try:
             res = ft.commit()
         except Stopped:
             break
-        mon.step(record(args, mon, ft, rt, res, slot), loss)
-        while ft.events:  # popleft: the catch-up worker appends concurrently
-            mon.event(ft.events.popleft())
-    batches.close()
-    if ft.synced:  # mid catch-up the weights are neither the old step's nor the snapshot's
-        save_weights(args.final_weights, model, ft.step)
-    mon.summary(ft.step, {"cursor": ft.cursor.state_dict(), **({"digest": ft.digest()} if ft.synced else {})})
-    ft.close()
-    rt.close(leave=True)
-
-
-def wait_for_go(args: argparse.Namespace, rt: Any, ft: Any, mon: Monitor) -> None:
-    """As replica.py: announce the start, wait for the harness's go file and the first peers."""
-    mon.start(node=rt.node_id, step=ft.step)
-    if args.go_file:
-        deadline = time.monotonic() + 600
-        while not os.path.exists(args.go_file) and time.monotonic() < deadline and not mon.stopped:
-            time.sleep(0.02)
-    if args.min_replicas > 1 and ft.step == 0:
-        rt.wait_view(lambda v: len(v.participants) >= args.min_replicas
-                     or v.role_of(rt.node_id) == "joiner", timeout=30.0)
-
-
-def record(args: argparse.Namespace, mon: Monitor, ft: Any, rt: Any, res: Any, slot: int | None) -> dict[str, Any]:
-    """One step's stats line (replica.py's format, plus lr and the slot we trained for)."""
-    view = rt.view
-    rec: dict[str, Any] = {"step": res.step, "c": int(res.committed), "role": res.role, "n": res.contributors,
-                           "r": res.retries, "e": view.epoch if view else 0}
-    if res.committed or res.fast_forwarded:
-        rec["lr"] = ft.optimizer_step.last_lrs[0]
-    if res.fast_forwarded:
-        rec["ff"] = res.fast_forwarded
-    if res.trained:
-        rec["tr"] = [list(x) for x in res.trained]
-        rec["slot"] = slot
-        if res.committed:
-            rec["dr"] = ring_position(ft, rt)
-    if res.committed and args.digest_every and res.step % args.digest_every == 0:
-        rec["digest"] = ft.digest()
-    if view is not None and view.epoch != mon.last_epoch:
-        mon.last_epoch = view.epoch
-        rec["view"] = [[m.replica_id, m.role.value[0]] for m in view.members]
-    return rec
-
-
-def ring_position(ft: Any, rt: Any) -> list[int] | None:
-    """[our data rank, data world] in the committed attempt: the oracle then sums gradients in
-    the ring's order (bitwise equal) instead of slot order (equal to float32 rounding)."""
-    view = getattr(ft, "_attempt_view", None)
-    try:
-        return [view.data_rank(rt.node_id), len(view.data_members)] if view is not None else None
-    except ValueError:
-        return None
+        mon.ft_step(res, loss)
+    mon.stop(ft.step)
 
 
 def main(argv: list[str] | None = None) -> int:
