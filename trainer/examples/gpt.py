@@ -3,7 +3,7 @@
 The recipe is what a real job has: AdamW with weight-decay groups, linear warm-up then cosine
 decay (``LambdaLR``), gradient clipping at 1.0, mixed precision (bf16 autocast, or fp16 with a
 ``GradScaler``), gradient accumulation, a ``DataLoader`` with worker processes. The corpus is
-Python's own documentation (``pydoc_data.topics``, ~480 KB of English, no download), byte-level
+Python's own documentation (``pydoc_data.topics``, ~466 KB of English, no download), byte-level
 tokenized once into a token file read through a memory map.
 
 The same script trains with or without p2pft; ``train_plain`` and ``train_ft`` differ only in
@@ -103,6 +103,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--batch ({args.batch}) must be a positive multiple of --accum ({args.accum})")
     if args.warmup < 0 or args.steps < 0 or args.workers < 0 or not 0 <= args.min_lr_ratio <= 1:
         p.error("--warmup, --steps and --workers must be >= 0 and --min-lr-ratio in [0, 1]")
+    if args.comm_timeout <= 0 or (args.loop_timeout and args.loop_timeout <= args.comm_timeout):
+        p.error("--comm-timeout must be positive and --loop-timeout (0: off) must exceed it")
     return args
 
 
