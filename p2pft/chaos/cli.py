@@ -36,6 +36,9 @@ def register(sub: Any) -> None:
     p.add_argument("--pause-for", type=float, default=3.0)
     p.add_argument("--step-delay", type=float, default=0.1, help="emulated accelerator seconds per step")
     p.add_argument("--model", choices=["tiny", "small"], default="tiny")
+    p.add_argument("--workload", choices=["example", "gpt"], default="example",
+                   help="example: the example replica; gpt: the GPT recipe (trainer/examples/gpt.py), whose "
+                   "committed steps are then replayed in one plain PyTorch process and compared (oracle columns)")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--checkpoint-every", type=int, default=20,
                    help="ddp and sync baselines: steps between disk checkpoints")
@@ -68,7 +71,7 @@ def _chaos(args: argparse.Namespace) -> int:
                       restart_after=args.restart_after, fault=args.fault, pause_for=args.pause_for,
                       step_delay=args.step_delay, model=args.model, batch=args.batch,
                       checkpoint_every=args.checkpoint_every, seed=args.seed,
-                      witnesses=args.witnesses)
+                      witnesses=args.witnesses, workload=args.workload)
     try:
         cfg.validate()
     except ValueError as exc:
@@ -95,6 +98,10 @@ def _chaos(args: argparse.Namespace) -> int:
         finally:
             if live:
                 live.stop()
+        if cfg.workload == "gpt":
+            from .oracle import add_to_report
+            console.print("replaying the committed steps in one plain PyTorch process (the oracle) ...")
+            add_to_report(report, out / "runs")
         # Files first: after a SIGHUP the terminal may be gone and printing fail.
         write_json(report, out / "chaos.json")
         write_json(report, out / "chaos-full.json", full=True)

@@ -27,6 +27,7 @@ from ..procs import ProcGroup, collect
 from .records import read_stats
 
 FAULTS = ("kill", "pause", "leader", "two")
+WORKLOADS = {"example": "p2pft.trainer.examples.replica", "gpt": "p2pft.trainer.examples.gpt"}
 
 
 @dataclass
@@ -45,6 +46,7 @@ class ChaosConfig:
     digest_every: int = 10
     witnesses: int = 2                # `p2pft peer` processes: cheap voters that are never killed
     extra_args: tuple[str, ...] = ()  # passed through to every replica process
+    workload: str = "example"         # example (replica.py) | gpt (gpt.py, checked by the replay oracle)
 
     def validate(self) -> None:
         if self.replicas < 2:
@@ -55,6 +57,8 @@ class ChaosConfig:
             raise ValueError("durations must be positive (restart delay and step delay may be 0)")
         if self.fault not in FAULTS:
             raise ValueError(f"--fault must be one of {', '.join(FAULTS)}")
+        if self.workload not in WORKLOADS:
+            raise ValueError(f"--workload must be one of {', '.join(WORKLOADS)}")
         if self.kill_every < self.restart_after + 1.0:
             raise ValueError("--kill-every must exceed --restart-after by at least 1 s")
 
@@ -136,13 +140,15 @@ class Cluster:
         self.incarnations[i] += 1
         stats = self.workdir / f"r{i}-{inc}.jsonl"
         seeds = ",".join([a for j, a in enumerate(self.addrs) if j != i] + self.witness_addrs)
-        cmd = [sys.executable, "-m", "p2pft.trainer.examples.replica", "--replica-id", f"r{i}",
+        cmd = [sys.executable, "-m", WORKLOADS[cfg.workload], "--replica-id", f"r{i}",
                "--listen", self.addrs[i], "--seeds", seeds, "--model", cfg.model, "--batch", str(cfg.batch),
                "--step-delay", str(cfg.step_delay), "--stats", str(stats), "--replicas", str(cfg.replicas),
                "--digest-every", str(cfg.digest_every), "--seed", str(cfg.seed), "--loss-every", "10",
                "--min-replicas", str(cfg.replicas) if inc == 0 or self.system == "sync" else "1",
                "--go-file", str(self.go_file), "--log-level", os.environ.get("P2PFT_LOG_LEVEL", "INFO"),
                *cfg.extra_args]
+        if cfg.workload == "gpt":  # a survivor's final weights, for the replay oracle
+            cmd += ["--final-weights", str(self.workdir / f"r{i}-{inc}.pt"), "--progress", "off"]
         if self.system == "sync":
             cmd += ["--checkpoint-dir", str(self.workdir / f"ckpt-r{i}"), "--checkpoint-every",
                     str(cfg.checkpoint_every)]

@@ -26,6 +26,8 @@ COLUMNS = [
     ("rejoin_p50_s", "rejoin p50", "{:.2f} s"),
     ("rejoin_excl_imports_p50_s", "rejoin w/o imports", "{:.2f} s"),
     ("divergent_steps", "divergent steps", "{}"),
+    ("oracle_max_abs_diff", "oracle abs", "{:.1e}"),
+    ("oracle_max_rel_diff", "oracle rel", "{:.1e}"),
 ]
 
 EXPLAIN = """\
@@ -39,7 +41,9 @@ step. 'rejoin' = a restarted replica's process start to its first step that coun
 ('w/o imports': from after Python and torch imports). 'divergent steps' = steps at which two
 replicas held different weights (state digests compared every {digest} steps). ddp = plain
 PyTorch DDP (Gloo): every failure restarts all ranks from the last disk checkpoint (every {ckpt}
-steps), as torchrun does; sync = p2pft replicas restarted the same way."""
+steps), as torchrun does; sync = p2pft replicas restarted the same way. 'oracle abs/rel'
+(--workload gpt) = the largest difference between a survivor's final weights and the committed
+steps replayed in one plain PyTorch process (rel: per tensor, over its largest weight)."""
 
 
 def title(config: dict[str, Any], failures: int) -> str:

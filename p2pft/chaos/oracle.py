@@ -1,0 +1,323 @@
+"""The replay oracle: a chaos run of the GPT recipe, replayed in one plain PyTorch process.
+
+From the replicas' stats files alone it rebuilds what was committed: for each step, the number
+of contributing replicas and each contributor's sample ranges (``tr``, confirmed after the
+commit; a ``begin`` line written before the commit stands in for a contributor that was killed
+between applying the step and writing its line). It then trains from the same initial weights
+(same seed): for each step, each contributor's batch in slot order, with the same micro-batching,
+gives a gradient; their sum over the contributor count is the mean gradient; then, written here
+in plain PyTorch rather than imported, what ``trainer/optstep.py`` does: ``GradScaler`` unscale,
+clipping, the scheduler's lr times the contributor factor for that step only, AdamW, the
+scheduler's step. The learning rate is recomputed from the schedule, never read from the stats
+(which are compared with it instead). The result is compared with the final weights a surviving
+replica saved.
+
+The sum order differs from the ring allreduce's, so with three or more contributors the weights
+agree to float32 rounding, not bitwise; with two (a + b = b + a) they agree bitwise.
+torch is imported only when a replay runs.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import sys
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+Ranges = tuple[tuple[int, int], ...]
+ORACLE_SYSTEMS = ("p2pft", "failure_free")   # sync rolls back to checkpoints: its history is not one line
+
+
+@dataclass(frozen=True)
+class Contribution:
+    source: str              # the stats file (one process incarnation)
+    slot: int | None
+    ranges: Ranges
+    ring: tuple[int, int] | None = None   # (data rank, data world) of the committed allreduce
+
+
+@dataclass
+class Committed:
+    """One committed step as every replica applied it."""
+
+    index: int               # 0-based: the step that took the replicas from `index` to `index + 1`
+    count: int
+    contributions: list[Contribution]
+    recorded_lr: float | None = None
+
+
+@dataclass
+class History:
+    recipe: dict[str, Any]
+    steps: list[Committed]
+    unresolved: list[int] = field(default_factory=list)   # steps whose contributors are not all known
+
+
+@dataclass
+class OracleResult:
+    steps: int                       # steps replayed
+    compared: list[str]              # weight files compared (survivors)
+    max_abs_diff: float
+    max_rel_diff: float              # max over tensors of max|diff| / max|oracle weight|
+    abs_diff_by_step: dict[int, float]   # the largest abs difference at each compared step
+    lr_max_abs_diff: float           # recomputed lr vs the lr the replicas recorded
+    unresolved_steps: int
+    ring_order_steps: int            # steps summed in the ring's order (the others: in slot order)
+    cursor_mismatches: int           # contributor ranges that are not the data cursor's assignment
+    seconds: float
+
+    def row(self) -> dict[str, Any]:
+        return {f"oracle_{k}": v for k, v in asdict(self).items()}
+
+
+class OracleError(RuntimeError):
+    """The stats do not describe a replayable run (no recipe, missing steps, no weights)."""
+
+
+def _read(path: Path) -> list[dict[str, Any]]:
+    out = []
+    with open(path) as fh:
+        for line in fh:
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                break  # the last line of a SIGKILLed process may be cut
+    return out
+
+
+def _ranges(x: Any) -> Ranges:
+    return tuple((int(a), int(b)) for a, b in x)
+
+
+def rebuild(stats_files: list[Path]) -> History:
+    """The committed history of a run, from the stats files of all its process incarnations."""
+    recipe: dict[str, Any] | None = None
+    counts: dict[int, int] = {}
+    lrs: dict[int, float] = {}
+    confirmed: dict[int, dict[str, Contribution]] = defaultdict(dict)
+    pending: dict[int, dict[str, Contribution]] = defaultdict(dict)
+    for path in stats_files:
+        src = path.name
+        for rec in _read(path):
+            kind = rec.get("kind")
+            if kind == "start" and "recipe" in rec:
+                if recipe is not None and rec["recipe"] != recipe:
+                    raise OracleError(f"{src} ran another recipe than the other replicas")
+                recipe = rec["recipe"]
+            elif kind == "begin":
+                pending[int(rec["step"])][src] = Contribution(src, rec.get("slot"), _ranges(rec["tr"]))
+            elif kind is None and "step" in rec:
+                step, c = int(rec["step"]), bool(rec.get("c"))
+                if c:
+                    n = int(rec["n"])
+                    if counts.setdefault(step - 1, n) != n:
+                        raise OracleError(f"step {step}: replicas recorded {counts[step - 1]} and {n} contributors: two "
+                                          "histories (did every replica holding the state die, so that "
+                                          "training began again from step 0?)")
+                    if "lr" in rec:
+                        lrs[step - 1] = float(rec["lr"])
+                if rec.get("tr"):
+                    idx = step - 1 if c else step - int(rec.get("ff", 1))
+                    ring = (int(rec["dr"][0]), int(rec["dr"][1])) if c and rec.get("dr") else None
+                    confirmed[idx][src] = Contribution(src, rec.get("slot"), _ranges(rec["tr"]), ring)
+    if recipe is None:
+        raise OracleError("no start record with a recipe: these are not gpt.py stats")
+    steps, unresolved = [], []
+    for idx in range(max(counts, default=-1) + 1):
+        n = counts.get(idx)
+        have = dict(confirmed.get(idx, {}))
+        extra = [c for s, c in pending.get(idx, {}).items() if s not in have]
+        if n is not None and len(have) < n and len(have) + len(extra) == n:
+            have.update({c.source: c for c in extra})
+        if n is None or len(have) != n:
+            unresolved.append(idx)
+        contribs = sorted(have.values(), key=lambda c: (c.slot if c.slot is not None else 1 << 30, c.ranges))
+        steps.append(Committed(idx, n or 0, contribs, lrs.get(idx)))
+    return History(recipe, steps, unresolved)
+
+
+def _cursor_mismatches(history: History, upto: int) -> int:
+    """Check the rebuilt ranges against the replicated data cursor run over the same masks."""
+    from ..trainer.cursor import DataCursor
+    cur = DataCursor(int(history.recipe["batch"]))
+    bad = 0
+    for st in history.steps[:upto]:
+        slots = [c.slot for c in st.contributions]
+        if any(s is None for s in slots):
+            bad += 1
+            continue
+        bad += sum(1 for c in st.contributions if tuple(map(tuple, cur.assign(c.slot))) != c.ranges)
+        cur.commit([i in slots for i in range(cur.max_slots)])
+    return bad
+
+
+def replay(history: History, targets: dict[str, tuple[int, dict[str, Any]]],
+           data_dir: str | None = None, ring_order: bool = True) -> OracleResult:
+    """Train the history in this process and compare with `targets` (name -> (step, params))."""
+    import time
+
+    import torch
+
+    from ..trainer.examples.gpt import Recipe, build, clip, forward_backward
+    from ..trainer.shardstate import ShardStepBuffer
+    t0 = time.monotonic()
+    r = Recipe.from_dict(history.recipe)
+    last = max((s for s, _ in targets.values()), default=0)
+    if last > len(history.steps):
+        raise OracleError(f"weights at step {last} but only {len(history.steps)} committed steps recorded")
+    torch.set_num_threads(1)   # as the replicas: the same kernels, the same float sums
+    model, opt, sched, scaler, data = build(r, data_dir)
+    params = [p for p in model.parameters() if p.requires_grad]
+    ring_size = ShardStepBuffer(params).flat.numel()   # the allreduced buffer: its segments
+    peak, lr_diff, in_ring_order = 0, 0.0, 0
+    diffs: list[tuple[float, float]] = []
+    by_step: dict[int, float] = {}
+    for st in history.steps[:last]:
+        if st.count < 1:
+            raise OracleError(f"step {st.index} has no known contributors")
+        grads = []
+        for c in st.contributions:
+            opt.zero_grad(set_to_none=True)
+            batch = torch.stack([data[i % len(data)] for a, b in c.ranges for i in range(a, b)])
+            forward_backward(model, batch, r, scaler)
+            grads.append(torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                                    for p in params]))
+        total, exact = _sum(grads, [c.ring if ring_order else None for c in st.contributions], ring_size)
+        in_ring_order += exact
+        off = 0
+        for p in params:
+            p.grad = torch.div(total[off:off + p.numel()], float(st.count)).view(p.shape)
+            off += p.numel()
+        used = _optimizer_step(opt, sched, scaler, lambda: clip(model, r), r, st.count, peak)
+        peak = max(peak, st.count)
+        if st.recorded_lr is not None:
+            lr_diff = max(lr_diff, abs(used - st.recorded_lr))
+        opt.zero_grad(set_to_none=True)
+        for name, (step, theirs) in targets.items():
+            if step == st.index + 1:
+                diffs.append(_compare(model, theirs))
+                by_step[step] = max(by_step.get(step, 0.0), diffs[-1][0])
+    return OracleResult(steps=last, compared=sorted(targets), max_abs_diff=max((d[0] for d in diffs), default=0.0),
+                        max_rel_diff=max((d[1] for d in diffs), default=0.0),
+                        abs_diff_by_step=dict(sorted(by_step.items())), lr_max_abs_diff=lr_diff,
+                        unresolved_steps=sum(1 for i in history.unresolved if i < last), ring_order_steps=in_ring_order,
+                        cursor_mismatches=_cursor_mismatches(history, last), seconds=round(time.monotonic() - t0, 1))
+
+
+def _sum(grads: list[Any], rings: list[tuple[int, int] | None], size: int) -> tuple[Any, bool]:
+    """The sum of the contributors' flat gradients. In the ring's order when every contributor
+    recorded its place (segment k of the buffer is summed from data rank k onwards, around the
+    ring; ranks that did not contribute add zeros): then bitwise what the replicas applied.
+    Otherwise in slot order."""
+    import torch
+
+    from ..transport.ring import segments
+    world = rings[0][1] if rings and rings[0] is not None else 0
+    ranks = [x[0] for x in rings if x is not None and x[1] == world]
+    if not world or len(ranks) != len(grads) or len(set(ranks)) != len(ranks):
+        total = torch.zeros_like(grads[0])
+        for g in grads:
+            total.add_(g)
+        return total, False
+    by_rank = dict(zip(ranks, grads))
+    n = grads[0].numel()
+    total = torch.empty_like(grads[0])
+    for k, (off, ln) in enumerate(segments(size * 4, 4, world)):
+        a, b = min(off // 4, n), min((off + ln) // 4, n)
+        if a >= b:
+            continue
+        acc = by_rank[k][a:b].clone() if k in by_rank else torch.zeros(b - a)
+        for j in range(1, world):
+            g = by_rank.get((k + j) % world)
+            acc = acc + (g[a:b] if g is not None else torch.zeros(b - a))
+        total[a:b] = acc
+    return total, True
+
+
+def _optimizer_step(opt: Any, sched: Any, scaler: Any, hook: Any, r: Any, count: int, peak: int) -> float:
+    """One step as trainer/optstep.py defines it; returns the lr of param group 0 it ran with."""
+    planned = r.replicas if r.replicas else max(peak, count)
+    factor = {"none": 1.0, "linear": count / planned, "sqrt": math.sqrt(count / planned)}[r.lr_policy]
+    if scaler is not None:
+        scaler.unscale_(opt)
+    hook()
+    base = [g["lr"] for g in opt.param_groups]
+    for g, lr in zip(opt.param_groups, base):
+        g["lr"] = lr * factor
+    used = float(opt.param_groups[0]["lr"])
+    if scaler is not None:
+        scaler.step(opt)
+        scaler.update()
+    else:
+        opt.step()
+    for g, lr in zip(opt.param_groups, base):
+        g["lr"] = lr
+    sched.step()
+    return used
+
+
+def _compare(model: Any, theirs: dict[str, Any]) -> tuple[float, float]:
+    abs_d, rel_d = 0.0, 0.0
+    for name, p in model.named_parameters():
+        d = float((p.detach() - theirs[name]).abs().max())
+        abs_d = max(abs_d, d)
+        rel_d = max(rel_d, d / max(float(p.detach().abs().max()), 1e-30))
+    return abs_d, rel_d
+
+
+def check_run(run_dir: Path, data_dir: str | None = None, ring_order: bool = True) -> OracleResult:
+    """Replay a run folder (``r<i>-<incarnation>.jsonl`` stats, ``.pt`` final weights) and compare
+    with every replica that saved weights at the end."""
+    import torch
+    stats = sorted(run_dir.glob("r*-*.jsonl"))
+    weights = sorted(run_dir.glob("r*-*.pt"))
+    if not stats:
+        raise OracleError(f"no stats files in {run_dir}")
+    if not weights:
+        raise OracleError(f"no final weights in {run_dir}: no replica survived to the end?")
+    targets = {}
+    for w in weights:
+        saved = torch.load(w, map_location="cpu")
+        targets[w.name] = (int(saved["step"]), saved["params"])
+    return replay(rebuild(stats), targets, data_dir, ring_order)
+
+
+def add_to_report(report: dict[str, Any], runs_dir: Path) -> None:
+    """Fill the oracle columns of the systems whose history is a single line of commits."""
+    for row in report["systems"]:
+        if row["system"] not in ORACLE_SYSTEMS:
+            continue
+        try:
+            row.update(check_run(runs_dir / row["system"]).row())
+        except OracleError as exc:
+            log.warning("oracle for %s: %s", row["system"], exc)
+            row["oracle_error"] = str(exc)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m p2pft.chaos.oracle RUN_DIR``: replay one run folder and print the result."""
+    import argparse
+    p = argparse.ArgumentParser(description=main.__doc__)
+    p.add_argument("run_dir", type=Path, help="a folder of r<i>-<incarnation>.jsonl stats and .pt weights")
+    p.add_argument("--slot-order", action="store_true", help="sum in slot order, not the ring's (rounding shows)")
+    p.add_argument("--data-dir", default=None)
+    args = p.parse_args(argv)
+    try:
+        result = check_run(args.run_dir, args.data_dir, ring_order=not args.slot_order)
+    except OracleError as exc:
+        print(f"oracle: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(asdict(result), indent=1))
+    return 0
+
+
+__all__ = ["Committed", "Contribution", "History", "OracleError", "OracleResult", "add_to_report", "check_run",
+           "rebuild", "replay"]
+
+if __name__ == "__main__":
+    sys.exit(main())
