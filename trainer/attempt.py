@@ -78,6 +78,8 @@ class StepResult:
     role: str                 # this replica's role when the outcome was reached
     fast_forwarded: int = 0   # steps applied from a peer's log (missed commits)
     trained: list[tuple[int, int]] | None = None  # sample ranges of ours in the committed mean
+    data_rank: int | None = None  # our rank in the communicator that reduced this step (None: no allreduce)
+    data_world: int | None = None  # that communicator's size (the ring's summation order, for a replay)
 
 
 class StepTimeout(RuntimeError):

@@ -27,7 +27,7 @@ from ..step import (FRESH_EPOCH_WAIT_S, IDLE_PAUSE_S, NEXT_VIEW_WAIT_S, RETRY_PA
                     view_wait_after_failure)
 from ..transport import CommAborted, CommError, DataServer
 from ..transport.backend import choose_backend, data_plane_from
-from ..transport.stream import StateSnapshot, fetch_state
+from ..transport.stream import StateSnapshot
 from ..view import Role
 from .attempt import Attempt, Entry, Plan, StepResult, StepTimeout, Stopped, Verdict
 from .catchup import Catchup
@@ -36,13 +36,13 @@ from .cursor import DataCursor
 from .donor import SnapshotRequests
 from .group import ReplicaGroup
 from .optstep import GradHook, OptimizerStep
+from .recent import RecentSteps, fetch_recent
 from .shardstate import ShardStepBuffer
 from .userstate import Stateful, UserState
 
 log = logging.getLogger(__name__)
 
 RANK_TIMEOUT_S = 10.0       # a rank silent for this long takes its replica down
-FAST_FORWARD_TIMEOUT_S = 10.0
 WAIT_ROLE_S = 1.0           # one look for a view that puts us on the data plane
 WAIT_SHARDS_S = 0.5
 
@@ -111,8 +111,7 @@ class StepEngine:
         self.state_rate_limit = state_rate_limit
         self.loop_timeout = loop_timeout  # longest the loop may go without a beat (Runtime.loop_beat)
         self.events: deque[dict[str, Any]] = deque(maxlen=10_000)
-        self.recent: deque[Entry] = deque(maxlen=max(1, recent_keep))  # served to peers that fast-forward
-        self._recent_lock = threading.Lock()
+        self.recent = RecentSteps(recent_keep)  # served to peers that fast-forward
         self.catchup = Catchup(self, replay_cap_bytes)
         # The backend of every communicator, from the data plane asked for (argument, else the
         # runtime's, else $P2PFT_DATA_PLANE) and the step buffer's device: an impossible 'nccl'
@@ -343,6 +342,7 @@ class StepEngine:
             return None
         reduced = Reduced(dict(verdicts[0].steps), verdicts[0].count)
         d = decide(reduced, self.step, self.synced)
+        ring = {"data_rank": att.rank, "data_world": len(att.addrs)}
         if d.action is Action.IDLE:
             time.sleep(IDLE_PAUSE_S)  # nobody contributed: hand back so begin() reads the next roles
             return StepResult(self.step, False, 0, retries, role)
@@ -355,17 +355,20 @@ class StepEngine:
         if d.action is Action.LOG:
             if self.catchup.on_reduced(entry, all(v.ready == d.step for v in verdicts)):
                 self._after_commit()
-                return StepResult(self.step, True, entry.count, retries, role)
-            return StepResult(self.step, False, entry.count, retries, role)
+                return StepResult(self.step, True, entry.count, retries, role, **ring)
+            return StepResult(self.step, False, entry.count, retries, role, **ring)
         if d.action is Action.FAST_FORWARD:
             assert d.target is not None
             n, ours = self._fast_forward(d.target, att, reduced.steps, slot)
             if not d.commit_after or self.step != d.step:
-                return StepResult(self.step, False, 0, retries, role, fast_forwarded=n, trained=ours)
-        trained = list(self._ranges) if self._ranges_step == entry.step and slot is not None and mask[slot] else None
+                return StepResult(self.step, False, 0, retries, role, fast_forwarded=n, trained=ours, **ring)
+        else:
+            n, ours = 0, None
+        if self._ranges_step == entry.step and slot is not None and mask[slot]:
+            ours = list(self._ranges)
         self.apply(entry)
         self._after_commit()
-        return StepResult(self.step, True, entry.count, retries, role, trained=trained)
+        return StepResult(self.step, True, entry.count, retries, role, fast_forwarded=n, trained=ours, **ring)
 
     # ------------------------------------------------------------------ the optimizer step
     def apply(self, e: Entry) -> None:
@@ -378,8 +381,7 @@ class StepEngine:
         self.opt.zero_grad(set_to_none=True)
         self.cursor.commit(e.mask)
         self.step += 1
-        with self._recent_lock:
-            self.recent.append(e)
+        self.recent.append(e)
 
     def _after_commit(self) -> None:
         if self.rt is not None:
@@ -431,7 +433,8 @@ class StepEngine:
         Returns the steps applied and our sample ranges when our gradients were in one of them
         (the step committed elsewhere with our contribution before we could apply it)."""
         want_from = self.step
-        got = self._fetch_grads(want_from, target, att, steps) if self.synced else None
+        got = (fetch_recent(want_from, target, att, steps, self.shard, self.secret, self.buf.flat.device)
+               if self.synced else None)
         if not all(self.group.agree(got is not None)) or got is None:
             log.info("at step %d, behind the others (step %d) and not in a peer's short log: catching up "
                      "from a snapshot", want_from, target)
@@ -448,26 +451,6 @@ class StepEngine:
         self._after_commit()
         return len(entries), ours
 
-    def _fetch_grads(self, lo: int, hi: int, att: Attempt,
-                     steps: dict[int, int]) -> tuple[str, list[Entry]] | None:
-        for slot, node, addrs in att.sources:
-            if steps.get(slot, -1) < hi or node == att.node:
-                continue
-            try:
-                snap = fetch_state(addrs[min(self.shard, len(addrs) - 1)],
-                                   {"kind": "grads", "from": lo, "to": hi, "shard": self.shard},
-                                   secret=self.secret, timeout=FAST_FORWARD_TIMEOUT_S)
-            except CommError as exc:
-                log.info("fast-forward from %s failed: %s", node, exc)
-                continue
-            got = snap.meta.get("steps", [])
-            if not got or got[0] != lo or len(got) != hi - lo:
-                continue
-            dev = self.buf.flat.device  # the log arrives in host memory; apply() reads it on the buffer's device
-            return node, [Entry(int(s), snap.tensors[f"g{s}"].to(dev), int(snap.meta["counts"][i]),
-                                [bool(x) for x in snap.meta["masks"][i]]) for i, s in enumerate(got)]
-        return None
-
     # ------------------------------------------------------------------ donor side
     def _provide(self, request: dict[str, Any]) -> StateSnapshot | None:
         """Transport thread: serve mean gradients from our log, or a snapshot taken by the
@@ -476,14 +459,7 @@ class StepEngine:
             return None
         kind = request.get("kind")
         if kind == "grads":
-            lo, hi = int(request["from"]), int(request["to"])
-            with self._recent_lock:
-                entries = [e for e in self.recent if lo <= e.step < hi]
-            if not entries or entries[0].step != lo or len(entries) != hi - lo:
-                return None
-            return StateSnapshot(meta={"steps": [e.step for e in entries], "counts": [e.count for e in entries],
-                                       "masks": [[int(b) for b in e.mask] for e in entries]},
-                                 tensors={f"g{e.step}": e.flat for e in entries})
+            return self.recent.serve(int(request["from"]), int(request["to"]))
         if kind == "snapshot":
             return self._donors.request(request)
         return None

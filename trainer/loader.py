@@ -151,8 +151,8 @@ class StepLoader:
             return None
 
     def _restart(self, step: int, slot: int) -> None:
-        recent = self.engine.recent[-1].mask if self.engine.recent else None
-        mask = list(recent) if recent is not None else [i == slot for i in range(self.engine.cursor.max_slots)]
+        recent = self.engine.recent.last_mask
+        mask = recent if recent is not None else [i == slot for i in range(self.engine.cursor.max_slots)]
         self._pred.reset(step, self.engine.cursor, slot, mask)
         if self._it is None:
             self._it = iter(self._loader)

@@ -4,7 +4,6 @@ from __future__ import annotations
 import math
 
 import pytest
-import torch
 
 from p2pft.trainer.lr import LRPolicy, lr_scale
 

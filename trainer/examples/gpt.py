@@ -90,8 +90,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--final-weights", default=None, help="torch.save the parameters here at exit")
     p.add_argument("--weights-every", type=int, default=0,
                    help="also save them every N committed steps, next to --final-weights (NAME.stepN.pt)")
-    p.add_argument("--progress", choices=["auto", "on", "off"], default="auto",
-                   help="a progress line every few seconds (auto: when stdout is a terminal)")
     p.add_argument("--checkpoint-dir", default=None)
     p.add_argument("--checkpoint-every", type=int, default=0)
     p.add_argument("--comm-timeout", type=float, default=10.0, help="data-plane operation timeout (s)")
@@ -305,7 +303,7 @@ class Monitor:
         if res.trained:
             rec.update(tr=[list(x) for x in res.trained], slot=self.slot)
             if res.committed:
-                rec["dr"] = ring_position(ft, self.rt)
+                rec["dr"] = [res.data_rank, res.data_world]
         if res.committed and self.args.digest_every and res.step % self.args.digest_every == 0:
             rec["digest"] = ft.digest()
         if view is not None and view.epoch != self.last_epoch:
@@ -372,16 +370,6 @@ def save_weights(path: str | None, model: Any, step: int, suffix: str = "") -> N
     tmp = f"{path}.{os.getpid()}.tmp"
     torch.save({"step": step, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}, tmp)
     os.replace(tmp, path)
-
-
-def ring_position(ft: Any, rt: Any) -> list[int] | None:
-    """[our data rank, data world] in the committed attempt: the oracle then sums gradients in
-    the ring's order (bitwise equal) instead of slot order (equal to float32 rounding)."""
-    view = getattr(ft, "_attempt_view", None)
-    try:
-        return [view.data_rank(rt.node_id), len(view.data_members)] if view is not None else None
-    except ValueError:
-        return None
 
 
 def start_runtime(args: argparse.Namespace) -> Any:
