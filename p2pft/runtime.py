@@ -18,6 +18,7 @@ from .config import DEFAULT, Profile
 from .driver import NodeServer
 from .log import set_context
 from .node import JOINER, PARTICIPANT, TRAINER_KIND, WITNESS
+from .view import View
 
 log = logging.getLogger(__name__)
 
@@ -167,14 +168,14 @@ class Runtime:
         """The latest committed view (replaced, never mutated: safe to read from any thread)."""
         return self._view
 
-    def _on_view(self, view: dict[str, Any]) -> None:
+    def _on_view(self, view: View) -> None:
         """Loop thread: publish the view, abort communicators it supersedes."""
         old = self._view
-        self._view = view
-        self.view_log.append((time.time(), int(view["epoch"]), int(view.get("data_epoch", view["epoch"]))))
+        self._view = view.to_wire()   # the view-reading methods here still take the wire dict
+        self.view_log.append((time.time(), view.epoch, view.data_epoch))
         if len(self.view_log) > 10_000:
             del self.view_log[:5_000]
-        d = int(view.get("data_epoch", view["epoch"]))
+        d = view.data_epoch
         if old is None or d != int(old.get("data_epoch", old["epoch"])):
             with self._comm_lock:
                 stale = [(k, c) for k, c in self._comms.items() if k[0] < d]
@@ -294,9 +295,8 @@ class Runtime:
             assert self.server is not None and self.server.node is not None
             n = self.server.node
             n.report_failure(node, now, certain)
-            addr = n.gossip.addr_of(node)
-            if addr and not certain:
-                n.outbox.append((addr, n._stamp({"t": "v.get", "e": 1 << 62})))
+            if not certain:
+                n.touch(node, now)
         self._call(fn)
 
     def loop_beat(self, timeout: float) -> None:
@@ -321,9 +321,7 @@ class Runtime:
         timeout), so every member needs a new one."""
         def fn(now: float) -> None:
             assert self.server is not None and self.server.node is not None
-            n = self.server.node
-            n.gossip.set_meta(now, rb=int(failed_data_epoch))
-            n._hello(now)
+            self.server.node.request_data_epoch(int(failed_data_epoch), now)
         self._call(fn)
 
     def publish_step(self, step: int) -> None:
