@@ -11,7 +11,7 @@ its message is kept; an unknown message type decodes to ``Unknown`` (counted, ig
 """
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import fields
 from typing import Any, Callable
 
 from .messages import (ALIVE, DEAD, LEFT, SUSPECT, Ack, Append, AppendResp, Envelope, GossipMessage, Message,
@@ -60,26 +60,53 @@ def member_from_wire(d: dict[str, Any]) -> Member:
     return m
 
 
+_VIEWS_MAX = 64
+_views: dict[tuple[Any, ...], View] = {}
+_VIEW_FIELDS = tuple(f.name for f in fields(View) if f.init and f.name != "members")
+
+
 def view_from_wire(d: dict[str, Any]) -> tuple[View, int]:
     """(view, its Raft term). ``View.from_wire`` reads the header; the members go through the
-    memo above."""
+    memo above. Memoized by content too: a leader sends the same view to every voter and to
+    every member that asks, and resends it until it is acknowledged."""
     if not isinstance(d, dict):
         raise TypeError("a view is not a map")
     members = d["members"]
     if not isinstance(members, (list, tuple)):
         raise TypeError("'members' is not a list")
+    term = int(d.get("term", 0))
+    try:
+        key: tuple[Any, ...] | None = (
+            tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in d.items() if k != "members"),
+            tuple(tuple(m.items()) for m in members))
+        hit = _views.get(key)  # type: ignore[arg-type]
+    except (TypeError, AttributeError):  # unhashable or not maps: decode (and fail) without the memo
+        key, hit = None, None
+    if hit is not None:
+        return hit, term
     head = View.from_wire({**d, "members": ()})
-    return replace(head, members=tuple(member_from_wire(m) for m in members)), int(d.get("term", 0))
+    view = View(members=tuple(member_from_wire(m) for m in members), **{n: getattr(head, n) for n in _VIEW_FIELDS})
+    if key is not None:
+        if len(_views) >= _VIEWS_MAX:
+            _views.clear()
+        _views[key] = view
+    return view, term
 
 
 # ---------------------------------------------------------------------- updates and rows
 def update_to_wire(u: Update) -> dict[str, Any]:
-    if u.state == ALIVE:
-        return {"k": ALIVE, "n": u.node, "i": u.inc, "a": u.addr,
-                "m": u.meta.to_wire() if u.meta is not None else {}}
-    if u.state == LEFT:
-        return {"k": LEFT, "n": u.node, "i": u.inc}
-    return {"k": u.state, "n": u.node, "i": u.inc, "f": u.accuser}
+    """Built once per update: it rides on several messages (its retransmit count)."""
+    w = u.wire
+    if w is None:
+        if u.state == ALIVE:
+            w = {"k": ALIVE, "n": u.node, "i": u.inc, "a": u.addr,
+                 "m": u.meta.to_wire() if u.meta is not None else {}}
+        elif u.state == LEFT:
+            w = {"k": LEFT, "n": u.node, "i": u.inc}
+        else:
+            w = {"k": u.state, "n": u.node, "i": u.inc, "f": u.accuser}
+        u.wire = w
+    return w
 
 
 def update_from_wire(d: Any) -> Update | None:
@@ -91,14 +118,17 @@ def update_from_wire(d: Any) -> Update | None:
             return None
         inc = int(d["i"])
         if kind == ALIVE:
-            return Update(ALIVE, node, inc, str(d["a"]), MemberMeta.from_wire(d.get("m") or None))
-        if kind in (SUSPECT, DEAD):
-            return Update(kind, node, inc, accuser=str(d.get("f", "")))
-        if kind == LEFT:
-            return Update(LEFT, node, inc)
+            u = Update(ALIVE, node, inc, str(d["a"]), MemberMeta.from_wire(d.get("m") or None))
+        elif kind in (SUSPECT, DEAD):
+            u = Update(kind, node, inc, accuser=str(d.get("f", "")))
+        elif kind == LEFT:
+            u = Update(LEFT, node, inc)
+        else:
+            return None
     except (KeyError, TypeError, ValueError, OverflowError, IndexError):
-        pass
-    return None
+        return None
+    u.wire = d   # relayed as received (gossip passes most updates on)
+    return u
 
 
 def _row_from_wire(r: Any) -> Row | None:

@@ -8,7 +8,7 @@ stamped by the layer that sends it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar, Union
+from typing import Any, ClassVar, Union
 
 from .meta import MemberMeta
 from .view import Member, View
@@ -32,6 +32,7 @@ class Update:
     addr: str = ""
     meta: MemberMeta | None = None
     accuser: str = ""
+    wire: dict[str, Any] | None = field(default=None, init=False, repr=False, compare=False)  # codec's cache
 
 
 @dataclass(slots=True)
