@@ -182,7 +182,7 @@ class Runtime:
                 for k, _ in stale:
                     del self._comms[k]
             for _, c in stale:
-                c.abort(f"superseded by view e{view['epoch']} (data epoch {d})")
+                c.abort(f"superseded by view e{view.epoch} (data epoch {d})")
         with self._view_cv:
             self._view_cv.notify_all()
 
