@@ -31,6 +31,7 @@ from typing import Any, Callable
 from . import codec
 from .config import DEFAULT, Profile
 from .log import set_context
+from .meta import Kind, Status
 from .node import Node, WITNESS_KIND
 from .transport.wire import source_address
 from .view import View
@@ -143,8 +144,8 @@ class NodeServer:
     """Runs one node on a TCP listen address until stopped."""
 
     def __init__(self, *, listen: str, replica_id: str | None = None, seeds: list[str] | None = None,
-                 kind: str = WITNESS_KIND, data_addr: str = "", shards: int = 1, secret: bytes | None = None,
-                 profile: Profile = DEFAULT, max_frame: int = DEFAULT_MAX_FRAME, status: str | None = None,
+                 kind: str | Kind = WITNESS_KIND, data_addr: str = "", shards: int = 1, secret: bytes | None = None,
+                 profile: Profile = DEFAULT, max_frame: int = DEFAULT_MAX_FRAME, status: str | Status | None = None,
                  step: int = 0, seed: int | None = None, advertise: str | None = None,
                  max_inbound: int = MAX_INBOUND, idle_timeout: float = IDLE_TIMEOUT,
                  drain_timeout: float = DRAIN_TIMEOUT, replay_window: float = REPLAY_WINDOW) -> None:

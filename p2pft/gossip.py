@@ -32,6 +32,7 @@ from .messages import (ALIVE, DEAD, LEFT, SUSPECT, Ack, GossipMessage, GossipMsg
 from .meta import MemberMeta
 from .probe import Probe, ProbeOrder
 
+
 class Gossip:
     """Membership state machine of one node."""
 
@@ -279,7 +280,7 @@ class Gossip:
             return
         self._seq += 1
         self._probe = Probe(target, self._seq, now + self.p.probe_timeout * scale,
-                             now + self.p.probe_interval * scale)
+                            now + self.p.probe_interval * scale)
         m = self.members[target]
         msg = Ping(seq=self._seq, to=target)
         self._send(m.addr, msg, info=True)

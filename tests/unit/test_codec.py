@@ -118,8 +118,8 @@ def test_a_malformed_update_or_row_is_dropped_alone() -> None:
     good = codec.to_wire(MESSAGES[0])["pb"]
     msg = codec.from_wire({"t": "g.upd", "from": "a", "src": "b",
                            "pb": [None, "str", {"k": "alive"}, {"k": "dead", "n": "x", "i": "nan"}, good[0],
-                                  {"k": "alive", "n": "y", "i": 1, "a": "h:1", "m": 5}, {"k": "weird", "n": "z", "i": 1},
-                                  good[3]]})
+                                  {"k": "alive", "n": "y", "i": 1, "a": "h:1", "m": 5},
+                                  {"k": "weird", "n": "z", "i": 1}, good[3]]})
     assert [(u.state, u.node) for u in msg.updates] == [(ALIVE, "r1.0a"), (LEFT, "q.4")]
     pp = codec.from_wire({"t": "g.pp", "from": "a", "src": "b", "join": True,
                           "state": [["n.1", "h:1", 0, ALIVE, {}], ["short"], [5, "h:2", 0, ALIVE, {}],
