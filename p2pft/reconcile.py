@@ -33,7 +33,7 @@ def member_entry(node: str, addr: str, meta: Any, role: Role, slot: int | None, 
 
 def canonical(view: View) -> tuple[Any, ...]:
     """What makes two views the same proposal (epoch and high water aside)."""
-    members = tuple(sorted((m.node, m.role.value, m.slot, m.addr, m.data_addrs) for m in view.members))
+    members = tuple(sorted((m.node, m.role, m.slot, m.addr, m.data_addrs) for m in view.members))
     return members, tuple(view.voters), view.data_epoch
 
 

@@ -30,7 +30,7 @@ class InvariantViolation(AssertionError):
 
 
 def view_key(view: View) -> tuple[Any, ...]:
-    members = tuple(sorted((m.node, m.role.value, m.slot) for m in view.members))
+    members = tuple(sorted((m.node, m.role, m.slot) for m in view.members))
     return view.epoch, members, tuple(view.voters)
 
 
