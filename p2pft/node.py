@@ -44,6 +44,9 @@ def _node_key(m: Member) -> str:
 
 
 class Node:
+    """One node (an incarnation of a replica leader, or a witness): gossip member, Raft voter or
+    learner, and the leader's view maker when Raft elects it."""
+
     def __init__(self, *, replica_id: str, addr: str, data_addr: str = "", kind: str | Kind = WITNESS_KIND,
                  shards: int = 1, seeds: list[str] | tuple[str, ...] = (), profile: Profile = DEFAULT,
                  rng: random.Random, now: float, start_stamp: float | None = None,

@@ -2,7 +2,8 @@
 
 After any input (a message, a tick, a call from the trainer) the caller takes
 ``node.ready()`` and acts on it: send the messages, publish the views, note new leader terms.
-Taking it clears it (etcd-raft's ``Ready``/``Advance`` in one call).
+Taking it clears it (etcd-raft's ``Ready``/``Advance`` in one call). Callers only read it: a
+step that produced nothing hands out one shared empty value.
 """
 from __future__ import annotations
 
