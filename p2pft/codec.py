@@ -205,21 +205,16 @@ def _enc_vote_resp(m: PreVoteResp | VoteResp) -> dict[str, Any]:
 
 
 def _enc_append(m: Append) -> dict[str, Any]:
-    d = _raft(m)
-    d["prev"], d["pterm"] = m.prev, m.prev_term
-    d["ents"] = [[t, view_to_wire(v, t)] for t, v in m.entries]
-    d["commit"] = m.commit
-    return d
+    # the most frequent message (heartbeats): one dict literal, no helper calls
+    return {"t": "r.ae", "from": m.frm, "src": m.src, "to": m.to, "term": m.term, "prev": m.prev,
+            "pterm": m.prev_term, "ents": [[t, view_to_wire(v, t)] for t, v in m.entries] if m.entries else [],
+            "commit": m.commit}
 
 
 def _enc_append_resp(m: AppendResp) -> dict[str, Any]:
-    d = _raft(m)
-    d["ok"] = m.ok
     if m.ok:
-        d["match"] = m.match
-    else:
-        d["hint"] = m.hint
-    return d
+        return {"t": "r.aer", "from": m.frm, "src": m.src, "to": m.to, "term": m.term, "ok": True, "match": m.match}
+    return {"t": "r.aer", "from": m.frm, "src": m.src, "to": m.to, "term": m.term, "ok": False, "hint": m.hint}
 
 
 def _enc_snap(m: Snapshot) -> dict[str, Any]:
@@ -337,15 +332,20 @@ def _dec_pp(d: dict[str, Any]) -> PushPull:
 
 
 def _dec_append(d: dict[str, Any]) -> Append:
-    ents = d["ents"]
-    return Append(frm=_str(d, "from"), src=_str(d, "src"), to=_to(d), term=int(d["term"]), prev=int(d["prev"]),
+    frm, src, to, ents = d["from"], d["src"], d.get("to", ""), d["ents"]
+    if not (isinstance(frm, str) and isinstance(src, str)):
+        raise TypeError("'from'/'src' are not strings")
+    return Append(frm=frm, src=src, to=to if isinstance(to, str) else "", term=int(d["term"]), prev=int(d["prev"]),
                   prev_term=int(d["pterm"]), entries=[(int(t), view_from_wire(e)[0]) for t, e in ents] if ents else [],
                   commit=int(d["commit"]))
 
 
 def _dec_append_resp(d: dict[str, Any]) -> AppendResp:
     g = d.get
-    return AppendResp(frm=_str(d, "from"), src=_str(d, "src"), to=_to(d), term=int(d["term"]), ok=bool(g("ok")),
+    frm, src, to = d["from"], d["src"], g("to", "")
+    if not (isinstance(frm, str) and isinstance(src, str)):
+        raise TypeError("'from'/'src' are not strings")
+    return AppendResp(frm=frm, src=src, to=to if isinstance(to, str) else "", term=int(d["term"]), ok=bool(g("ok")),
                       match=int(g("match", 0)), hint=int(g("hint", 0)))
 
 
