@@ -277,7 +277,7 @@ class _Gone:
             if view is None or view is self.pending[addr]:
                 continue
             self.pending[addr] = view
-            if all(m["node"] != self.victim for m in view["members"]):
+            if view.member(self.victim) is None:
                 del self.pending[addr]
                 if self.first is None:
                     self.first = self.clock()
@@ -290,8 +290,8 @@ def _role(node: Any) -> str:
     is_leader = getattr(node, "is_leader", None)
     if callable(is_leader) and is_leader():
         return "leader"
-    view = node.view or {}
-    return "voter" if node.id in view.get("voters", ()) else "member"
+    view = node.view
+    return "voter" if view is not None and node.id in view.voters else "member"
 
 
 def measure_view_change(n: int, *, crashes: int = 3, seed: int = 0, loss: float = 0.01, batch: int | None = None,

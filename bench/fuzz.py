@@ -9,7 +9,11 @@ length prefixes, pure random bytes) and fed, split at random points, to
 - the data-plane handshake parsers (``parse_hello``, ``parse_ack``) and the error-frame scanner
   (``find_error_frame``): ``parse_hello`` returns a status and never raises, ``parse_ack`` raises
   only ``ProtocolMismatch``, ``find_error_frame`` never raises; a mutated authenticated hello or
-  ack is never accepted.
+  ack is never accepted;
+- the message codec (``p2pft.codec.from_wire``), with real control messages whose bodies have one
+  value replaced, dropped or added: it raises only what the driver counts as ``bad_message``,
+  and a message it accepts is handed to a ``Node`` that keeps running (what the node itself
+  raises is counted by kind).
 
 Phase 2 (real sockets, ``--live`` connections): the same kinds of bytes are sent on fresh
 connections to a ``p2pft peer`` process (control port) and to a transport ``DataServer`` (data
@@ -33,12 +37,20 @@ import time
 from pathlib import Path
 from typing import Any
 
+import msgpack
+
 from p2pft.transport import DataServer, ProtocolMismatch
 from p2pft.transport.stream import StateSnapshot, fetch_state
 from p2pft.transport.wire import (ACK_LEN, HELLO_LEN, KIND_RING, ST_AUTH, ST_OK, find_error_frame, pack_ack,
                                   pack_error_frame, pack_hello, parse_ack, parse_hello)
 from p2pft.transport.errors import PeerFailed
 from p2pft.procs import spawn as spawn_child
+from p2pft import codec
+from p2pft.messages import (Append, AppendResp, Ping, PushPull, Row, Snapshot, Update, Updates, ViewDelta, ViewFull,
+                            ViewRequest)
+from p2pft.meta import Kind, MemberMeta, Status
+from p2pft.node import Node
+from p2pft.view import Member, Role, View
 from p2pft.wire import FrameDecoder, WireError, encode
 
 SECRET = b"fuzz-secret-0123456789"
@@ -146,12 +158,88 @@ def fuzz_data(rng: random.Random, stats: dict[str, int]) -> None:
         raise Failure(f"find_error_frame raised {type(e).__name__}: {e}; input {bad_frame.hex()}") from None
 
 
+# The exceptions the driver counts as a malformed message (and closes that connection for).
+DRIVER_DROPS = (KeyError, TypeError, ValueError, AttributeError, IndexError, OverflowError)
+_JUNK: list[Any] = [None, -1, 0, 1 << 70, "x", "", [], {}, 1.5, True, float("nan"), [[1, 2]], {"k": 1}]
+
+
+def _sample_bodies() -> list[dict[str, Any]]:
+    """Frame bodies of real control messages (typed messages through the codec)."""
+    meta = MemberMeta(replica_id="r1", data_addrs=("127.0.0.1:8000",), kind=Kind.TRAINER, status=Status.READY,
+                      start=1.0, step=3, loop_timeout=10.0)
+    m1 = Member(node="r1.a", replica_id="r1", addr="127.0.0.1:7000", data_addrs=("127.0.0.1:8000",),
+                role=Role.PARTICIPANT, slot=0, since=1)
+    m2 = Member(node="w.b", replica_id="w", addr="127.0.0.1:7001", data_addrs=(), role=Role.WITNESS, slot=None)
+    view = View(epoch=3, members=(m1, m2), voters=("w.b",), data_epoch=2, high_water=3)
+    hdr: dict[str, Any] = {"frm": "127.0.0.1:7001", "src": "w.b"}
+    ups = [Update("alive", "r1.a", 2, "127.0.0.1:7000", meta), Update("suspect", "x.c", 1, accuser="w.b")]
+    msgs: list[Any] = [
+        Ping(**hdr, updates=ups, epoch=3, step=3, seq=9, to="fz.0"),
+        PushPull(**hdr, join=True, rows=[Row("r1.a", "127.0.0.1:7000", 2, "alive", meta)]),
+        Updates(**hdr, updates=ups, beat=4, step=3),
+        Append(**hdr, to="fz.0", term=2, prev=2, prev_term=1, entries=[(2, view)], commit=2),
+        AppendResp(**hdr, to="fz.0", term=2, ok=True, match=3),
+        Snapshot(**hdr, to="fz.0", term=2, index=3, snap_term=2, view=view),
+        ViewFull(**hdr, view=view, term=2, leader="w.b", leader_addr="127.0.0.1:7001"),
+        ViewDelta(**hdr, base=2, epoch=3, term=2, voters=("w.b",), data_epoch=2, changed=[m1], removed=["g.d"]),
+        ViewRequest(**hdr, epoch=1),
+    ]
+    return [codec.to_wire(m) for m in msgs]
+
+
+def _mutate_body(rng: random.Random, body: Any) -> Any:
+    """Replace, drop or add one value somewhere inside a body (a copy)."""
+    body = msgpack.unpackb(msgpack.packb(body), raw=False, strict_map_key=False)
+    node, depth = body, 0
+    while depth < 4 and isinstance(node, (dict, list)) and node and rng.random() < 0.6:
+        child = rng.choice(list(node)) if isinstance(node, dict) else rng.randrange(len(node))
+        if not isinstance(node[child], (dict, list)) or not node[child]:
+            break
+        node, depth = node[child], depth + 1
+    if isinstance(node, dict) and node:
+        key = rng.choice(list(node))
+        op = rng.randrange(3)
+        if op == 0:
+            del node[key]
+        elif op == 1:
+            node[key] = rng.choice(_JUNK)
+        else:
+            node[f"junk{rng.randrange(9)}"] = rng.choice(_JUNK)
+    elif isinstance(node, list) and node:
+        node[rng.randrange(len(node))] = rng.choice(_JUNK)
+    return body
+
+
+def fuzz_messages(rng: random.Random, node: Node, stats: dict[str, int]) -> None:
+    """A mutated real message body: decoding raises only what the driver counts and drops; a
+    decoded message reaches the node (as the driver hands it), which then still runs."""
+    body = _mutate_body(rng, rng.choice(_sample_bodies()))
+    try:
+        msg = codec.from_wire(body)
+    except DRIVER_DROPS:
+        stats["message_rejected"] += 1
+        return
+    except Exception as e:  # noqa: BLE001 - this is what the fuzzer looks for
+        raise Failure(f"codec.from_wire raised {type(e).__name__}: {e}; body {body!r}") from None
+    stats["message_decoded"] += 1
+    try:
+        node.handle(msg, 1.0)
+    except DRIVER_DROPS:
+        stats["message_dropped_by_node"] += 1
+    except Exception as e:  # noqa: BLE001 - caught by the driver too, but no check anticipated it
+        stats[f"node_raised_{type(e).__name__}"] += 1
+    node.tick(2.0)
+    node.ready()
+
+
 def phase_decoders(seed: int, seconds: float) -> dict[str, Any]:
     rng = random.Random(seed)
     class Counts(dict):  # type: ignore[type-arg]
         def __missing__(self, k: str) -> int:
             return 0
     stats = Counts()
+    node = Node(replica_id="fz", addr="127.0.0.1:7999", seeds=["127.0.0.1:7001"], rng=random.Random(seed), now=0.0)
+    node.ready()
     t_end = time.monotonic() + seconds
     n = 0
     while time.monotonic() < t_end:
@@ -162,6 +250,7 @@ def phase_decoders(seed: int, seconds: float) -> dict[str, Any]:
                 fuzz_control(crng, None, stats)
                 fuzz_control(crng, SECRET, stats)
                 fuzz_data(crng, stats)
+                fuzz_messages(crng, node, stats)
             except Failure as f:
                 raise Failure(f"case seed {case_seed} (replay: fuzz_* with random.Random({case_seed})): {f}")
             n += 1
@@ -270,7 +359,11 @@ def main(argv: list[str] | None = None) -> int:
         rejected = sum(v for k, v in c.items() if k.startswith("control_rejected"))
         print(f"{'decoders':<10} {dec['cases']:,} cases in {dec['seconds']:.0f} s: control frames rejected "
               f"{rejected:,} / accepted {c.get('control_accepted', 0):,}; hellos rejected "
-              f"{c.get('hello_rejected', 0):,}; acks rejected {c.get('ack_rejected', 0):,}; no other exception")
+              f"{c.get('hello_rejected', 0):,}; acks rejected {c.get('ack_rejected', 0):,}; mutated messages "
+              f"rejected {c.get('message_rejected', 0):,} / decoded {c.get('message_decoded', 0):,}; no other exception")
+        raised = {k: v for k, v in c.items() if k.startswith("node_raised_")}
+        if raised:
+            print(f"{'':<10} the node raised on decoded messages (the driver drops those too): {raised}")
     live = out.get("live")
     if live:
         print(f"{'live':<10} {live['connections_per_port']:,} fuzzed connections per port in {live['seconds']} s: "

@@ -76,18 +76,18 @@ class FingerprintChecker(InvariantChecker):
         if kind != "view":
             super().on_event(node, kind, payload, now)
             return
-        epoch = payload["epoch"]
+        epoch = payload.epoch
         if epoch <= self.last_epoch.get(node, 0):
             raise InvariantViolation(f"t={now:.3f}: {node} epoch went from {self.last_epoch[node]} to {epoch}")
         self.last_epoch[node] = epoch
-        ms = payload["members"]
-        key = (epoch, len(ms), tuple(payload.get("voters", ())), ms[0]["node"] if ms else "", ms[-1]["node"] if ms else "")
+        ms = payload.members
+        key = (epoch, len(ms), tuple(payload.voters), ms[0].node if ms else "", ms[-1].node if ms else "")
         if self.views.setdefault(epoch, key) != key:
             raise InvariantViolation(f"t={now:.3f}: two views for epoch {epoch}")
         self.max_epoch = max(self.max_epoch, epoch)
         # False removals, seen from the first node to commit each epoch (all agree anyway).
         if epoch not in self._members:
-            ids = {m["node"] for m in ms}
+            ids = {m.node for m in ms}
             prev = self._members.get(epoch - 1)
             if prev is not None:
                 for gone in prev["ids"] - ids:
@@ -114,11 +114,11 @@ def form(n: int, seed: int, checker: InvariantChecker, spacing: float = 0.002) -
         if calls[0] % 1000 or len(sim.nodes) < n:
             return False
         ld = sim.leader()
-        if ld is None or ld.view is None or len(ld.view["members"]) != n:
+        if ld is None or ld.view is None or len(ld.view.members) != n:
             return False
-        e = ld.view["epoch"]
+        e = ld.view.epoch
         # The view, and every node's gossip table too (a mass join takes a while to spread).
-        return all(x.view is not None and x.view["epoch"] == e and x.gossip.alive_count() == n
+        return all(x.view is not None and x.view.epoch == e and x.gossip.alive_count() == n
                    for x in sim.nodes.values())
 
     sim.run_until(spacing * n + 120.0, stop=formed)
@@ -201,7 +201,7 @@ def sim_detection(sim: Simulator, checker: FingerprintChecker, loss: float, cras
         excluded: set[str] = set()
 
         def on_view(addr: str, node: str, kind: str, payload: Any, now: float) -> None:
-            if kind == "view" and all(m["node"] != vid for m in payload["members"]):
+            if kind == "view" and payload.member(vid) is None:
                 excluded.add(addr)
 
         def gone() -> bool:

@@ -28,11 +28,14 @@ import time
 from collections import Counter, OrderedDict, deque
 from typing import Any, Callable
 
+from . import codec
 from .config import DEFAULT, Profile
 from .log import set_context
+from .meta import Kind, Status
 from .node import Node, WITNESS_KIND
 from .observe import Observer
 from .transport.wire import source_address
+from .view import View
 from .wire import DEFAULT_MAX_FRAME, FrameDecoder, ReplayGuard, WireError, encode
 
 log = logging.getLogger(__name__)
@@ -144,8 +147,8 @@ class NodeServer:
     """Runs one node on a TCP listen address until stopped."""
 
     def __init__(self, *, listen: str, replica_id: str | None = None, seeds: list[str] | None = None,
-                 kind: str = WITNESS_KIND, data_addr: str = "", shards: int = 1, secret: bytes | None = None,
-                 profile: Profile = DEFAULT, max_frame: int = DEFAULT_MAX_FRAME, status: str | None = None,
+                 kind: str | Kind = WITNESS_KIND, data_addr: str = "", shards: int = 1, secret: bytes | None = None,
+                 profile: Profile = DEFAULT, max_frame: int = DEFAULT_MAX_FRAME, status: str | Status | None = None,
                  step: int = 0, seed: int | None = None, advertise: str | None = None,
                  max_inbound: int = MAX_INBOUND, idle_timeout: float = IDLE_TIMEOUT,
                  drain_timeout: float = DRAIN_TIMEOUT, replay_window: float = REPLAY_WINDOW) -> None:
@@ -173,7 +176,7 @@ class NodeServer:
         self.counters: Counter[str] = Counter()
         self.closing = False
         self.view_wall_time: float | None = None
-        self.on_view: list[Callable[[dict[str, Any]], None]] = []
+        self.on_view: list[Callable[[View], None]] = []     # called on the loop thread per committed view
         self.log_context = True   # one node per process: show its id/epoch in every log line
         self._peers: dict[str, _Peer] = {}
         # inbound connections, least recently active first (the one to close when full)
@@ -266,17 +269,24 @@ class NodeServer:
             self._flush()
 
     def _flush(self) -> None:
+        """Act on the node's Ready: send its messages, publish its committed views."""
         node = self.node
         if node is None:
             return
-        for addr, msg in node.outbox:
+        ready = node.ready()
+        last: Any = None
+        body: dict[str, Any] = {}
+        for addr, msg in ready.messages:
             if addr == self.addr:
                 continue
+            if msg is not last:  # one message value sent to many (a view to every member): one body
+                last, body = msg, codec.to_wire(msg)
             try:
-                frame = encode(msg["t"], node.id, msg, secret=self.secret, max_frame=self.max_frame)
+                # a frame per destination: each gets its own send sequence number
+                frame = encode(body["t"], node.id, body, secret=self.secret, max_frame=self.max_frame)
             except WireError as exc:
                 self.counters["encode_failed"] += 1
-                log.warning("not sending %s to %s: %s", msg.get("t"), addr, exc)
+                log.warning("not sending %s to %s: %s", body["t"], addr, exc)
                 continue
             peer = self._peers.get(addr)
             if peer is None or peer.task.done():
@@ -285,20 +295,17 @@ class NodeServer:
                 peer = self._peers[addr] = _Peer(self, addr)
             peer.send(frame)
             self.counters["frames_sent"] += 1
-            self.observer.note_sent(addr, msg["t"])
-        node.outbox.clear()
-        for kind, payload in node.events:
-            if kind == "view":
-                self.view_wall_time = time.time()
-                if self.log_context:
-                    set_context(node=node.id, epoch=payload["epoch"])
-                log.info("view e%d: %s", payload["epoch"], _describe(payload), extra={"epoch": payload["epoch"]})
-                for cb in list(self.on_view):
-                    try:
-                        cb(payload)
-                    except Exception:
-                        log.exception("view callback failed")
-        node.events.clear()
+            self.observer.note_sent(addr, body["t"])
+        for view in ready.views:
+            self.view_wall_time = time.time()
+            if self.log_context:
+                set_context(node=node.id, epoch=view.epoch)
+            log.info("view e%d: %s", view.epoch, _describe(view), extra={"epoch": view.epoch})
+            for cb in list(self.on_view):
+                try:
+                    cb(view)
+                except Exception:
+                    log.exception("view callback failed")
 
     def evidence(self, addr: str, certain: bool) -> None:
         if self.node is None or self.closing:
@@ -395,7 +402,7 @@ class NodeServer:
         body["t"] = mtype
         self.observer.note_received(mtype)
         try:
-            node.handle(body, time.monotonic())
+            node.handle(codec.from_wire(body), time.monotonic())
         except (KeyError, TypeError, ValueError, AttributeError, IndexError, OverflowError):
             return False
         except Exception:  # content no check anticipated: still the sender's fault, never fatal
@@ -422,28 +429,23 @@ class NodeServer:
         node = self.node
         assert node is not None
         view = node.view
-        out: dict[str, Any] = {"node": node.id, "epoch": view["epoch"] if view else 0, "leader": node.leader,
+        out: dict[str, Any] = {"node": node.id, "epoch": view.epoch if view else 0, "leader": node.leader,
                                "committed_at": self.view_wall_time, "members": []}
         if view:
-            voters = set(view.get("voters", ()))
-            for m in view["members"]:
-                state = node.member_state(m["node"]) if m["node"] != node.id else "alive"
+            voters = set(view.voters)
+            for m in view.members:
+                state = node.member_state(m.node) if m.node != node.id else "alive"
                 out["members"].append({
-                    "node": m["node"], "replica_id": m["replica_id"], "addr": m["addr"], "role": m["role"],
-                    "state": "suspect" if state == "suspect" else ("alive" if state == "alive" else state),
-                    "step": node.member_step(m["node"]), "data_addr": m["data_addr"], "slot": m["slot"],
-                    "voter": m["node"] in voters})
-            out["data_epoch"] = view.get("data_epoch", view["epoch"])
+                    "node": m.node, "replica_id": m.replica_id, "addr": m.addr, "role": m.role.value,
+                    "state": state, "step": node.member_step(m.node), "data_addr": ",".join(m.data_addrs),
+                    "slot": m.slot, "voter": m.node in voters})
+            out["data_epoch"] = view.data_epoch
         return out
 
 
-def _describe(view: dict[str, Any]) -> str:
-    parts = []
-    voters = set(view.get("voters", ()))
-    for m in view["members"]:
-        tag = m["role"][0] + ("*" if m["node"] in voters else "")
-        parts.append(f"{m['replica_id']}({tag})")
-    return " ".join(parts)
+def _describe(view: View) -> str:
+    voters = set(view.voters)
+    return " ".join(f"{m.replica_id}({m.role.value[0]}{'*' if m.node in voters else ''})" for m in view.members)
 
 
 def _fmt_peer(peer: Any) -> str:

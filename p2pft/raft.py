@@ -19,17 +19,28 @@ same identity, which is the property Raft's stable storage exists to guarantee.
 from __future__ import annotations
 
 import random
-from typing import Any, Callable
+from dataclasses import replace
+from typing import Callable
 
 from .config import Profile
+from .messages import (Append, AppendResp, PreVote, PreVoteResp, RaftMsg, Snapshot, Vote, VoteResp)
+from .view import View
 
 FOLLOWER, PRECANDIDATE, CANDIDATE, LEADER = "follower", "precandidate", "candidate", "leader"
 MAX_ENTRIES = 16
 
 
 class Raft:
-    def __init__(self, me: str, profile: Profile, rng: random.Random, now: float) -> None:
-        self.abstain = False  # do not campaign (the node's own trainer loop is stalled); still votes
+    """One voter's (or learner's) Raft state. Outputs are drained by the owner: ``outbox``
+    (``(node id, message)``), ``events`` (terms in which we became leader) and ``committed``
+    (``(term, view)`` in epoch order).
+
+    ``first_entry`` (optional, a pure function of the last view) gives the content of a new
+    leader's first entry; ``None`` repeats the last view."""
+
+    def __init__(self, me: str, profile: Profile, rng: random.Random, now: float, *,
+                 first_entry: Callable[[View], View] | None = None) -> None:
+        self._abstain = False  # do not campaign (the node's own trainer loop is stalled); still votes
         self.me = me
         self.p = profile
         self.rng = rng
@@ -39,16 +50,15 @@ class Raft:
         self.leader: str | None = None
         self.snap_index = 0
         self.snap_term = 0
-        self.snap_view: dict[str, Any] | None = None
-        self.log: list[tuple[int, dict[str, Any]]] = []   # entries snap_index+1 ...
+        self.snap_view: View | None = None
+        self.log: list[tuple[int, View]] = []             # (term, view): entries snap_index+1 ...
         self.commit = 0
         self.applied = 0
-        self.outbox: list[tuple[str, dict[str, Any]]] = []  # (node id, message)
-        self.committed: list[dict[str, Any]] = []            # views, in order, not yet drained
-        self.events: list[tuple[str, Any]] = []             # ("leader", term) when we win
-        self.learners: set[str] = set()                     # leader replicates to these, they never vote
-        # Optional: the content of a new leader's first entry, from the last view (pure function).
-        self.first_entry: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+        self.outbox: list[tuple[str, RaftMsg]] = []         # (node id, message)
+        self.committed: list[tuple[int, View]] = []         # (term, view), in order, not yet drained
+        self.events: list[int] = []                         # terms in which we became leader
+        self._learners: set[str] = set()                    # leader replicates to these, they never vote
+        self._first_entry = first_entry
         self._votes: set[str] = set()
         self._next: dict[str, int] = {}
         self._match: dict[str, int] = {}
@@ -70,19 +80,23 @@ class Raft:
             return self.log[index - self.snap_index - 1][0]
         return None
 
-    def entry(self, index: int) -> dict[str, Any] | None:
+    def entry(self, index: int) -> View | None:
         if index == self.snap_index:
             return self.snap_view
         if self.snap_index < index <= self.last_index:
             return self.log[index - self.snap_index - 1][1]
         return None
 
-    def last_view(self) -> dict[str, Any] | None:
+    def last_view(self) -> View | None:
         return self.entry(self.last_index)
+
+    def last_term(self) -> int:
+        """Term of the last entry (0 when the log is empty)."""
+        return self.term_at(self.last_index) or 0
 
     def voters(self) -> list[str]:
         view = self.last_view()
-        return list(view.get("voters", ())) if view else []
+        return list(view.voters) if view else []
 
     def is_voter(self) -> bool:
         return self.me in self.voters()
@@ -91,34 +105,49 @@ class Raft:
         return len(self.voters()) // 2 + 1
 
     # ------------------------------------------------------------------ API for the node layer
-    def bootstrap(self, view: dict[str, Any], now: float) -> None:
+    @property
+    def abstain(self) -> bool:
+        return self._abstain
+
+    def set_abstain(self, abstain: bool) -> None:
+        """Do not campaign (our own training loop is stalled); we still vote."""
+        self._abstain = bool(abstain)
+
+    @property
+    def learners(self) -> frozenset[str]:
+        return frozenset(self._learners)
+
+    def set_learners(self, nodes: set[str] | frozenset[str] | tuple[str, ...] = ()) -> None:
+        """Nodes the leader replicates to without counting their votes (voters-to-be)."""
+        self._learners = set(nodes)
+
+    def bootstrap(self, view: View, now: float) -> None:
         """Start a new cluster with ourselves as the only voter (epoch 1, term 1)."""
         self.term = 1
         self.voted_for = self.me
-        view = dict(view, epoch=1, term=1)
-        self.log = [(1, view)]
+        self.log = [(1, replace(view, epoch=1))]
         self._become_leader(now, noop=False)
         self._advance_commit(now)
 
-    def learn(self, view: dict[str, Any]) -> bool:
-        """A committed view from outside Raft (non-voters learn views this way)."""
-        epoch = int(view["epoch"])
+    def learn(self, view: View, term: int) -> bool:
+        """A committed view (of Raft term ``term``) from outside Raft (non-voters learn views this way)."""
+        epoch = view.epoch
         if epoch <= self.commit:
             return False
         t = self.term_at(epoch)
-        if t is not None and t == view.get("term"):
+        if t is not None and t == term:
             self.commit = epoch
         else:
-            self._install(epoch, int(view.get("term", 0)), view)
+            self._install(epoch, term, view)
         self._apply()
         return True
 
-    def propose(self, view: dict[str, Any], now: float) -> int | None:
+    def propose(self, view: View, now: float) -> int | None:
         """Append a view as leader; returns its epoch, or None if we cannot propose now."""
         if self.role != LEADER or self.commit < self.last_index:
             return None
         epoch = self.last_index + 1
-        self.log.append((self.term, dict(view, epoch=epoch, term=self.term)))
+        self.log.append((self.term, view if view.epoch == epoch else replace(view, epoch=epoch)))
         self._match[self.me] = self.last_index
         self._broadcast_append(now)
         self._advance_commit(now)
@@ -162,31 +191,33 @@ class Raft:
                 self._broadcast_append(now)
             self._check_quorum(now)
         elif now >= self._election_deadline:
-            if self.is_voter() and not self.abstain:
+            if self.is_voter() and not self._abstain:
                 self._start_prevote(now)
             else:
                 self._reset_election(now)
 
     # ------------------------------------------------------------------ messages
-    def handle(self, src: str, msg: dict[str, Any], now: float) -> None:
-        t = msg["t"]
-        term = int(msg["term"])
-        if t in ("r.pv", "r.pvr"):
-            (self._on_prevote if t == "r.pv" else self._on_prevote_resp)(src, msg, now)
+    def handle(self, src: str, msg: RaftMsg, now: float) -> None:
+        term = msg.term
+        if isinstance(msg, PreVote):
+            self._on_prevote(src, msg, now)
             return
-        if t == "r.rv" and self._sticky(now) and term > self.term:
+        if isinstance(msg, PreVoteResp):
+            self._on_prevote_resp(src, msg, now)
+            return
+        if isinstance(msg, Vote) and self._sticky(now) and term > self.term:
             return  # we hear from a live leader: ignore a disruptive candidate
         if term > self.term:
-            self._step_down(term, now, leader=src if t in ("r.ae", "r.snap") else None)
-        if t == "r.rv":
+            self._step_down(term, now, leader=src if isinstance(msg, (Append, Snapshot)) else None)
+        if isinstance(msg, Vote):
             self._on_vote(src, msg, now)
-        elif t == "r.rvr":
+        elif isinstance(msg, VoteResp):
             self._on_vote_resp(src, msg, now)
-        elif t == "r.ae":
+        elif isinstance(msg, Append):
             self._on_append(src, msg, now)
-        elif t == "r.aer":
+        elif isinstance(msg, AppendResp):
             self._on_append_resp(src, msg, now)
-        elif t == "r.snap":
+        elif isinstance(msg, Snapshot):
             self._on_snapshot(src, msg, now)
 
     # ------------------------------------------------------------------ elections
@@ -196,9 +227,9 @@ class Raft:
     def _sticky(self, now: float) -> bool:
         return self.role == LEADER or now - self._last_leader_contact < self.p.election_min
 
-    def _log_ok(self, msg: dict[str, Any]) -> bool:
-        lt, li = int(msg["llt"]), int(msg["lli"])
-        my_lt = self.term_at(self.last_index) or 0
+    def _log_ok(self, msg: PreVote | Vote) -> bool:
+        lt, li = msg.last_term, msg.last_index
+        my_lt = self.last_term()
         return lt > my_lt or (lt == my_lt and li >= self.last_index)
 
     def _start_prevote(self, now: float) -> None:
@@ -210,20 +241,20 @@ class Raft:
             return
         for v in self.voters():
             if v != self.me:
-                self.outbox.append((v, {"t": "r.pv", "term": self.term + 1, "lli": self.last_index,
-                                        "llt": self.term_at(self.last_index) or 0}))
+                self.outbox.append((v, PreVote(term=self.term + 1, last_index=self.last_index,
+                                               last_term=self.last_term())))
 
-    def _on_prevote(self, src: str, msg: dict[str, Any], now: float) -> None:
-        term = int(msg["term"])
+    def _on_prevote(self, src: str, msg: PreVote, now: float) -> None:
+        term = msg.term
         grant = term > self.term and self._log_ok(msg) and not self._sticky(now)
-        self.outbox.append((src, {"t": "r.pvr", "term": term if grant else self.term, "ok": grant}))
+        self.outbox.append((src, PreVoteResp(term=term if grant else self.term, ok=grant)))
 
-    def _on_prevote_resp(self, src: str, msg: dict[str, Any], now: float) -> None:
-        if not msg.get("ok"):
-            if int(msg["term"]) > self.term:
-                self._step_down(int(msg["term"]), now)
+    def _on_prevote_resp(self, src: str, msg: PreVoteResp, now: float) -> None:
+        if not msg.ok:
+            if msg.term > self.term:
+                self._step_down(msg.term, now)
             return
-        if self.role != PRECANDIDATE or int(msg["term"]) != self.term + 1:
+        if self.role != PRECANDIDATE or msg.term != self.term + 1:
             return
         self._votes.add(src)
         if len(self._votes & set(self.voters())) >= self._quorum():
@@ -241,19 +272,18 @@ class Raft:
             return
         for v in self.voters():
             if v != self.me:
-                self.outbox.append((v, {"t": "r.rv", "term": self.term, "lli": self.last_index,
-                                        "llt": self.term_at(self.last_index) or 0}))
+                self.outbox.append((v, Vote(term=self.term, last_index=self.last_index, last_term=self.last_term())))
 
-    def _on_vote(self, src: str, msg: dict[str, Any], now: float) -> None:
-        term = int(msg["term"])
+    def _on_vote(self, src: str, msg: Vote, now: float) -> None:
+        term = msg.term
         grant = (term == self.term and self.voted_for in (None, src) and self._log_ok(msg))
         if grant:
             self.voted_for = src
             self._reset_election(now)
-        self.outbox.append((src, {"t": "r.rvr", "term": self.term, "ok": grant}))
+        self.outbox.append((src, VoteResp(term=self.term, ok=grant)))
 
-    def _on_vote_resp(self, src: str, msg: dict[str, Any], now: float) -> None:
-        if self.role != CANDIDATE or int(msg["term"]) != self.term or not msg.get("ok"):
+    def _on_vote_resp(self, src: str, msg: VoteResp, now: float) -> None:
+        if self.role != CANDIDATE or msg.term != self.term or not msg.ok:
             return
         self._votes.add(src)
         if len(self._votes & set(self.voters())) >= self._quorum():
@@ -266,16 +296,16 @@ class Raft:
         self._match = {v: 0 for v in self.voters()}
         self._match[self.me] = self.last_index
         self._contact = {v: now for v in self.voters()}
-        self.events.append(("leader", self.term))
+        self.events.append(self.term)
         base = self.last_view()
         if noop and base is not None:
             # A fresh entry of our own term lets us commit everything before it (Raft 5.4.2).
             # Its content may be the node layer's up-to-date view (saving a round on a leader
             # change), but never with other voters: a new leader commits an entry of its own
             # term before any configuration change.
-            first = self.first_entry(base) if self.first_entry is not None else base
+            first = self._first_entry(base) if self._first_entry is not None else base
             epoch = self.last_index + 1
-            self.log.append((self.term, dict(first, epoch=epoch, term=self.term, voters=list(base.get("voters", ())))))
+            self.log.append((self.term, replace(first, epoch=epoch, voters=base.voters)))
             self._match[self.me] = self.last_index
         self._broadcast_append(now)
         self._advance_commit(now)
@@ -312,42 +342,41 @@ class Raft:
         for v in voters:
             if v != self.me:
                 self._send_append(v)
-        for v in sorted(self.learners):
+        for v in sorted(self._learners):
             if v != self.me and v not in voters:
                 self._send_append(v)
 
     def _send_append(self, v: str) -> None:
         nxt = self._next.setdefault(v, self.last_index + 1)
         self._match.setdefault(v, 0)
-        if nxt <= self.snap_index:
-            self.outbox.append((v, {"t": "r.snap", "term": self.term, "index": self.snap_index,
-                                    "sterm": self.snap_term, "view": self.snap_view}))
+        if nxt <= self.snap_index and self.snap_view is not None:
+            self.outbox.append((v, Snapshot(term=self.term, index=self.snap_index, snap_term=self.snap_term,
+                                            view=self.snap_view)))
             return
         prev = nxt - 1
         entries = self.log[prev - self.snap_index: prev - self.snap_index + MAX_ENTRIES]
-        self.outbox.append((v, {"t": "r.ae", "term": self.term, "prev": prev,
-                                "pterm": self.term_at(prev) or 0,
-                                "ents": [[t, e] for t, e in entries], "commit": self.commit}))
+        self.outbox.append((v, Append(term=self.term, prev=prev, prev_term=self.term_at(prev) or 0,
+                                      entries=list(entries), commit=self.commit)))
 
-    def _on_append(self, src: str, msg: dict[str, Any], now: float) -> None:
-        if int(msg["term"]) < self.term:
-            self.outbox.append((src, {"t": "r.aer", "term": self.term, "ok": False, "hint": self.last_index}))
+    def _on_append(self, src: str, msg: Append, now: float) -> None:
+        if msg.term < self.term:
+            self.outbox.append((src, AppendResp(term=self.term, ok=False, hint=self.last_index)))
             return
         self.role = FOLLOWER
         self.leader = src
         self._last_leader_contact = now
         self._reset_election(now)
-        prev, pterm = int(msg["prev"]), int(msg["pterm"])
-        ents = [(int(t), e) for t, e in msg["ents"]]
+        prev, pterm = msg.prev, msg.prev_term
+        ents = msg.entries
         if prev < self.snap_index:
             skip = self.snap_index - prev
             ents, prev, pterm = ents[skip:], self.snap_index, self.snap_term
-            if skip > len(msg["ents"]):
-                self.outbox.append((src, {"t": "r.aer", "term": self.term, "ok": True, "match": self.snap_index}))
+            if skip > len(msg.entries):
+                self.outbox.append((src, AppendResp(term=self.term, ok=True, match=self.snap_index)))
                 return
         if prev > self.last_index or self.term_at(prev) != pterm:
             hint = min(self.last_index, prev - 1)
-            self.outbox.append((src, {"t": "r.aer", "term": self.term, "ok": False, "hint": max(hint, self.commit)}))
+            self.outbox.append((src, AppendResp(term=self.term, ok=False, hint=max(hint, self.commit))))
             return
         idx = prev
         for t, e in ents:
@@ -359,19 +388,19 @@ class Raft:
                 assert idx > self.commit, "leader tried to overwrite a committed entry"
                 del self.log[idx - self.snap_index - 1:]
                 self.log.append((t, e))
-        new_commit = min(int(msg["commit"]), idx)
+        new_commit = min(msg.commit, idx)
         if new_commit > self.commit:
             self.commit = new_commit
             self._apply()
-        self.outbox.append((src, {"t": "r.aer", "term": self.term, "ok": True, "match": idx}))
+        self.outbox.append((src, AppendResp(term=self.term, ok=True, match=idx)))
 
-    def _on_append_resp(self, src: str, msg: dict[str, Any], now: float) -> None:
-        if self.role != LEADER or int(msg["term"]) != self.term:
+    def _on_append_resp(self, src: str, msg: AppendResp, now: float) -> None:
+        if self.role != LEADER or msg.term != self.term:
             return
         self._contact[src] = now
         self._acked[src] = now
-        if msg.get("ok"):
-            m = int(msg["match"])
+        if msg.ok:
+            m = msg.match
             if m > self._match.get(src, 0):
                 self._match[src] = m
             self._next[src] = max(self._next.get(src, 1), m + 1)
@@ -379,23 +408,23 @@ class Raft:
             if self._next[src] <= self.last_index:
                 self._send_append(src)
         else:
-            self._next[src] = max(1, min(self._next.get(src, 1) - 1, int(msg.get("hint", 0)) + 1))
+            self._next[src] = max(1, min(self._next.get(src, 1) - 1, msg.hint + 1))
             self._send_append(src)
 
-    def _on_snapshot(self, src: str, msg: dict[str, Any], now: float) -> None:
-        if int(msg["term"]) < self.term:
+    def _on_snapshot(self, src: str, msg: Snapshot, now: float) -> None:
+        if msg.term < self.term:
             return
         self.role = FOLLOWER
         self.leader = src
         self._last_leader_contact = now
         self._reset_election(now)
-        index = int(msg["index"])
+        index = msg.index
         if index > self.commit:
-            self._install(index, int(msg["sterm"]), msg["view"])
+            self._install(index, msg.snap_term, msg.view)
             self._apply()
-        self.outbox.append((src, {"t": "r.aer", "term": self.term, "ok": True, "match": max(index, self.commit)}))
+        self.outbox.append((src, AppendResp(term=self.term, ok=True, match=max(index, self.commit))))
 
-    def _install(self, index: int, term: int, view: dict[str, Any]) -> None:
+    def _install(self, index: int, term: int, view: View) -> None:
         if self.term_at(index) == term and index <= self.last_index:
             self.log = self.log[index - self.snap_index:]
         else:
@@ -418,13 +447,13 @@ class Raft:
     def _apply(self) -> None:
         if self.applied < self.snap_index:
             if self.snap_view is not None:
-                self.committed.append(self.snap_view)
+                self.committed.append((self.snap_term, self.snap_view))
             self.applied = self.snap_index
         while self.applied < self.commit:
             self.applied += 1
             e = self.entry(self.applied)
             if e is not None:
-                self.committed.append(e)
+                self.committed.append((self.term_at(self.applied) or 0, e))
         if self.commit - self.snap_index > self.p.compact_after:
             keep_from = self.commit
             view, term = self.entry(keep_from), self.term_at(keep_from)

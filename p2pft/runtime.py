@@ -190,10 +190,8 @@ class Runtime:
     def closed(self) -> bool:
         return self._closed
 
-    def _on_view(self, view: View | dict[str, Any]) -> None:
+    def _on_view(self, view: View) -> None:
         """Loop thread: publish the view, abort communicators it supersedes."""
-        if not isinstance(view, View):
-            view = View.from_wire(view)
         old = self._view
         self._view = view
         d = view.data_epoch
@@ -294,9 +292,8 @@ class Runtime:
             assert self.server is not None and self.server.node is not None
             n = self.server.node
             n.report_failure(node, now, certain)
-            addr = n.gossip.addr_of(node)
-            if addr and not certain:
-                n.outbox.append((addr, n._stamp({"t": "v.get", "e": 1 << 62})))
+            if not certain:
+                n.touch(node, now)
         self._call(fn)
 
     def loop_beat(self, timeout: float) -> None:
@@ -321,9 +318,7 @@ class Runtime:
         timeout), so every member needs a new one."""
         def fn(now: float) -> None:
             assert self.server is not None and self.server.node is not None
-            n = self.server.node
-            n.gossip.set_meta(now, rb=int(failed_data_epoch))
-            n._hello(now)
+            self.server.node.request_data_epoch(int(failed_data_epoch), now)
         self._call(fn)
 
     def publish_step(self, step: int) -> None:

@@ -19,17 +19,19 @@ from typing import Any, Callable
 
 import msgpack
 
+from . import codec
 from .config import DEFAULT, Profile
 from .node import WITNESS_KIND, Node
+from .view import View
 
 
 class InvariantViolation(AssertionError):
     pass
 
 
-def view_key(view: dict[str, Any]) -> tuple[Any, ...]:
-    members = tuple(sorted((m["node"], m["role"], m["slot"]) for m in view["members"]))
-    return view["epoch"], members, tuple(view.get("voters", ()))
+def view_key(view: View) -> tuple[Any, ...]:
+    members = tuple(sorted((m.node, m.role, m.slot) for m in view.members))
+    return view.epoch, members, tuple(view.voters)
 
 
 @dataclass
@@ -150,7 +152,7 @@ class Simulator:
                     continue
                 self.delivered += 1
                 try:
-                    node.handle(msgpack.unpackb(data, raw=False), self.now)
+                    node.handle(codec.from_wire(msgpack.unpackb(data, raw=False)), self.now)
                 except (KeyError, TypeError, ValueError):
                     node.stats["bad_message"] += 1
                 self._after(addr, node)
@@ -168,21 +170,27 @@ class Simulator:
         self.now = max(self.now, t_end)
 
     def _after(self, addr: str, node: Node) -> None:
-        for dst, msg in node.outbox:
+        """Take the node's Ready: messages onto the virtual network (as msgpack bytes, through
+        the codec as on the wire), leader terms and views to the checker."""
+        ready = node.ready()
+        last: Any = None
+        data = b""
+        for dst, msg in ready.messages:
             self.sent[addr] += 1
             if (addr, dst) in self.blocked or self.rng.random() < self.loss:
                 continue
-            data = msgpack.packb(msg, use_bin_type=True)
+            if msg is not last:   # one message value sent to many (a view to every member): encode once
+                last, data = msg, msgpack.packb(codec.to_wire(msg), use_bin_type=True)
             copies = 2 if self.rng.random() < self.dup else 1
             for _ in range(copies):
                 t = self.now + self.rng.uniform(*self.delay)
                 heapq.heappush(self._q, (t, next(self._seq), "msg", (dst, data)))
-        node.outbox.clear()
-        for kind, payload in node.events:
+        events = ([("leader", term) for term in ready.leader_terms] + [("view", v) for v in ready.views]
+                  if ready.leader_terms or ready.views else ())
+        for kind, payload in events:
             self.checker.on_event(node.id, kind, payload, self.now)
             if self.on_event is not None:
                 self.on_event(addr, node.id, kind, payload, self.now)
-        node.events.clear()
         when = max(node.next_deadline(), self.now + 1e-4)
         if self._timer.get(addr) != when:
             self._timer[addr] = when
@@ -197,9 +205,9 @@ class Simulator:
         live = self.live_ids()
         epochs = set()
         for n in self.nodes.values():
-            if n.view is None or {m["node"] for m in n.view["members"]} != live:
+            if n.view is None or {m.node for m in n.view.members} != live:
                 return False
-            epochs.add(n.view["epoch"])
+            epochs.add(n.view.epoch)
         return len(epochs) == 1
 
     def leader(self) -> Node | None:

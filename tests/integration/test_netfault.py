@@ -286,10 +286,10 @@ def test_node_server_binds_its_source_ip_and_advertises_the_proxy(nf: NetFault) 
         try:
             deadline = time.monotonic() + 15
             while time.monotonic() < deadline:
-                if a.node.view and len(a.node.view["members"]) == 2:
+                if a.node.view and len(a.node.view.members) == 2:
                     break
                 await asyncio.sleep(0.05)
-            addrs = {m["replica_id"]: m["addr"] for m in a.node.view["members"]}
+            addrs = {m.replica_id: m.addr for m in a.node.view.members}
             assert addrs == {"a": f"{ip(5)}:{ports[0]}", "b": b_adv}
         finally:
             await a.stop(leave=False)

@@ -27,9 +27,9 @@ def formed(seed: int) -> Simulator:
     for a in addrs:
         sim.add_node(a, seeds=[x for x in addrs if x != a])
     sim.run_until(20.0, stop=lambda: sim.converged() and sim.leader() is not None
-                  and all(len(n.view["voters"]) == 5 for n in sim.nodes.values()))
+                  and all(len(n.view.voters) == 5 for n in sim.nodes.values()))
     assert sim.converged() and sim.leader() is not None, "cluster did not form"
-    assert all(len(n.view["voters"]) == 5 for n in sim.nodes.values())
+    assert all(len(n.view.voters) == 5 for n in sim.nodes.values())
     return sim
 
 
@@ -41,7 +41,7 @@ def voters(sim: Simulator) -> list[str]:
     """Addresses of the current voters, the leader first."""
     leader = sim.leader()
     assert leader is not None and leader.view is not None
-    ids = set(leader.view["voters"])
+    ids = set(leader.view.voters)
     out = [addr_of(sim, leader)]
     out += sorted(a for a, n in sim.nodes.items() if n.id in ids and n is not leader)
     return out
@@ -53,12 +53,12 @@ def converge(sim: Simulator, t0: float, what: str) -> float:
     took = sim.now - t0
     # Voter replacement follows the member change one server at a time: let it finish.
     def voters_settled() -> bool:
-        return all(n.view is not None and set(n.view["voters"]) <= sim.live_ids()
-                   and len(n.view["voters"]) == min(5, len(sim.nodes)) for n in sim.nodes.values())
+        return all(n.view is not None and set(n.view.voters) <= sim.live_ids()
+                   and len(n.view.voters) == min(5, len(sim.nodes)) for n in sim.nodes.values())
     sim.run_until(sim.now + BOUND, stop=voters_settled)
     for n in sim.nodes.values():
-        assert n.view is not None and set(n.view["voters"]) <= sim.live_ids()
-        assert len(n.view["voters"]) == min(5, len(sim.nodes)), f"{what}: voters {n.view['voters']}"
+        assert n.view is not None and set(n.view.voters) <= sim.live_ids()
+        assert len(n.view.voters) == min(5, len(sim.nodes)), f"{what}: voters {n.view.voters}"
     return took
 
 
@@ -92,7 +92,7 @@ def test_two_of_five_voters_at_once(seed: int, with_leader: bool) -> None:
     converge(sim, t0, f"two voters crashed ({'with' if with_leader else 'without'} the leader)")
     leader = sim.leader()
     assert leader is not None and leader.id not in gone
-    assert all(m["node"] not in gone for n in sim.nodes.values() for m in n.view["members"])
+    assert all(m.node not in gone for n in sim.nodes.values() for m in n.view.members)
 
 
 def _in_flight(sim: Simulator) -> Callable[[], bool]:

@@ -12,13 +12,13 @@ import pytest
 
 from p2pft.node import JOINER, PARTICIPANT, TRAINER_KIND
 from p2pft.sim import Simulator
+from p2pft.view import Role
 
 LT = 2.0  # seconds a loop may go without a beat
 
 
-def _roles(sim: Simulator, node_id: str) -> set[str | None]:
-    return {next((m["role"] for m in n.view["members"] if m["node"] == node_id), None)
-            for n in sim.nodes.values() if n.view is not None}
+def _roles(sim: Simulator, node_id: str) -> set[Role | None]:
+    return {n.view.role_of(node_id) for n in sim.nodes.values() if n.view is not None}
 
 
 def start_beating(sim: Simulator, trainers: list[str]) -> dict[str, bool]:
@@ -71,7 +71,7 @@ def test_trainer_without_declared_loop_timeout_is_never_left_out() -> None:
     for a in everyone:
         sim.add_node(a, seeds=[x for x in everyone if x != a], kind=TRAINER_KIND, replica_id=a)
     sim.run_until(30.0)
-    assert sim.converged() and all(len(n.view["members"]) == 3 for n in sim.nodes.values())
+    assert sim.converged() and all(len(n.view.members) == 3 for n in sim.nodes.values())
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])

@@ -39,7 +39,7 @@ def form(n: int, seed: int, *, checker: InvariantChecker | None = None) -> tuple
 
 
 def excluded_everywhere(sim: Simulator, node_id: str) -> bool:
-    return all(n.view is not None and all(m["node"] != node_id for m in n.view["members"])
+    return all(n.view is not None and n.view.member(node_id) is None
                for n in sim.nodes.values())
 
 
@@ -83,7 +83,7 @@ class RemovalCounter(InvariantChecker):
     def on_event(self, node: str, kind: str, payload: Any, now: float) -> None:
         super().on_event(node, kind, payload, now)
         if kind == "view":
-            members = {m["node"] for m in payload["members"]}
+            members = {m.node for m in payload.members}
             before = self.last_members.get(node)
             if before is not None:
                 self.removals += [(now, gone) for gone in before - members]
@@ -97,7 +97,7 @@ def test_no_false_removal_at_5_percent_loss() -> None:
     sim, _ = form(60, seed=3, checker=checker)
     sim.loss = 0.05
     t0 = sim.now
-    epoch0 = max(n.view["epoch"] for n in sim.nodes.values() if n.view)
+    epoch0 = max(n.view.epoch for n in sim.nodes.values() if n.view)
     sim.run_until(t0 + 180.0)
     declared = sum(1 for n in sim.nodes.values() for m in n.gossip.members.values() if m.state == "dead")
     refutations = sum(n.gossip.inc for n in sim.nodes.values())
@@ -105,5 +105,5 @@ def test_no_false_removal_at_5_percent_loss() -> None:
     assert checker.removals == [], f"false removals: {checker.removals[:5]}"
     assert declared == 0
     assert sim.converged()
-    assert max(n.view["epoch"] for n in sim.nodes.values()) == epoch0   # no view churn at all
+    assert max(n.view.epoch for n in sim.nodes.values()) == epoch0   # no view churn at all
     assert sum(sim.sent.values()) > 60 * 180 * 5                        # it really ran: >5 msgs/node/s

@@ -16,7 +16,7 @@ from p2pft.sim import Simulator
 
 def _role(sim: Simulator, node_id: str) -> str | None:
     views = [n.view for n in sim.nodes.values() if n.view is not None]
-    roles = {next((m["role"] for m in v["members"] if m["node"] == node_id), None) for v in views}
+    roles = {v.role_of(node_id) for v in views}
     return roles.pop() if len(roles) == 1 else "disagree"
 
 
@@ -38,11 +38,11 @@ def test_cut_off_trainer_returns_as_joiner_fresh_process_as_participant(seed: in
     sim.partition([cut], [a for a in everyone if a != cut])
     t0 = sim.now
     sim.run_until(t0 + 10.0, stop=lambda: all(
-        n.view is not None and all(m["node"] != node_id for m in n.view["members"])
+        n.view is not None and n.view.member(node_id) is None
         for a, n in sim.nodes.items() if a != cut))
     majority_view = sim.nodes[trainers[0]].view
-    assert majority_view is not None and all(m["node"] != node_id for m in majority_view["members"])
-    assert node_id in majority_view["left"]
+    assert majority_view is not None and majority_view.member(node_id) is None
+    assert node_id in majority_view.left
 
     # It still says 'ready' at step 0, the participants' step: before, that meant "participant".
     sim.heal()

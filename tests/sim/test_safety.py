@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import random
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import pytest
@@ -67,8 +67,8 @@ def voter_sets(sim: Simulator) -> list[frozenset[str]]:
     decided to propose next (its two-step voter change is under way)."""
     out: list[frozenset[str]] = []
     for node in sim.nodes.values():
-        pending = node._voter_change[0] if node.is_leader() and node._voter_change else None
-        for voters in (v.get("voters", ()) for v in (node.raft.last_view(), node.view) if v):
+        pending = node.planner.voter_change[0] if node.is_leader() and node.planner.voter_change else None
+        for voters in (v.voters for v in (node.raft.last_view(), node.view) if v):
             if frozenset(voters) not in out:
                 out.append(frozenset(voters))
         if pending is not None and frozenset(pending) not in out:
@@ -83,7 +83,7 @@ def dropped_voters(sim: Simulator) -> set[str]:
     for node in sim.nodes.values():
         view = node.raft.last_view()
         if view:
-            out |= set(view.get("voters", ())) - {m["node"] for m in view["members"]}
+            out |= set(view.voters) - {m.node for m in view.members}
     return out
 
 
@@ -106,7 +106,7 @@ def run_schedule(seed: int, *, trace: bool = False, keep_sim: bool = False) -> R
         if kind == "view":
             res.sequences.setdefault(node, []).append(view_key(payload))
         if trace:
-            what = f"e{payload['epoch']} {sorted(m['node'] for m in payload['members'])}" if kind == "view" else payload
+            what = f"e{payload.epoch} {sorted(m.node for m in payload.members)}" if kind == "view" else payload
             print(f"  t={now:8.3f} {node:24} {kind} {what}")
 
     def note(action: str) -> None:
@@ -231,13 +231,13 @@ def check_chain(res: Result) -> None:
     assert len(final) == 1 and final.pop() == global_map[epochs[-1]]
     for n in sim.nodes.values():
         assert n.view is not None
-        members = n.view["members"]
-        slots = [m["slot"] for m in members if m["role"] == PARTICIPANT]
+        members = n.view.members
+        slots = [m.slot for m in members if m.role is PARTICIPANT]
         assert len(slots) == len(set(slots)) and None not in slots
-        assert all(m["slot"] is None for m in members if m["role"] == WITNESS)
-        assert n.view["data_epoch"] <= n.view["epoch"]
-        voters = set(n.view["voters"])
-        assert voters <= {m["node"] for m in members}, "a voter outside the view"
+        assert all(m.slot is None for m in members if m.role is WITNESS)
+        assert n.view.data_epoch <= n.view.epoch
+        voters = set(n.view.voters)
+        assert voters <= {m.node for m in members}, "a voter outside the view"
         live = len(members)
         assert len(voters) == min(n.p.max_voters, live if live % 2 else live - 1), f"{len(voters)} voters of {live}"
 
@@ -253,7 +253,7 @@ def test_the_checker_catches_a_forged_second_view() -> None:
     sim = res.sim
     assert sim is not None
     node = next(iter(sim.nodes.values()))
-    forged = dict(node.view, members=node.view["members"][:-1])
+    forged = replace(node.view, members=node.view.members[:-1])
     with pytest.raises(InvariantViolation):
         sim.checker.on_event("someone-else", "view", forged, sim.now)
 

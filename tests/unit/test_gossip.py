@@ -10,8 +10,16 @@ from typing import Any
 import msgpack
 import pytest
 
+from p2pft import codec
 from p2pft.config import DEFAULT, Profile
-from p2pft.gossip import ALIVE, DEAD, LEFT, SUSPECT, Gossip, _Suspicion
+from p2pft.gossip import ALIVE, DEAD, LEFT, SUSPECT, Gossip, Suspicion
+from p2pft.messages import Updates
+from p2pft.meta import MemberMeta
+
+
+def wire_msg(body: dict[str, Any]) -> Any:
+    """A message as a peer would send it: a wire dict through the codec (sender 'x')."""
+    return codec.from_wire({"from": "x:0", "src": "x", **body})
 
 
 class Net:
@@ -26,7 +34,7 @@ class Net:
         self.down: set[str] = set()
         self.blocked: set[tuple[str, str]] = set()
         self.events: list[tuple[float, str, str, str]] = []   # (time, observer addr, kind, node)
-        self.sent: list[tuple[str, dict[str, Any]]] = []
+        self.sent: list[tuple[str, dict[str, Any]]] = []   # (sender addr, wire dict)
         self._q: list[tuple[float, int, str, bytes]] = []
         self._seq = itertools.count()
         for i, a in enumerate(self.addrs):
@@ -34,7 +42,8 @@ class Net:
 
     def start(self, addr: str, seeds: list[str], inc_name: str = "") -> Gossip:
         node_id = f"{addr}.{inc_name or 'n'}"
-        g = Gossip(node_id, addr, {"r": addr}, self.p, random.Random(self.rng.getrandbits(32)), self.now)
+        g = Gossip(node_id, addr, MemberMeta(replica_id=addr), self.p, random.Random(self.rng.getrandbits(32)),
+                   self.now)
         self.g[addr] = g
         self.down.discard(addr)
         if seeds:
@@ -48,9 +57,10 @@ class Net:
     def _drain(self, addr: str) -> None:
         g = self.g[addr]
         for dst, msg in g.outbox:
-            self.sent.append((addr, msg))
+            wire = codec.to_wire(msg)
+            self.sent.append((addr, wire))
             if (addr, dst) not in self.blocked:
-                heapq.heappush(self._q, (self.now + 0.001, next(self._seq), dst, msgpack.packb(msg)))
+                heapq.heappush(self._q, (self.now + 0.001, next(self._seq), dst, msgpack.packb(wire)))
         g.outbox.clear()
         for kind, node in g.events:
             self.events.append((self.now, addr, kind, node))
@@ -69,7 +79,7 @@ class Net:
             if t_msg <= t_timer:
                 _, _, dst, data = heapq.heappop(self._q)
                 if dst in self.g and dst not in self.down:
-                    self.g[dst].handle(msgpack.unpackb(data), self.now)
+                    self.g[dst].handle(codec.from_wire(msgpack.unpackb(data)), self.now)
                     self._drain(dst)
             else:
                 for a in live:
@@ -124,7 +134,8 @@ def test_suspected_member_refutes_with_a_higher_incarnation() -> None:
     net.run(2.0)
     target, accuser = net.addrs[2], net.addrs[1]
     inc0 = net.g[target].inc
-    net.g[accuser].handle({"t": "g.upd", "pb": [{"k": SUSPECT, "n": net.id(target), "i": inc0, "f": "x"}]}, net.now)
+    net.g[accuser].handle(wire_msg({"t": "g.upd", "pb": [{"k": SUSPECT, "n": net.id(target), "i": inc0, "f": "x"}]}),
+                          net.now)
     net._drain(accuser)
     assert net.state(accuser, target) == SUSPECT
     net.run(net.now + 3.0)
@@ -134,7 +145,7 @@ def test_suspected_member_refutes_with_a_higher_incarnation() -> None:
 
 
 def test_confirmations_shrink_the_suspicion_timeout() -> None:
-    s = _Suspicion(inc=0, start=10.0, min_t=0.5, max_t=2.0)
+    s = Suspicion(inc=0, start=10.0, min_t=0.5, max_t=2.0)
     k = 3
     deadlines = []
     for c in range(k + 1):
@@ -149,10 +160,10 @@ def test_confirmations_shrink_the_suspicion_timeout() -> None:
 
 def test_suspicion_timeout_scales_with_log_n() -> None:
     def timeout_for(n_members: int) -> float:
-        g = Gossip("me", "m:1", {}, DEFAULT, random.Random(0), 0.0)
+        g = Gossip("me", "m:1", MemberMeta(), DEFAULT, random.Random(0), 0.0)
         for i in range(n_members - 1):
-            g.handle({"t": "g.upd", "pb": [{"k": ALIVE, "n": f"x{i}", "i": 0, "a": f"x:{i}", "m": {}}]}, 0.0)
-        g.handle({"t": "g.upd", "pb": [{"k": SUSPECT, "n": "x0", "i": 0, "f": "other"}]}, 0.0)
+            g.handle(wire_msg({"t": "g.upd", "pb": [{"k": ALIVE, "n": f"x{i}", "i": 0, "a": f"x:{i}", "m": {}}]}), 0.0)
+        g.handle(wire_msg({"t": "g.upd", "pb": [{"k": SUSPECT, "n": "x0", "i": 0, "f": "other"}]}), 0.0)
         return g._susp["x0"].min_t
 
     small, large = timeout_for(10), timeout_for(1000)
@@ -192,16 +203,16 @@ def test_graceful_leave_is_seen_everywhere_quickly() -> None:
 
 def test_piggyback_is_bounded_and_each_update_sent_a_limited_number_of_times() -> None:
     p = DEFAULT
-    g = Gossip("me", "m:1", {}, p, random.Random(0), 0.0)
+    g = Gossip("me", "m:1", MemberMeta(), p, random.Random(0), 0.0)
     n = 30
     for i in range(n):
-        g.handle({"t": "g.upd", "pb": [{"k": ALIVE, "n": f"x{i}", "i": 0, "a": f"x:{i}", "m": {}}]}, 0.0)
+        g.handle(wire_msg({"t": "g.upd", "pb": [{"k": ALIVE, "n": f"x{i}", "i": 0, "a": f"x:{i}", "m": {}}]}), 0.0)
     limit = g._retransmit_limit()
     counts: dict[str, int] = {}
     for _ in range(200):
-        g._send("x:0", {"t": "g.upd"})
+        g._send("x:0", Updates())
     for _, msg in g.outbox:
-        pb = msg.get("pb", [])
+        pb = codec.to_wire(msg).get("pb", [])
         assert len(pb) <= p.max_piggyback
         for u in pb:
             counts[u["n"]] = counts.get(u["n"], 0) + 1
@@ -209,9 +220,9 @@ def test_piggyback_is_bounded_and_each_update_sent_a_limited_number_of_times() -
     assert all(counts[f"x{i}"] == limit for i in range(n))
     # The least-sent updates go first: a new one rides the very next message.
     g.outbox.clear()
-    g.handle({"t": "g.upd", "pb": [{"k": DEAD, "n": "x5", "i": 0, "f": "z"}]}, 1.0)
-    g._send("x:0", {"t": "g.upd"})
-    assert any(u["n"] == "x5" and u["k"] == DEAD for u in g.outbox[-1][1]["pb"])
+    g.handle(wire_msg({"t": "g.upd", "pb": [{"k": DEAD, "n": "x5", "i": 0, "f": "z"}]}), 1.0)
+    g._send("x:0", Updates())
+    assert any(u.node == "x5" and u.state == DEAD for u in g.outbox[-1][1].updates)
 
 
 def test_lifeguard_awareness_rises_when_we_are_the_slow_one() -> None:
@@ -272,10 +283,8 @@ def test_a_forgotten_member_is_relearned_from_its_probe() -> None:
     a, b = net.addrs[0], net.addrs[1]
     g = net.g[a]
     gone = net.id(b)            # forget b the way an expired tombstone would
-    del g.members[gone]
-    g._n_live -= 1
-    g._live_remove(gone)
-    g._probe_order = [n for n in g._probe_order if n != gone]
+    g.table.forget(gone)
+    g.probes.order = [n for n in g.probes.order if n != gone]
     net.run(net.now + 4.0)
     assert net.state(a, b) == ALIVE
     assert any(m["t"] == "g.who" for src, m in net.sent if src == a)
@@ -296,10 +305,10 @@ def test_same_seed_same_messages() -> None:
 @pytest.mark.parametrize("junk", [[{"k": "alive"}], [{"k": "dead", "n": "x", "i": "nan"}], [{"n": "x"}],
                                   [{"k": "alive", "n": "y", "i": "1", "a": "h:1", "m": 5}], [None], ["str"]])
 def test_malformed_updates_are_dropped_not_fatal(junk: list[Any]) -> None:
-    g = Gossip("me", "m:1", {}, DEFAULT, random.Random(0), 0.0)
+    g = Gossip("me", "m:1", MemberMeta(), DEFAULT, random.Random(0), 0.0)
     before = {k: (m.state, m.inc) for k, m in g.members.items()}
     try:
-        g.handle({"t": "g.upd", "pb": junk}, 0.0)
+        g.handle(wire_msg({"t": "g.upd", "pb": junk}), 0.0)
     except (KeyError, TypeError, ValueError, AttributeError):
         pass  # the driver drops such a message; what matters is that our own entry is intact
     assert g.members["me"].state == ALIVE
@@ -309,14 +318,14 @@ def test_malformed_updates_are_dropped_not_fatal(junk: list[Any]) -> None:
 def test_probe_rounds_cover_everyone_within_two_rounds_and_vary_in_length() -> None:
     """Rounds are cut at random lengths (so peers that start together do not probe in lockstep),
     yet every member is probed at least once in any two consecutive rounds."""
-    g = Gossip("me", "m:1", {}, DEFAULT, random.Random(3), 0.0)
+    g = Gossip("me", "m:1", MemberMeta(), DEFAULT, random.Random(3), 0.0)
     n = 40
     for i in range(n):
-        g.handle({"t": "g.upd", "pb": [{"k": ALIVE, "n": f"x{i}", "i": 0, "a": f"x:{i}", "m": {}}]}, 0.0)
+        g.handle(wire_msg({"t": "g.upd", "pb": [{"k": ALIVE, "n": f"x{i}", "i": 0, "a": f"x:{i}", "m": {}}]}), 0.0)
     rounds: list[list[str]] = []
     picks: list[str] = []
     for _ in range(20 * n):
-        if not g._probe_order:
+        if not g.probes.order:
             rounds.append([])
         target = g._pick_target()
         assert target is not None

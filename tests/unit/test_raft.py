@@ -10,10 +10,24 @@ from typing import Any
 import msgpack
 import pytest
 
+from p2pft import codec
 from p2pft.config import DEFAULT, Profile
+from p2pft.messages import AppendResp, Vote
 from p2pft.raft import CANDIDATE, FOLLOWER, LEADER, Raft
+from p2pft.view import Member, Role, View
 
 P = DEFAULT
+
+
+def V(tag: str | None, voters: list[str], epoch: int = 0) -> View:
+    """A view whose one member's id is ``tag`` (a label the tests follow through the log)."""
+    members = () if tag is None else (Member(node=tag, replica_id=tag, addr="", data_addrs=(), role=Role.WITNESS,
+                                             slot=None),)
+    return View(epoch=epoch, members=members, voters=tuple(voters))
+
+
+def tag(v: View | None) -> str | None:
+    return v.members[0].node if v is not None and v.members else None
 
 
 class Cluster:
@@ -27,7 +41,7 @@ class Cluster:
         self.r: dict[str, Raft] = {i: Raft(i, profile, random.Random(self.rng.getrandbits(32)), 0.0) for i in ids}
         self.down: set[str] = set()
         self.blocked: set[tuple[str, str]] = set()
-        self.committed: dict[str, list[dict[str, Any]]] = {i: [] for i in ids}
+        self.committed: dict[str, list[tuple[int, View]]] = {i: [] for i in ids}   # (term, view)
         self.leaders: dict[int, str] = {}
         self._q: list[tuple[float, int, str, str, bytes]] = []
         self._seq = itertools.count()
@@ -42,10 +56,9 @@ class Cluster:
         for dst, msg in r.outbox:
             if (i, dst) in self.blocked or self.rng.random() < self.loss:
                 continue
-            heapq.heappush(self._q, (self.now + 0.001, next(self._seq), i, dst, msgpack.packb(msg)))
+            heapq.heappush(self._q, (self.now + 0.001, next(self._seq), i, dst, msgpack.packb(codec.to_wire(msg))))
         r.outbox.clear()
-        for kind, term in r.events:
-            assert kind == "leader"
+        for term in r.events:
             other = self.leaders.setdefault(term, i)
             assert other == i, f"two leaders in term {term}: {other} and {i}"
         r.events.clear()
@@ -65,7 +78,7 @@ class Cluster:
             if t_msg <= t_timer:
                 _, _, src, dst, data = heapq.heappop(self._q)
                 if dst in self.r and dst not in self.down:
-                    self.r[dst].handle(src, msgpack.unpackb(data), self.now)
+                    self.r[dst].handle(src, codec.from_wire(msgpack.unpackb(data)), self.now)
                     self.drain(dst)
             else:
                 for i in live:
@@ -83,7 +96,7 @@ class Cluster:
     def propose(self, voters: list[str], tag: str) -> int:
         ld = self.leader()
         assert ld is not None
-        epoch = ld.propose({"members": [tag], "voters": voters}, self.now)
+        epoch = ld.propose(V(tag, voters), self.now)
         assert epoch is not None
         self.drain(ld.me)
         return epoch
@@ -97,16 +110,16 @@ class Cluster:
         """Committed views: one per epoch everywhere, in increasing epochs at every node."""
         by_epoch: dict[int, Any] = {}
         for i, views in self.committed.items():
-            epochs = [v["epoch"] for v in views]
+            epochs = [v.epoch for _, v in views]
             assert epochs == sorted(set(epochs)), f"{i} committed out of order: {epochs}"
-            for v in views:
-                key = (tuple(v["members"]), tuple(v["voters"]), v["term"])
-                assert by_epoch.setdefault(v["epoch"], key) == key, f"two views for epoch {v['epoch']}"
+            for term, v in views:
+                key = (v.members, v.voters, term)
+                assert by_epoch.setdefault(v.epoch, key) == key, f"two views for epoch {v.epoch}"
 
 
 def three_voters(seed: int = 0, **kw: Any) -> Cluster:
     c = Cluster(["a", "b", "c"], seed=seed, **kw)
-    c.r["a"].bootstrap({"members": ["boot"], "voters": ["a"]}, 0.0)
+    c.r["a"].bootstrap(V("boot", ["a"]), 0.0)
     c.drain("a")
     c.propose(["a", "b"], "add-b")
     c.run(0.2)
@@ -117,10 +130,10 @@ def three_voters(seed: int = 0, **kw: Any) -> Cluster:
 
 def test_bootstrap_commits_epoch_one_at_once() -> None:
     c = Cluster(["a"])
-    c.r["a"].bootstrap({"members": ["x"], "voters": ["a"]}, 0.0)
+    c.r["a"].bootstrap(V("x", ["a"]), 0.0)
     c.drain("a")
     assert c.r["a"].role == LEADER and c.r["a"].term == 1
-    assert [(v["epoch"], v["term"]) for v in c.committed["a"]] == [(1, 1)]
+    assert [(v.epoch, t) for t, v in c.committed["a"]] == [(1, 1)]
 
 
 def test_single_server_changes_grow_the_voter_set_and_commit_everywhere() -> None:
@@ -129,19 +142,19 @@ def test_single_server_changes_grow_the_voter_set_and_commit_everywhere() -> Non
     c.run(0.6)
     for i in "abc":
         assert c.r[i].commit == epoch
-        assert c.committed[i][-1]["members"] == ["payload"]
+        assert tag(c.committed[i][-1][1]) == "payload"
         assert c.r[i].voters() == ["a", "b", "c"]
-    assert [v["epoch"] for v in c.committed["a"]] == list(range(1, epoch + 1))   # epoch = log index
+    assert [v.epoch for _, v in c.committed["a"]] == list(range(1, epoch + 1))   # epoch = log index
     c.check_agreement()
 
 
 def test_propose_refused_when_not_leader_or_a_view_is_pending() -> None:
     c = three_voters()
-    assert c.r["b"].propose({"members": [], "voters": ["a", "b", "c"]}, c.now) is None
+    assert c.r["b"].propose(V(None, ["a", "b", "c"]), c.now) is None
     ld = c.r["a"]
-    assert ld.propose({"members": ["1"], "voters": ["a", "b", "c"]}, c.now) is not None
+    assert ld.propose(V("1", ["a", "b", "c"]), c.now) is not None
     assert ld.pending()
-    assert ld.propose({"members": ["2"], "voters": ["a", "b", "c"]}, c.now) is None   # one at a time
+    assert ld.propose(V("2", ["a", "b", "c"]), c.now) is None   # one at a time
     c.drain("a")
     c.run(c.now + 0.1)
     assert not ld.pending()
@@ -160,7 +173,7 @@ def test_leader_crash_elects_a_new_leader_and_keeps_committed_views() -> None:
     assert t_elected - t0 <= 2.0
     # The new leader's first entry (its term's no-op copy) commits, and nothing committed is lost.
     assert ld.commit > epoch
-    assert any(v["members"] == ["before-crash"] for v in c.committed[ld.me])
+    assert any(tag(v) == "before-crash" for _, v in c.committed[ld.me])
     c.check_agreement()
 
 
@@ -193,7 +206,7 @@ def test_prevote_keeps_a_returning_voter_from_disrupting_the_leader() -> None:
 def test_uncommitted_entries_of_a_deposed_leader_are_overwritten() -> None:
     c = three_voters(seed=4)
     c.isolate("a")
-    lost = c.r["a"].propose({"members": ["lost"], "voters": ["a", "b", "c"]}, c.now)
+    lost = c.r["a"].propose(V("lost", ["a", "b", "c"]), c.now)
     assert lost is not None
     c.drain("a")
     c.run(c.now + 1.5)
@@ -203,15 +216,15 @@ def test_uncommitted_entries_of_a_deposed_leader_are_overwritten() -> None:
     c.run(c.now + 0.2)
     c.blocked.clear()
     c.run(c.now + 1.0)
-    assert c.r["a"].entry(kept)["members"] == ["kept"]
-    assert not any(v["members"] == ["lost"] for v in c.committed["a"] + c.committed[ld.me])
+    assert tag(c.r["a"].entry(kept)) == "kept"
+    assert not any(tag(v) == "lost" for _, v in c.committed["a"] + c.committed[ld.me])
     c.check_agreement()
 
 
 def test_lagging_follower_catches_up_from_a_snapshot() -> None:
     prof = Profile(compact_after=4)
     c = Cluster(["a", "b", "c"], seed=5, profile=prof)
-    c.r["a"].bootstrap({"members": ["boot"], "voters": ["a"]}, 0.0)
+    c.r["a"].bootstrap(V("boot", ["a"]), 0.0)
     c.drain("a")
     c.propose(["a", "b"], "b")
     c.run(0.2)
@@ -225,16 +238,16 @@ def test_lagging_follower_catches_up_from_a_snapshot() -> None:
     c.down.discard("c")
     c.run(c.now + 0.5)
     assert c.r["c"].commit == c.r["a"].commit
-    assert c.committed["c"][-1]["members"] == ["v11"]
+    assert tag(c.committed["c"][-1][1]) == "v11"
     c.check_agreement()
 
 
 def test_non_voters_learn_committed_views_in_order_only() -> None:
     r = Raft("x", P, random.Random(0), 0.0)
-    assert r.learn({"epoch": 3, "term": 1, "members": ["m"], "voters": ["a"]})
-    assert not r.learn({"epoch": 2, "term": 1, "members": ["old"], "voters": ["a"]})
-    assert r.learn({"epoch": 5, "term": 2, "members": ["new"], "voters": ["a"]})
-    assert [v["epoch"] for v in r.committed] == [3, 5]
+    assert r.learn(V("m", ["a"], epoch=3), 1)
+    assert not r.learn(V("old", ["a"], epoch=2), 1)
+    assert r.learn(V("new", ["a"], epoch=5), 2)
+    assert [v.epoch for _, v in r.committed] == [3, 5]
     assert not r.is_voter()
     r.tick(10.0)                       # a non-voter never campaigns
     assert r.role == FOLLOWER and r.outbox == []
@@ -278,7 +291,7 @@ def test_random_faults_one_leader_per_term_and_one_view_per_epoch(seed: int) -> 
         ld = c.leader()
         if ld and not ld.pending():
             voters = ld.voters() + [x for x in "de" if x not in ld.voters()][:1]
-            ld.propose({"members": ["grow"], "voters": voters}, c.now)
+            ld.propose(V("grow", voters), c.now)
             c.drain(ld.me)
         c.run(c.now + 0.5)
     for step in range(40):
@@ -292,7 +305,7 @@ def test_random_faults_one_leader_per_term_and_one_view_per_epoch(seed: int) -> 
             c.blocked.add(tuple(rng.sample(ids, 2)))  # type: ignore[arg-type]
         ld = c.leader()
         if ld and not ld.pending():
-            ld.propose({"members": [f"s{seed}-{step}"], "voters": ld.voters()}, c.now)
+            ld.propose(V(f"s{seed}-{step}", ld.voters()), c.now)
             c.drain(ld.me)
         c.run(c.now + rng.uniform(0.01, 0.4))
     c.blocked.clear()
@@ -307,32 +320,31 @@ def test_random_faults_one_leader_per_term_and_one_view_per_epoch(seed: int) -> 
 
 def test_a_vote_is_granted_once_per_term() -> None:
     r = Raft("a", P, random.Random(0), 0.0)
-    r.learn({"epoch": 1, "term": 1, "members": [], "voters": ["a", "b", "c"]})
-    r.handle("b", {"t": "r.rv", "term": 5, "lli": 1, "llt": 1}, 10.0)
-    r.handle("c", {"t": "r.rv", "term": 5, "lli": 1, "llt": 1}, 10.0)
-    r.handle("b", {"t": "r.rv", "term": 5, "lli": 1, "llt": 1}, 10.0)   # a retry from b is fine
-    answers = [(dst, m["ok"]) for dst, m in r.outbox]
+    r.learn(V(None, ["a", "b", "c"], epoch=1), 1)
+    r.handle("b", Vote(term=5, last_index=1, last_term=1), 10.0)
+    r.handle("c", Vote(term=5, last_index=1, last_term=1), 10.0)
+    r.handle("b", Vote(term=5, last_index=1, last_term=1), 10.0)   # a retry from b is fine
+    answers = [(dst, m.ok) for dst, m in r.outbox]
     assert answers == [("b", True), ("c", False), ("b", True)]
     assert r.voted_for == "b"
 
 
 def test_a_vote_needs_an_up_to_date_log() -> None:
     r = Raft("a", P, random.Random(0), 0.0)
-    r.learn({"epoch": 4, "term": 2, "members": [], "voters": ["a", "b"]})
-    r.handle("b", {"t": "r.rv", "term": 3, "lli": 9, "llt": 1}, 10.0)    # longer log, older term
-    assert r.outbox[-1][1]["ok"] is False
+    r.learn(V(None, ["a", "b"], epoch=4), 2)
+    r.handle("b", Vote(term=3, last_index=9, last_term=1), 10.0)    # longer log, older term
+    assert r.outbox[-1][1].ok is False
 
 
 def test_entries_of_an_older_term_commit_only_through_one_of_the_current_term() -> None:
     """Raft's figure 8: counting replicas of an old-term entry is not enough to commit it."""
     r = Raft("a", P, random.Random(0), 0.0)
-    r.log = [(1, {"epoch": 1, "term": 1, "members": [], "voters": ["a", "b", "c"]}),
-             (2, {"epoch": 2, "term": 2, "members": ["x"], "voters": ["a", "b", "c"]})]
+    r.log = [(1, V(None, ["a", "b", "c"], epoch=1)), (2, V("x", ["a", "b", "c"], epoch=2))]
     r.commit = r.applied = 1
     r.term = 3
     r._become_leader(0.0)                      # appends its own no-op at index 3
     assert r.last_index == 3 and r.term_at(3) == 3
-    r.handle("b", {"t": "r.aer", "term": 3, "ok": True, "match": 2}, 0.01)
+    r.handle("b", AppendResp(term=3, ok=True, match=2), 0.01)
     assert r.commit == 1                       # entry 2 is on a majority but is from term 2
-    r.handle("b", {"t": "r.aer", "term": 3, "ok": True, "match": 3}, 0.02)
+    r.handle("b", AppendResp(term=3, ok=True, match=3), 0.02)
     assert r.commit == 3

@@ -1,0 +1,118 @@
+"""What a member tells the cluster about itself through gossip (``MemberMeta``).
+
+Gossip carries this metadata in every ``alive`` update and push-pull row; the leader reads it
+to derive views (kind, status, step, start stamp, loop timeout, data-epoch requests). The short
+wire keys exist only in ``to_wire``/``from_wire``: they keep frames small at 1,000 members:
+
+``r`` replica id, ``d`` data addresses (comma-joined), ``k`` kind, ``sh`` shard count, ``s`` status,
+``t0`` process start stamp, ``st`` committed step when the status was set, ``lt`` loop timeout,
+``rb`` a failed data epoch for which a fresh one is requested.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from .view import split_addrs
+
+
+class Kind(str, enum.Enum):
+    """What runs behind a node: a trainer (replica leader) or a witness (``p2pft peer``)."""
+
+    TRAINER = "trainer"
+    WITNESS = "witness"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Status(str, enum.Enum):
+    """A trainer's own account of its state (witnesses are always ``ready``)."""
+
+    JOINING = "joining"     # needs catch-up before it contributes
+    READY = "ready"         # holds the cluster's current state (at ``step``)
+    LEAVING = "leaving"     # on its way out: left out of the next view
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True, slots=True)
+class MemberMeta:
+    """One node's metadata. Immutable: a change is a new value under a new incarnation."""
+
+    replica_id: str = ""                      # empty: the node id stands for it
+    data_addrs: tuple[str, ...] = ()          # one data-server address per shard
+    kind: Kind | None = None
+    shards: int = 1
+    status: Status | None = None
+    start: float = 0.0                        # process start stamp (the newest incarnation wins)
+    step: int = -1                            # committed step when the status was set
+    loop_timeout: float | None = None         # longest the training loop may go without a beat
+    data_epoch_request: int | None = None     # a failed data epoch: asks the leader for a fresh one
+    _wire: dict[str, Any] | None = field(default=None, init=False, repr=False, compare=False)
+
+    def to_wire(self) -> dict[str, Any]:
+        """The short-key dict (built once per value: every probe piggybacks it)."""
+        w = self._wire
+        if w is None:
+            w = {"r": self.replica_id, "d": ",".join(self.data_addrs), "sh": self.shards, "t0": self.start,
+                 "st": self.step}
+            if self.kind is not None:
+                w["k"] = self.kind.value
+            if self.status is not None:
+                w["s"] = self.status.value
+            if self.loop_timeout is not None:
+                w["lt"] = self.loop_timeout
+            if self.data_epoch_request is not None:
+                w["rb"] = self.data_epoch_request
+            object.__setattr__(self, "_wire", w)
+        return w
+
+    @classmethod
+    def from_wire(cls, d: dict[str, Any] | None) -> "MemberMeta":
+        """Raises TypeError/ValueError on malformed input (the update carrying it is dropped).
+        Unknown keys are ignored (a newer peer may send more).
+
+        Memoized: every probe piggybacks a few members' metadata, which changes rarely, and the
+        values are immutable, so equal wire dicts share one value."""
+        if d is None:
+            return _EMPTY
+        if not isinstance(d, dict):
+            raise TypeError(f"member metadata is a {type(d).__name__}, not a map")
+        try:
+            key: tuple[Any, ...] | None = tuple(d.items())
+            hit = _decoded.get(key)  # type: ignore[arg-type]
+        except TypeError:  # an unhashable value: decode (and fail) without the memo
+            key, hit = None, None
+        if hit is not None:
+            return hit
+        k, s, lt, rb = d.get("k"), d.get("s"), d.get("lt"), d.get("rb")
+        meta = cls(replica_id=str(d.get("r", "")), data_addrs=split_addrs(d.get("d", "")),
+                   kind=None if k is None else _enum(Kind, k), shards=int(d.get("sh", 1)),
+                   status=None if s is None else _enum(Status, s), start=float(d.get("t0", 0.0)),
+                   step=int(d.get("st", -1)), loop_timeout=None if lt is None else float(lt),
+                   data_epoch_request=None if rb is None else int(rb))
+        if key is not None:
+            if len(_decoded) >= _DECODED_MAX:
+                _decoded.clear()
+            _decoded[key] = meta
+        return meta
+
+
+_EMPTY = MemberMeta()
+_DECODED_MAX = 8192
+_decoded: dict[tuple[Any, ...], MemberMeta] = {}
+_BY_VALUE: dict[type, dict[Any, Any]] = {Kind: {k.value: k for k in Kind}, Status: {s.value: s for s in Status}}
+
+
+def _enum(cls: type, value: Any) -> Any:
+    """``cls(value)`` without Enum's slow call path; ValueError for an unknown value."""
+    try:
+        return _BY_VALUE[cls][value]
+    except (KeyError, TypeError):
+        raise ValueError(f"{value!r} is not a valid {cls.__name__}") from None
+
+
+__all__ = ["Kind", "MemberMeta", "Status"]

@@ -1,0 +1,254 @@
+"""The leader's view reconciliation: the view gossip implies, and the next voter set.
+
+``ViewPlanner.desired`` derives, from the current view and what gossip shows now, the view the
+leader should propose: the newest live incarnation of each replica, each member's role and
+slot, the data epoch, the high-water step, the trainers left out; and, one server at a time, the
+voters. Pure bookkeeping over the node's gossip and Raft state: it sends nothing itself.
+"""
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from typing import Any
+
+from .config import Profile
+from .gossip import Gossip, GossipMember
+from .messages import ALIVE, SUSPECT
+from .meta import Kind, Status
+from .raft import Raft
+from .view import Member, Role, View
+
+log = logging.getLogger("p2pft.node")
+
+RESUME_GRACE_S = 5.0       # with no participant left, wait this long for one at the high-water step
+PROMOTE_SLACK_STEPS = 8    # a 'ready' joiner this close to the head is current (see desired)
+LEFT_KEEP = 128            # trainers recently left out of a view, carried in the view ("left")
+
+
+def member_entry(node: str, addr: str, meta: Any, role: Role, slot: int | None, since: int) -> Member:
+    """A view's entry for a node, from its gossip metadata."""
+    return Member(node=node, replica_id=meta.replica_id or node, addr=addr, data_addrs=meta.data_addrs,
+                  role=role, slot=slot, shards=meta.shards, since=since)
+
+
+def canonical(view: View) -> tuple[Any, ...]:
+    """What makes two views the same proposal (epoch and high water aside)."""
+    members = tuple(sorted((m.node, m.role, m.slot, m.addr, m.data_addrs) for m in view.members))
+    return members, tuple(view.voters), view.data_epoch
+
+
+def voter_preference(m: Member) -> tuple[int, int, str]:
+    """Witnesses first (they do not die with a trainer's faults), then the longest-lived."""
+    return (0 if m.role is Role.WITNESS else 1, int(m.since), m.node)
+
+
+class ViewPlanner:
+    """Leader-side state for deriving views: loop-stall bookkeeping, the headless grace period,
+    the voter change in progress and the high-water step."""
+
+    def __init__(self, me: str, profile: Profile, gossip: Gossip, raft: Raft, stats: Counter[str],
+                 high_water: int = 0) -> None:
+        self.me = me
+        self.p = profile
+        self.gossip = gossip
+        self.raft = raft
+        self.stats = stats
+        self.high_water = high_water
+        self.voter_change: tuple[tuple[str, ...], float] | None = None  # (voter set, decided at)
+        self._stalled: set[str] = set()        # trainers left out for a stalled loop (logged once)
+        self._lt_seen: dict[str, float] = {}   # when it first saw a trainer's declared loop timeout
+        self._headless_since: float | None = None
+
+    def stop_leading(self) -> None:
+        """No longer leader: drop the voter change in progress."""
+        self.voter_change = None
+        self.raft.set_learners()
+
+    def desired(self, cur: View, now: float, step: int, keep_voters: bool = False) -> View:
+        g = self.gossip
+        newest: dict[str, tuple[tuple[float, str], GossipMember]] = {}
+        for m in g.live_members():
+            if m.meta.status is Status.LEAVING:
+                continue
+            r = m.meta.replica_id or m.node
+            key = (m.meta.start, m.node)
+            if r not in newest or key > newest[r][0]:
+                newest[r] = (key, m)
+        part_steps = [step if n.node == self.me else g.members[n.node].step for n in cur.members
+                      if n.role is Role.PARTICIPANT and n.node in g.members
+                      and g.members[n.node].state in (ALIVE, SUSPECT)]
+        head = max(part_steps) if part_steps else None
+        # High water: the furthest committed step this cluster is known to have reached. Dead
+        # members' last steps stay in gossip tombstones for a while, and the view carries it.
+        observed = [m.step for m in g.members.values() if m.meta.kind is Kind.TRAINER]
+        self.high_water = max([self.high_water, cur.high_water, head or 0, step] + observed)
+        resume_at = None
+        if head is None:
+            # Every participant is gone. Resume only from a replica at the high-water step, or,
+            # after a grace period for one to come back, from the best state anyone has (a disk
+            # checkpoint), loudly: never silently from an older step.
+            ready = [m.meta.step for _, m in newest.values()
+                     if m.meta.kind is Kind.TRAINER and m.meta.status is Status.READY]
+            if self._headless_since is None:
+                self._headless_since = now
+            best = max(ready, default=None)
+            if best is not None and (best >= self.high_water or now - self._headless_since >= RESUME_GRACE_S):
+                resume_at = best
+                if best < self.high_water:
+                    self.stats["resumed_below_high_water"] += 1
+                    log.warning("no replica holds step %d any more: resuming from step %d", self.high_water, best,
+                                extra={"node": self.me})
+        else:
+            self._headless_since = None
+        epoch = self.raft.last_index + 1
+        left_list = list(cur.left)
+        left = set(left_list)
+        chosen: list[tuple[GossipMember, Role]] = []
+        for _, m in newest.values():
+            if self._loop_stalled(m, now):
+                continue
+            prev = cur.member(m.node)
+            status = m.meta.status
+            if m.meta.kind is Kind.WITNESS:
+                role = Role.WITNESS
+            elif prev and prev.role is Role.PARTICIPANT:
+                role = Role.JOINER if status is Status.JOINING else Role.PARTICIPANT
+            elif prev and prev.role is Role.JOINER:
+                # A joiner that caught up says 'ready' at its step; the head moved on meanwhile,
+                # but a joiner applies every mean gradient, so it is still current. A fresh
+                # process that merely started 'ready' at an old step stays a joiner.
+                st = m.meta.step
+                current = st >= head - PROMOTE_SLACK_STEPS if head is not None else st == resume_at
+                role = Role.PARTICIPANT if status is Status.READY and current else Role.JOINER
+            elif (status is Status.READY and m.meta.step == (head if head is not None else resume_at)
+                  and (head is None or m.node not in left)):
+                # A fresh replica at the cluster's step: nothing to catch up. Not one that was
+                # left out of an earlier view: it may hold a step the others redid without it
+                # (its allreduce finished, theirs failed), so it comes back through catch-up.
+                role = Role.PARTICIPANT
+            else:
+                role = Role.JOINER
+            chosen.append((m, role))
+        used: set[int] = set()
+        for m, role in chosen:
+            prev = cur.member(m.node)
+            if role is Role.PARTICIPANT and prev is not None and prev.slot is not None:
+                used.add(prev.slot)
+        members = []
+        for m, role in sorted(chosen, key=lambda x: x[0].node):
+            prev = cur.member(m.node)
+            slot = prev.slot if prev and role is Role.PARTICIPANT and prev.slot is not None else None
+            if role is Role.PARTICIPANT and slot is None:
+                slot = next(i for i in range(1 << 16) if i not in used)
+                used.add(slot)
+            since = prev.since if prev else epoch
+            members.append(member_entry(m.node, m.addr, m.meta, role, slot, since))
+        voters = tuple(cur.voters) if keep_voters else tuple(self._next_voters(cur, members, now))
+        data = sorted(m.node for m in members if m.role is not Role.WITNESS)
+        old = sorted(m.node for m in cur.members if m.role is not Role.WITNESS)
+        data_epoch = cur.data_epoch if data == old else epoch
+        # A trainer whose communicator failed with nobody to exclude (a peer paused for less
+        # than the failure timeout) asks for a fresh data epoch by naming the one that failed.
+        if any((m.meta.data_epoch_request or 0) >= data_epoch for _, m in newest.values() if m.node in data):
+            data_epoch = epoch
+        now_in = {m.node for m in members}
+        dropped = sorted(m.node for m in cur.members if m.role is not Role.WITNESS and m.node not in now_in
+                         and m.node not in left)
+        left_list = (left_list + dropped)[-LEFT_KEEP:]
+        return View(epoch=epoch, members=tuple(members), voters=voters, data_epoch=data_epoch,
+                    high_water=self.high_water, left=tuple(left_list))
+
+    def _loop_stalled(self, gm: GossipMember, now: float) -> bool:
+        """A trainer whose training loop has not beaten for longer than it declared."""
+        lt = gm.meta.loop_timeout
+        node = gm.node
+        if not lt or node == self.me:
+            return False
+        # No beat from it yet (a new leader, or a loop that wedged before its first beat got
+        # here): count from when this leader first saw the declaration.
+        since = gm.beat_at if gm.beat_at is not None else self._lt_seen.setdefault(node, now)
+        stalled = now - since > lt
+        if stalled and node not in self._stalled:
+            self._stalled.add(node)
+            self.stats["loop_stalled"] += 1
+            log.warning("the training loop of %s has not run for %.1f s (it declared %.1f s): leaving it out of "
+                        "the view", node, now - since, lt, extra={"node": self.me})
+        elif not stalled:
+            self._stalled.discard(node)
+        if len(self._stalled) > 4096 or len(self._lt_seen) > 4096:  # nodes long gone: forget them
+            self._stalled.clear()
+            self._lt_seen.clear()
+        return stalled
+
+    def _next_voters(self, cur: View, members: list[Member], now: float) -> list[str]:
+        """At most one voter added or removed per view (Raft's single-server change).
+
+        Raft switches to a voter set as soon as it is in the log, committed or not. A set
+        without a live majority (say, one that drops a voter that is only partitioned away
+        while another has just crashed, or adds a voter that has just crashed) could never
+        commit nor be replaced, even after the partition heals. So a change is made in two
+        steps: pick a set whose majority answered our appends within a few heartbeats, then
+        propose it only once a majority of it has answered again *after* that decision (the
+        added voter is replicated to as a learner meanwhile). Until then the view keeps the
+        old voters, so member changes are not delayed.
+        """
+        voters = list(cur.voters)
+        want = self._voter_target(voters, members, now)
+        if want is None:
+            self.voter_change = None
+            self.raft.set_learners()
+            return voters
+        key = tuple(want)
+        if self.voter_change is None or self.voter_change[0] != key:
+            self.voter_change = (key, now)
+            self.raft.set_learners(set(want) - set(voters))
+            return voters
+        since = max(self.voter_change[1], now - 3 * self.p.heartbeat)
+        if sum(1 for v in want if self.raft.acked_after(v, since)) * 2 > len(want):
+            return want
+        return voters
+
+    def _voter_target(self, voters: list[str], members: list[Member], now: float) -> list[str] | None:
+        """The next voter set we would like (one server away from ``voters``), or None."""
+        g = self.gossip
+        in_view = {m.node for m in members}
+        window = 3 * self.p.heartbeat
+
+        def fresh_majority(new: list[str]) -> bool:
+            up = sum(1 for v in new if self.raft.acked_within(v, now, window)
+                     or (v not in voters and v in g.members and g.members[v].state == ALIVE))
+            return up * 2 > len(new)
+
+        gone = [v for v in voters if v not in in_view]
+        if gone:
+            for v in gone:
+                new = [x for x in voters if x != v]
+                if fresh_majority(new):
+                    return new
+            return None
+        eligible = sorted((m for m in members if g.members.get(m.node) is not None
+                           and g.members[m.node].state == ALIVE), key=voter_preference)
+        # An odd number of voters, up to max_voters, sized by the whole view (a member that is
+        # only suspected still counts, so a brief suspicion does not shrink and regrow the set).
+        target = min(self.p.max_voters, max(1, len(members)))
+        if target > 1 and target % 2 == 0:
+            target -= 1
+        if len(voters) < target:
+            for m in eligible:
+                if m.node not in voters:
+                    new = voters + [m.node]
+                    return new if fresh_majority(new) else None
+        if len(voters) > target:
+            # Shrink (e.g. 2 voters of 2 members -> 1): an even set tolerates no more failures
+            # than the odd one below it, and losing either of 2 voters would stall for good.
+            order = {m.node: voter_preference(m) for m in members}
+            newest = max((v for v in voters if v != self.me), key=lambda v: order.get(v, (1 << 62, 0, v)),
+                         default=None)
+            if newest:
+                new = [v for v in voters if v != newest]
+                return new if fresh_majority(new) else None
+        return None
+
+
+__all__ = ["LEFT_KEEP", "PROMOTE_SLACK_STEPS", "RESUME_GRACE_S", "ViewPlanner", "canonical", "member_entry",
+           "voter_preference"]
