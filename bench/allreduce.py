@@ -9,6 +9,10 @@ bus bandwidth = 2 (n-1)/n * bytes / time.
     python bench/allreduce.py --quick               # < ~60 s
     python bench/allreduce.py --ranks 3 --sizes 1,64 --json out.json
     python bench/allreduce.py --state               # fetch_state of 1 GB: GB/s and peak extra memory
+    python bench/allreduce.py --ranks 2 --pin       # each rank on a core of its own (taskset-style)
+
+CPU seconds per allreduce (per rank, process time) are reported beside bandwidth for both: on a
+machine with fewer cores than ranks, wall time measures the machine, CPU time the code.
 """
 
 from __future__ import annotations
@@ -38,8 +42,10 @@ def _free_port() -> int:
 # ---------------------------------------------------------------------------- allreduce workers
 def _allreduce_worker(rank: int, n: int, gloo_port: int, sizes: list[int], warmup: int, iters: int,
                       chunk_bytes: int, lanes: int, bufsize: int, inline: bool, addr_q: Any, peers_q: Any,
-                      out_q: Any) -> None:
+                      out_q: Any, pin: bool = False) -> None:
     die_with_parent()
+    if pin:  # one core per rank (rank r on core r mod ncpu): the CPU is not shared between ranks
+        os.sched_setaffinity(0, {rank % (os.cpu_count() or 1)})
     import torch
     import torch.distributed as dist
 
@@ -94,7 +100,8 @@ def _allreduce_worker(rank: int, n: int, gloo_port: int, sizes: list[int], warmu
 
 
 def bench_allreduce(ranks: list[int], sizes: list[float], warmup: int, iters: int, chunk_bytes: int,
-                    lanes: int, bufsize: int = 0, inline: bool = True) -> tuple[list[dict], list[dict]]:
+                    lanes: int, bufsize: int = 0, inline: bool = True,
+                    pin: bool = False) -> tuple[list[dict], list[dict]]:
     ctx = mp.get_context("spawn")
     rows: list[dict] = []
     setups: list[dict] = []
@@ -103,7 +110,8 @@ def bench_allreduce(ranks: list[int], sizes: list[float], warmup: int, iters: in
         peers_qs = [ctx.Queue() for _ in range(n)]
         port = _free_port()
         procs = [ctx.Process(target=_allreduce_worker, args=(r, n, port, sizes, warmup, iters, chunk_bytes, lanes,
-                                                             bufsize, inline, addr_q, peers_qs[r], out_q), daemon=True)
+                                                             bufsize, inline, addr_q, peers_qs[r], out_q, pin),
+                             daemon=True)
                  for r in range(n)]
         for p in procs:
             p.start()
@@ -222,6 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--state", action="store_true", help="also time fetch_state of --state-mb")
     ap.add_argument("--state-only", action="store_true", help="only the state-streaming benchmark")
     ap.add_argument("--state-mb", type=int, default=1024)
+    ap.add_argument("--pin", action="store_true",
+                    help="pin rank r to core r mod ncpu (with ranks <= cores, each rank has a core of its own)")
     ap.add_argument("--json", metavar="FILE", help="write results as JSON")
     a = ap.parse_args(argv)
 
@@ -235,10 +245,10 @@ def main(argv: list[str] | None = None) -> int:
     chunk = a.chunk_kb * 1024 if a.chunk_kb else DEFAULT_CHUNK_BYTES
     out: dict[str, Any] = {"config": {"ranks": ranks, "sizes_mb": sizes, "warmup": a.warmup, "iters": a.iters,
                                       "chunk_bytes": chunk, "lanes": a.lanes, "bufsize": a.bufsize_kb * 1024, "inline_send": not a.no_inline,
-                                      "cpus": os.cpu_count()}}
+                                      "cpus": os.cpu_count(), "pinned": a.pin}}
     if not a.state_only:
         rows, setups = bench_allreduce(ranks, sizes, a.warmup, a.iters, chunk, a.lanes, a.bufsize_kb * 1024,
-                                       not a.no_inline)
+                                       not a.no_inline, a.pin)
         ratios = []
         print(f"{'ranks':>5} {'MB':>6} {'p2pft GB/s':>11} {'gloo GB/s':>10} {'p2pft ms':>9} {'gloo ms':>9} "
               f"{'ratio':>6} {'p2pft cpu ms':>13} {'gloo cpu ms':>12} {'p2pft csw':>10} {'gloo csw':>9}")
