@@ -17,6 +17,7 @@ The cursor's index stream is the non-negative integers; sample ``i`` is ``datase
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -24,6 +25,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.dataloader import default_collate
 
+from ..procs import die_with_parent
 from .cursor import DataCursor
 from .engine import StepEngine
 
@@ -53,6 +55,20 @@ class _Collate:
     def __call__(self, items: list[tuple[Key, Any]]) -> tuple[int, int, list[int], Any]:
         keys = [k for k, _ in items]
         return keys[0][0], keys[0][1], [k[2] for k in keys], self.collate([x for _, x in items])
+
+
+class _WorkerInit:
+    """Workers die with the replica: a forked worker holds copies of the replica's sockets (its
+    control and data ports), so one outliving a SIGKILLed replica would keep those ports bound
+    and its restart could not listen on them."""
+
+    def __init__(self, parent: int, user: Callable[[int], Any] | None) -> None:
+        self.parent, self.user = parent, user
+
+    def __call__(self, worker_id: int) -> None:
+        die_with_parent(self.parent)
+        if self.user is not None:
+            self.user(worker_id)
 
 
 class _Predictions:
@@ -102,8 +118,10 @@ class StepLoader:
         self.pin_memory = pin_memory
         self._pred = _Predictions(engine.rank_share)
         kw = dict(loader_kw)
-        if num_workers > 0 and prefetch_factor is not None:
-            kw["prefetch_factor"] = prefetch_factor
+        if num_workers > 0:
+            kw["worker_init_fn"] = _WorkerInit(os.getpid(), kw.get("worker_init_fn"))
+            if prefetch_factor is not None:
+                kw["prefetch_factor"] = prefetch_factor
         self._loader = DataLoader(_Tagged(dataset), batch_sampler=self._pred, collate_fn=_Collate(self.collate),
                                   num_workers=num_workers, pin_memory=pin_memory, **kw)
         self._it: Iterator[Any] | None = None
