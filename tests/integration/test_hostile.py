@@ -199,8 +199,12 @@ def test_data_port_survives_a_handshake_flood_and_a_joiner_that_never_reads(capl
         deadline = time.monotonic() + 10
         while a.counters["handshake_timeout"] < MAX_INBOUND - 10 and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert a.counters["handshakes_full"] >= FLOOD - MAX_INBOUND - 50, dict(a.counters)
-        assert a.counters["handshake_timeout"] >= MAX_INBOUND - 10, dict(a.counters)
+        # Every flood connection was dropped, either refused at the cap or timed out in a slot;
+        # the cap engaged. (How many of each depends on how fast the flood arrives: on a loaded
+        # machine it takes longer than the handshake timeout, and timed-out slots take more.)
+        full, timed_out = a.counters["handshakes_full"], a.counters["handshake_timeout"]
+        assert full + timed_out >= FLOOD - 50, dict(a.counters)
+        assert full > 0 and timed_out >= MAX_INBOUND - 10, dict(a.counters)
         for s in socks:
             s.close()
         # A joiner that asks for a snapshot and never reads it: dropped after state_timeout.
