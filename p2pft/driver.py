@@ -151,8 +151,10 @@ class NodeServer:
                  profile: Profile = DEFAULT, max_frame: int = DEFAULT_MAX_FRAME, status: str | Status | None = None,
                  step: int = 0, seed: int | None = None, advertise: str | None = None,
                  max_inbound: int = MAX_INBOUND, idle_timeout: float = IDLE_TIMEOUT,
-                 drain_timeout: float = DRAIN_TIMEOUT, replay_window: float = REPLAY_WINDOW) -> None:
+                 drain_timeout: float = DRAIN_TIMEOUT, replay_window: float = REPLAY_WINDOW,
+                 max_participants: int | None = None) -> None:
         self.listen = listen
+        self.max_participants = max_participants
         self.host, self.port = parse_hostport(listen)
         if advertise:
             parse_hostport(advertise)
@@ -215,7 +217,7 @@ class NodeServer:
         self.node = Node(replica_id=self.replica_id or self.addr, addr=self.addr, data_addr=self.data_addr,
                          kind=self.kind, shards=self.shards, seeds=self.seeds, profile=self.profile,
                          rng=self.rng, now=time.monotonic(), start_stamp=time.time(), status=self.status,
-                         step=self.step)
+                         step=self.step, max_participants=self.max_participants)
         self._wake = asyncio.Event()
         self._timer = asyncio.get_running_loop().create_task(self._timer_loop())
         self._flush()

@@ -6,7 +6,8 @@ wire keys exist only in ``to_wire``/``from_wire``: they keep frames small at 1,0
 
 ``r`` replica id, ``d`` data addresses (comma-joined), ``k`` kind, ``sh`` shard count, ``s`` status,
 ``t0`` process start stamp, ``st`` committed step when the status was set, ``lt`` loop timeout,
-``rb`` a failed data epoch for which a fresh one is requested.
+``rb`` a failed data epoch for which a fresh one is requested, ``mp`` the most participants the
+job plans for (more trainers than that are hot spares).
 """
 from __future__ import annotations
 
@@ -51,6 +52,7 @@ class MemberMeta:
     step: int = -1                            # committed step when the status was set
     loop_timeout: float | None = None         # longest the training loop may go without a beat
     data_epoch_request: int | None = None     # a failed data epoch: asks the leader for a fresh one
+    max_participants: int | None = None       # planned participants; trainers beyond it are spares
     _wire: dict[str, Any] | None = field(default=None, init=False, repr=False, compare=False)
 
     def to_wire(self) -> dict[str, Any]:
@@ -67,6 +69,8 @@ class MemberMeta:
                 w["lt"] = self.loop_timeout
             if self.data_epoch_request is not None:
                 w["rb"] = self.data_epoch_request
+            if self.max_participants is not None:
+                w["mp"] = self.max_participants
             object.__setattr__(self, "_wire", w)
         return w
 
@@ -88,12 +92,13 @@ class MemberMeta:
             key, hit = None, None
         if hit is not None:
             return hit
-        k, s, lt, rb = d.get("k"), d.get("s"), d.get("lt"), d.get("rb")
+        k, s, lt, rb, mp = d.get("k"), d.get("s"), d.get("lt"), d.get("rb"), d.get("mp")
         meta = cls(replica_id=str(d.get("r", "")), data_addrs=split_addrs(d.get("d", "")),
                    kind=None if k is None else _enum(Kind, k), shards=int(d.get("sh", 1)),
                    status=None if s is None else _enum(Status, s), start=float(d.get("t0", 0.0)),
                    step=int(d.get("st", -1)), loop_timeout=None if lt is None else float(lt),
-                   data_epoch_request=None if rb is None else int(rb))
+                   data_epoch_request=None if rb is None else int(rb),
+                   max_participants=None if mp is None else int(mp))
         if key is not None:
             if len(_decoded) >= _DECODED_MAX:
                 _decoded.clear()

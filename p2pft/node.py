@@ -50,7 +50,8 @@ class Node:
     def __init__(self, *, replica_id: str, addr: str, data_addr: str = "", kind: str | Kind = WITNESS_KIND,
                  shards: int = 1, seeds: list[str] | tuple[str, ...] = (), profile: Profile = DEFAULT,
                  rng: random.Random, now: float, start_stamp: float | None = None,
-                 status: str | Status | None = None, step: int = 0) -> None:
+                 status: str | Status | None = None, step: int = 0,
+                 max_participants: int | None = None) -> None:
         self.replica_id = str(replica_id)
         self.addr = addr
         self.kind = Kind(kind)
@@ -61,7 +62,8 @@ class Node:
             status = Status.READY if self.kind is Kind.WITNESS else Status.JOINING
         meta = MemberMeta(replica_id=self.replica_id, data_addrs=split_addrs(data_addr), kind=self.kind,
                           shards=int(shards), status=Status(status),
-                          start=float(now if start_stamp is None else start_stamp), step=int(step))
+                          start=float(now if start_stamp is None else start_stamp), step=int(step),
+                          max_participants=max_participants)
         self.gossip = Gossip(self.id, addr, meta, profile, rng, now, step=step)
         self.raft = Raft(self.id, profile, rng, now, first_entry=self._first_view)
         self.stats: Counter[str] = Counter()

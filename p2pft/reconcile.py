@@ -117,7 +117,9 @@ class ViewPlanner:
                 # A joiner that caught up says 'ready' at its step; the head moved on meanwhile,
                 # but a joiner applies every mean gradient, so it is still current. A fresh
                 # process that merely started 'ready' at an old step stays a joiner.
-                st = m.meta.step
+                # Its step: the one it said 'ready' at, or the one gossip carries now (a hot spare
+                # said 'ready' long ago and has applied every step since).
+                st = max(m.meta.step, m.step)
                 current = st >= head - PROMOTE_SLACK_STEPS if head is not None else st == resume_at
                 role = Role.PARTICIPANT if status is Status.READY and current else Role.JOINER
             elif (status is Status.READY and m.meta.step == (head if head is not None else resume_at)
@@ -129,6 +131,7 @@ class ViewPlanner:
             else:
                 role = Role.JOINER
             chosen.append((m, role))
+        chosen = self._cap_participants(chosen, cur, newest, epoch)
         used: set[int] = set()
         for m, role in chosen:
             prev = cur.member(m.node)
@@ -157,6 +160,36 @@ class ViewPlanner:
         left_list = (left_list + dropped)[-LEFT_KEEP:]
         return View(epoch=epoch, members=tuple(members), voters=voters, data_epoch=data_epoch,
                     high_water=self.high_water, left=tuple(left_list))
+
+    @staticmethod
+    def _cap_participants(chosen: list[tuple[GossipMember, Role]], cur: View,
+                          newest: dict[str, tuple[tuple[float, str], GossipMember]],
+                          epoch: int) -> list[tuple[GossipMember, Role]]:
+        """Hot spares: with a planned participant count declared (``max_participants``), trainers
+        beyond it stay joiners. A joiner that keeps applying every reduced step is current, so
+        when a participant leaves, the view that removes it promotes a spare at once: a failure
+        costs one view change, not a process start. Participants are never demoted for the cap;
+        promotions go to the longest-waiting joiner first."""
+        caps = [m.meta.max_participants for _, m in newest.values()
+                if m.meta.kind is Kind.TRAINER and m.meta.max_participants]
+        if not caps:
+            return chosen
+        cap = max(caps)
+
+        def was_participant(m: GossipMember) -> bool:
+            prev = cur.member(m.node)
+            return prev is not None and prev.role is Role.PARTICIPANT
+
+        room = cap - sum(1 for m, role in chosen if role is Role.PARTICIPANT and was_participant(m))
+        out: list[tuple[GossipMember, Role]] = []
+        for m, role in sorted(chosen, key=lambda x: (getattr(cur.member(x[0].node), "since", epoch), x[0].node)):
+            if role is Role.PARTICIPANT and not was_participant(m):
+                if room > 0:
+                    room -= 1
+                else:
+                    role = Role.JOINER
+            out.append((m, role))
+        return out
 
     def _loop_stalled(self, gm: GossipMember, now: float) -> bool:
         """A trainer whose training loop has not beaten for longer than it declared."""

@@ -31,6 +31,9 @@ def add_replica_args(p: argparse.ArgumentParser, *, replicas: int, digest_every:
                    "starts every replica first, then says go)")
     p.add_argument("--seed", type=int, default=0, help="model init seed (the same on every replica)")
     p.add_argument("--log-level", default=os.environ.get("P2PFT_LOG_LEVEL", "WARNING"))
+    p.add_argument("--max-participants", type=int, default=os.environ.get("P2PFT_MAX_PARTICIPANTS") or None,
+                   help="the job's planned participants: replicas beyond it wait as hot spares "
+                        "(env P2PFT_MAX_PARTICIPANTS)")
     p.add_argument("--progress", choices=["auto", "on", "off"], default="auto",
                    help="a progress line every few seconds and a summary at the end, on stderr "
                         "(auto: when stderr is a terminal)")
@@ -59,3 +62,5 @@ def require_replica_id(p: argparse.ArgumentParser, args: argparse.Namespace) -> 
         args.advertise = ca.advertise
     if not args.replica_id:
         p.error("--replica-id is required (or set P2PFT_REPLICA_ID)")
+    if args.max_participants is not None and args.max_participants < 1:
+        p.error(f"--max-participants must be at least 1, got {args.max_participants}")

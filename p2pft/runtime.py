@@ -42,9 +42,16 @@ class Runtime:
                  secret: bytes | None = None, profile: Profile = DEFAULT, comm_timeout: float = 10.0,
                  kind: str = TRAINER_KIND, status: str = "ready", step: int = 0, advertise: str | None = None,
                  data_listen: str | None = None, advertise_data: str | None = None,
-                 metrics_port: int | str | None = None, data_plane: str | None = None) -> None:
+                 metrics_port: int | str | None = None, data_plane: str | None = None,
+                 max_participants: int | None = None) -> None:
         from .transport.backend import data_plane_from
         self.replica_id = str(replica_id)
+        if max_participants is not None and (isinstance(max_participants, bool) or not isinstance(max_participants, int)
+                                             or max_participants < 1):
+            raise ValueError(f"max_participants must be a positive int or None, got {max_participants!r}")
+        # The job's planned participants: trainers beyond it wait as hot spares (joiners kept
+        # current by the data plane), promoted in the view that removes a dead participant.
+        self.max_participants = max_participants
         # "auto" | "nccl" | "tcp" (None: $P2PFT_DATA_PLANE, else auto), for whoever builds communicators.
         self.data_plane = data_plane_from(data_plane)
         self.listen = listen
@@ -113,7 +120,8 @@ class Runtime:
         asyncio.set_event_loop(loop)
         server = NodeServer(listen=self.listen, replica_id=self.replica_id, seeds=self.seeds, kind=self.kind,
                             data_addr=data_addr, shards=self.shards, secret=self.secret, profile=self.profile,
-                            status=self._status, step=self._step, advertise=self.advertise)
+                            status=self._status, step=self._step, advertise=self.advertise,
+                            max_participants=self.max_participants)
         server.on_view.append(self._on_view)
         self.server = server
         try:

@@ -85,8 +85,9 @@ class Simulator:
 
     # ------------------------------------------------------------------ cluster
     def add_node(self, addr: str, *, seeds: list[str] | None = None, kind: str = WITNESS_KIND,
-                 replica_id: str | None = None, shards: int = 1) -> Node:
-        spec = {"seeds": list(seeds or []), "kind": kind, "replica_id": replica_id or addr, "shards": shards}
+                 replica_id: str | None = None, shards: int = 1, max_participants: int | None = None) -> Node:
+        spec = {"seeds": list(seeds or []), "kind": kind, "replica_id": replica_id or addr, "shards": shards,
+                "max_participants": max_participants}
         self._spec[addr] = spec
         return self._start(addr, spec)
 
@@ -94,7 +95,8 @@ class Simulator:
         node = Node(replica_id=spec["replica_id"], addr=addr, data_addr=addr, kind=spec["kind"],
                     shards=spec["shards"], seeds=spec["seeds"], profile=self.profile,
                     rng=random.Random(self.rng.getrandbits(64)), now=self.now,
-                    status="ready" if spec["kind"] != WITNESS_KIND else None)
+                    status="ready" if spec["kind"] != WITNESS_KIND else None,
+                    max_participants=spec.get("max_participants"))
         self.nodes[addr] = node
         self.crashed.pop(addr, None)
         self._after(addr, node)

@@ -46,6 +46,9 @@ def register(sub: Any) -> None:
                    help="comma list of p2pft,ddp,sync,failure_free,torchft (auto: p2pft,ddp,failure_free and "
                    "torchft when installed; sync: p2pft replicas restarted as a whole job, like ddp)")
     p.add_argument("--witnesses", type=int, default=2, help="witness peers per cluster (voters, never killed)")
+    p.add_argument("--spares", type=int, default=0,
+                   help="p2pft only: this many extra replicas wait as hot spares (caught-up joiners) and take a "
+                        "dead participant's place in the view that removes it")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="results/chaos", help="folder for chaos.json, timeline.png and logs")
     p.add_argument("--no-live", action="store_true", help="no live progress display")
@@ -71,7 +74,7 @@ def _chaos(args: argparse.Namespace) -> int:
                       restart_after=args.restart_after, fault=args.fault, pause_for=args.pause_for,
                       step_delay=args.step_delay, model=args.model, batch=args.batch,
                       checkpoint_every=args.checkpoint_every, seed=args.seed,
-                      witnesses=args.witnesses, workload=args.workload)
+                      witnesses=args.witnesses, workload=args.workload, spares=args.spares)
     try:
         cfg.validate()
     except ValueError as exc:
@@ -138,7 +141,7 @@ def _systems(text: str) -> list[str]:
 def _progress(clusters: dict[str, Cluster]) -> list[tuple[str, str, int, str, int]]:
     rows = []
     for name, c in clusters.items():
-        for i in range(c.cfg.replicas):
+        for i in range(getattr(c, "size", c.cfg.replicas)):
             p = c.procs.get(i)
             if p is None:
                 rows.append((name, f"r{i}", -1, "down", 0))

@@ -47,6 +47,7 @@ class ChaosConfig:
     witnesses: int = 2                # `p2pft peer` processes: cheap voters that are never killed
     extra_args: tuple[str, ...] = ()  # passed through to every replica process
     workload: str = "example"         # example (replica.py) | gpt (gpt.py, checked by the replay oracle)
+    spares: int = 0                   # p2pft only: extra replicas that wait as hot spares
 
     def validate(self) -> None:
         if self.replicas < 2:
@@ -55,6 +56,8 @@ class ChaosConfig:
             raise ValueError("--fault two needs at least 4 replicas so that a majority survives")
         if self.duration <= 0 or self.kill_every <= 0 or self.restart_after < 0 or self.step_delay < 0:
             raise ValueError("durations must be positive (restart delay and step delay may be 0)")
+        if self.spares < 0:
+            raise ValueError("--spares must be 0 or more")
         if self.fault not in FAULTS:
             raise ValueError(f"--fault must be one of {', '.join(FAULTS)}")
         if self.workload not in WORKLOADS:
@@ -120,12 +123,15 @@ class Cluster:
     stop_grace: float = field(default=8.0, init=False)  # seconds a replica has to exit at the end
 
     def __post_init__(self) -> None:
-        self.ports = free_ports(self.cfg.replicas + self.cfg.witnesses)
-        self.addrs = [f"127.0.0.1:{p}" for p in self.ports[:self.cfg.replicas]]
-        self.witness_addrs = [f"127.0.0.1:{p}" for p in self.ports[self.cfg.replicas:]]
+        # p2pft runs `spares` extra replicas capped at `replicas` participants: hot spares.
+        self.spares = self.cfg.spares if self.system == "p2pft" else 0
+        self.size = self.cfg.replicas + self.spares
+        self.ports = free_ports(self.size + self.cfg.witnesses)
+        self.addrs = [f"127.0.0.1:{p}" for p in self.ports[:self.size]]
+        self.witness_addrs = [f"127.0.0.1:{p}" for p in self.ports[self.size:]]
         self.witness_procs: list[Proc] = []
         self.group = ProcGroup()
-        self.incarnations = [0] * self.cfg.replicas
+        self.incarnations = [0] * self.size
         self.restarts_all = self.system == "sync"
         if self.workdir.exists():
             shutil.rmtree(self.workdir)  # stats files are appended to: never mix two runs
@@ -147,6 +153,8 @@ class Cluster:
                "--min-replicas", str(cfg.replicas) if inc == 0 or self.system == "sync" else "1",
                "--go-file", str(self.go_file), "--log-level", os.environ.get("P2PFT_LOG_LEVEL", "INFO"),
                *cfg.extra_args]
+        if self.spares:
+            cmd += ["--max-participants", str(cfg.replicas)]
         if cfg.workload == "gpt":  # a survivor's final weights, for the replay oracle
             cmd += ["--final-weights", str(self.workdir / f"r{i}-{inc}.pt"), "--progress", "off"]
         if self.system == "sync":
@@ -164,7 +172,7 @@ class Cluster:
     def start(self) -> None:
         if not self.witness_procs:
             self.start_witnesses()
-        for i in range(self.cfg.replicas):
+        for i in range(self.size):
             self.spawn(i)
 
     def start_witnesses(self) -> None:
@@ -226,12 +234,14 @@ class Cluster:
         return [i for i, p in self.procs.items() if p.running() and not p.paused]
 
     def training(self, within: float = 2.0) -> list[int]:
-        """Replicas that committed a step recently (not still starting, not paused)."""
+        """Replicas that committed a step recently (not still starting, not paused); with hot
+        spares, only participants: a spare's failure would cost nothing and flatter the run."""
         now = time.time()
         out = []
         for i in self.live():
             recs = read_stats(self.procs[i].stats)[-20:]
-            if any(r.get("kind") is None and r.get("c") and now - float(r["t"]) < within for r in recs):
+            if any(r.get("kind") is None and r.get("c") and now - float(r["t"]) < within
+                   and (not self.spares or r.get("role") == "participant") for r in recs):
                 out.append(i)
         return out
 

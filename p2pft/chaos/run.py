@@ -158,6 +158,18 @@ def _wait_started(clusters: dict[str, Cluster], timeout: float, interrupt: Inter
     raise RuntimeError(f"replicas did not start training within {timeout:g} s")
 
 
+def _map_targets(targets: list[int], size: int) -> list[int]:
+    """The victims' indices in a cluster of `size` replicas: the same indices where they exist
+    (a p2pft cluster with hot spares has more replicas than the others), else distinct others."""
+    out: list[int] = []
+    for i in targets:
+        j = i if i < size else i % size
+        while j in out and len(out) < size:
+            j = (j + 1) % size
+        out.append(j)
+    return out
+
+
 def _inject(cfg: ChaosConfig, clusters: dict[str, Cluster], schedule: Schedule, now: float,
             pending_restarts: list[tuple[float, str, int]], pending_resumes: list[tuple[float, str, int]]) -> None:
     """One failure, the same replica indices for every system that has failures."""
@@ -176,12 +188,13 @@ def _inject(cfg: ChaosConfig, clusters: dict[str, Cluster], schedule: Schedule, 
         return
     for name in faulty:
         c = clusters[name]
+        own = _map_targets(targets, c.cfg.replicas + getattr(c, "spares", 0))
         if c.restarts_all:
             # Any failure stops the synchronous job: every replica restarts from the checkpoint.
-            c.kill_job(targets)
+            c.kill_job(own)
             pending_restarts.append((now + cfg.restart_after, name, -1))
             continue
-        for i in targets:
+        for i in own:
             if cfg.fault == "pause":
                 c.signal(i, signal.SIGSTOP, "pause")
                 if i in c.procs:

@@ -377,7 +377,8 @@ def start_runtime(args: argparse.Namespace) -> Any:
     from p2pft import Runtime
     from p2pft.wire import load_secret
     return Runtime(replica_id=args.replica_id, listen=args.listen, seeds=[s for s in args.seeds.split(",") if s],
-                   secret=load_secret(args.secret_file), comm_timeout=args.comm_timeout).start()
+                   secret=load_secret(args.secret_file), comm_timeout=args.comm_timeout,
+                   max_participants=args.max_participants).start()
 
 
 def ft_options(args: argparse.Namespace) -> dict[str, Any]:

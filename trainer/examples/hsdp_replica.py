@@ -141,7 +141,8 @@ def worker(args: argparse.Namespace) -> int:
     rep = HSDP.start(model, opt, replica_id=args.replica_id, listen=args.listen,
                      seeds=[s for s in args.seeds.split(",") if s], secret=load_secret(args.secret_file),
                      batch_per_replica=args.batch, nominal_replicas=args.replicas, lr_policy=args.lr_policy,
-                     rank_timeout=args.rank_timeout, runtime_kw={"metrics_port": args.metrics_port})
+                     rank_timeout=args.rank_timeout,
+                     runtime_kw={"metrics_port": args.metrics_port, "max_participants": args.max_participants})
     box.append(rep)
     steps = StepMetrics.attach(rep.rt, rep)   # rank 0 with --metrics-port; a no-op otherwise
     pids: list[int | None] = [None] * world

@@ -143,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     rt = Runtime(replica_id=args.replica_id, listen=args.listen, seeds=seeds,
                  secret=load_secret(args.secret_file), advertise=args.advertise, data_listen=args.data_listen,
                  advertise_data=args.advertise_data, comm_timeout=args.comm_timeout,
-                 metrics_port=args.metrics_port, data_plane=args.data_plane).start()
+                 metrics_port=args.metrics_port, data_plane=args.data_plane,
+                 max_participants=args.max_participants).start()
     stop = {"flag": False}
 
     ft_box: list[FaultTolerant] = []
