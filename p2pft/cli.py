@@ -21,7 +21,7 @@ from typing import Any, Sequence
 from . import aio
 from .config import PROFILES
 from .launch import add_launch_args
-from .log import setup_logging
+from .log import log_level, setup_logging
 from .wire import WireError, load_secret
 
 log = logging.getLogger("p2pft.cli")
@@ -190,7 +190,8 @@ def cmd_top(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="p2pft", description="Fault-tolerant data-parallel training without a "
                                 "coordinator. Arguments win over P2PFT_* environment variables.")
-    p.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING (default: $P2PFT_LOG_LEVEL or INFO)")
+    p.add_argument("--log-level", type=log_level, default=None,
+                   help="DEBUG, INFO, WARNING, ERROR (default: $P2PFT_LOG_LEVEL or INFO)")
     sub = p.add_subparsers(dest="cmd", required=True)
 
     peer = sub.add_parser("peer", help="run a witness peer (a member and possible voter, no trainer)")
@@ -225,6 +226,11 @@ def build_parser() -> argparse.ArgumentParser:
     register_top(sub, cmd_top)
 
     _add_optional_commands(sub)
+    # `p2pft peer --log-level INFO ...` as well as `p2pft --log-level INFO peer ...`: after the
+    # subcommand, the option overrides the one before it (SUPPRESS: absent, it leaves that be).
+    for cmd in sub.choices.values():
+        cmd.add_argument("--log-level", type=log_level, default=argparse.SUPPRESS,
+                         help="DEBUG, INFO, WARNING, ERROR (default: $P2PFT_LOG_LEVEL or INFO)")
     return p
 
 

@@ -30,6 +30,18 @@ class ContextFilter(logging.Filter):
         return True
 
 
+LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def log_level(value: str) -> str:
+    """argparse type: a logging level name, any case; anything else is a usage error (not a
+    silent INFO)."""
+    import argparse
+    if value.upper() not in LEVELS:
+        raise argparse.ArgumentTypeError(f"unknown level {value!r}; expected one of {', '.join(LEVELS)}")
+    return value.upper()
+
+
 def setup_logging(level: str | int | None = None, stream=None) -> None:
     """Configure the root logger once (CLI entry points call this)."""
     if level is None:

@@ -10,6 +10,7 @@ import argparse
 import os
 
 from .launch import LaunchError, add_launch_args, cluster_args_from, data_addrs, offset_port
+from .log import log_level
 
 
 def add_replica_args(p: argparse.ArgumentParser, *, replicas: int, digest_every: int) -> None:
@@ -30,7 +31,7 @@ def add_replica_args(p: argparse.ArgumentParser, *, replicas: int, digest_every:
     p.add_argument("--go-file", default=None, help="wait until this file exists before training (a harness "
                    "starts every replica first, then says go)")
     p.add_argument("--seed", type=int, default=0, help="model init seed (the same on every replica)")
-    p.add_argument("--log-level", default=os.environ.get("P2PFT_LOG_LEVEL", "WARNING"))
+    p.add_argument("--log-level", type=log_level, default=os.environ.get("P2PFT_LOG_LEVEL", "WARNING"))
     p.add_argument("--max-participants", type=int, default=os.environ.get("P2PFT_MAX_PARTICIPANTS") or None,
                    help="the job's planned participants: replicas beyond it wait as hot spares "
                         "(env P2PFT_MAX_PARTICIPANTS)")

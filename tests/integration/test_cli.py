@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -147,3 +148,17 @@ def test_example_replica_rejects_a_config_that_cannot_work(args: list[str], mess
     r = subprocess.run([sys.executable, "-m", "p2pft.trainer.examples.replica", "--replica-id", "x", *args],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_log_level_is_accepted_after_the_subcommand() -> None:
+    """`p2pft peer --log-level INFO` works like `p2pft --log-level INFO peer`; a bad level is one line."""
+    from p2pft.cli import build_parser
+    p = build_parser()
+    assert p.parse_args(["peer", "--log-level", "DEBUG"]).log_level == "DEBUG"
+    assert p.parse_args(["--log-level", "WARNING", "peer"]).log_level == "WARNING"
+    assert p.parse_args(["--log-level", "WARNING", "members", "--peer", "h:1", "--log-level", "INFO"]).log_level == "INFO"
+    assert p.parse_args(["peer"]).log_level is None
+    assert p.parse_args(["peer", "--log-level", "debug"]).log_level == "DEBUG"
+    r = subprocess.run([sys.executable, "-m", "p2pft.cli", "peer", "--log-level", "LOUD"], capture_output=True,
+                       text=True, timeout=30)
+    assert r.returncode == 2 and "unknown level 'LOUD'" in r.stderr and "Traceback" not in r.stderr
