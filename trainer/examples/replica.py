@@ -231,4 +231,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from p2pft.procs import exit_now
+    exit_now(main())
