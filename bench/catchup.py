@@ -17,7 +17,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -26,32 +25,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from p2pft.chaos.cluster import free_ports
+from p2pft.chaos.records import read_stats
 from p2pft.procs import spawn as spawn_child
 
 
-def ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    out = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return out
-
-
-def records(path: Path) -> list[dict[str, Any]]:
-    out = []
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                break
-    return out
-
-
 def commits(path: Path) -> list[dict[str, Any]]:
-    return [r for r in records(path) if r.get("kind") is None and r.get("c")]
+    return [r for r in read_stats(path) if r.get("kind") is None and r.get("c")]
 
 
 def main() -> int:
@@ -67,7 +47,7 @@ def main() -> int:
     if args.quick:
         args.params = 5_000_000
     tmp = Path(tempfile.mkdtemp(prefix="p2pft-catchup-"))
-    addrs = [f"127.0.0.1:{p}" for p in ports(3)]
+    addrs = [f"127.0.0.1:{p}" for p in free_ports(3)]
     procs: dict[int, subprocess.Popen[bytes]] = {}
 
     def spawn(i: int) -> None:
@@ -97,7 +77,7 @@ def main() -> int:
         wait(lambda: len(commits(tmp / "r0.jsonl")) >= args.warmup_steps, "survivors' warm-up")
         t_join = time.time()
         spawn(2)
-        wait(lambda: any(r.get("event") == "catchup_done" for r in records(tmp / "r2.jsonl")), "catch-up")
+        wait(lambda: any(r.get("event") == "catchup_done" for r in read_stats(tmp / "r2.jsonl")), "catch-up")
         wait(lambda: any(r.get("c") and r.get("role") == "participant" for r in commits(tmp / "r2.jsonl")),
              "promotion")
         target = max(r["step"] for r in commits(tmp / "r0.jsonl")) + args.after_steps
@@ -113,7 +93,7 @@ def main() -> int:
             except subprocess.TimeoutExpired:
                 p.kill()
     r0 = commits(tmp / "r0.jsonl")
-    j = records(tmp / "r2.jsonl")
+    j = read_stats(tmp / "r2.jsonl")
     start = next(r for r in j if r.get("kind") == "start")
     done = next(r for r in j if r.get("event") == "catchup_done")
     t_start, t_done = float(start["t"]), float(done["t"])

@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -33,6 +32,9 @@ import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
+
+from p2pft.chaos.cluster import free_ports
+from p2pft.chaos.records import read_stats
 
 MiB = 1 << 20
 
@@ -150,36 +152,15 @@ def check_stream_order() -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------- replicas
-def _ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    out = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return out
-
-
-def _records(path: Path) -> list[dict[str, Any]]:
-    out = []
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                break
-    return out
-
-
 def _last_step(path: Path) -> int:
-    st = [r["step"] for r in _records(path) if r.get("kind") is None and "step" in r and r.get("c")]
+    st = [r["step"] for r in read_stats(path) if r.get("kind") is None and "step" in r and r.get("c")]
     return max(st, default=-1)
 
 
 def check_replicas(devices: list[str], plane: str, tmp: Path, budget_s: float = 100.0) -> dict[str, Any]:
     """len(devices) replicas, one SIGKILLed at step 10 and restarted; digests at equal steps."""
     n = len(devices)
-    addrs = [f"127.0.0.1:{p}" for p in _ports(n)]
+    addrs = [f"127.0.0.1:{p}" for p in free_ports(n)]
     procs: dict[str, subprocess.Popen[bytes]] = {}
     stats: dict[str, Path] = {}
 
@@ -224,7 +205,7 @@ def check_replicas(devices: list[str], plane: str, tmp: Path, budget_s: float = 
         joined = stats[f"r{victim}b"]
 
         def caught_up() -> bool:
-            return any(r.get("event") == "catchup_done" for r in _records(joined))
+            return any(r.get("event") == "catchup_done" for r in read_stats(joined))
         out["restart_to_caught_up_s"] = wait(caught_up, budget_s - (time.time() - t_start), "catch-up")
         target = _last_step(stats["r0"]) + 10
         wait(lambda: all(_last_step(p) >= target for k, p in stats.items() if k != f"r{victim}"), 60,
@@ -241,7 +222,7 @@ def check_replicas(devices: list[str], plane: str, tmp: Path, budget_s: float = 
                 p.kill()
     digests: dict[int, dict[str, str]] = {}
     for name, path in stats.items():
-        for r in _records(path):
+        for r in read_stats(path):
             if "digest" in r and r.get("kind") is None:
                 digests.setdefault(int(r["step"]), {})[name] = r["digest"]
     shared = {s: d for s, d in digests.items() if len(d) > 1}
@@ -299,7 +280,7 @@ def bw_worker(rank: int, world: int, tmp: Path, port: int) -> None:
 
 
 def check_bandwidth(ngpu: int, tmp: Path) -> dict[str, Any]:
-    port = _ports(1)[0]
+    port = free_ports(1)[0]
     wd = tmp / "bw"
     wd.mkdir(exist_ok=True)
     procs = [subprocess.Popen([sys.executable, __file__, "--bw-worker", str(r), "--world", str(ngpu),

@@ -27,6 +27,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .records import read_stats
+
 log = logging.getLogger(__name__)
 
 Ranges = tuple[tuple[int, int], ...]
@@ -79,17 +81,6 @@ class OracleError(RuntimeError):
     """The stats do not describe a replayable run (no recipe, missing steps, no weights)."""
 
 
-def _read(path: Path) -> list[dict[str, Any]]:
-    out = []
-    with open(path) as fh:
-        for line in fh:
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                break  # the last line of a SIGKILLed process may be cut
-    return out
-
-
 def _ranges(x: Any) -> Ranges:
     return tuple((int(a), int(b)) for a, b in x)
 
@@ -103,7 +94,7 @@ def rebuild(stats_files: list[Path]) -> History:
     pending: dict[int, dict[str, Contribution]] = defaultdict(dict)
     for path in stats_files:
         src = path.name
-        for rec in _read(path):
+        for rec in read_stats(path):
             kind = rec.get("kind")
             if kind == "start" and "recipe" in rec:
                 if recipe is not None and rec["recipe"] != recipe:
