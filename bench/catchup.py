@@ -42,6 +42,9 @@ def main() -> int:
     ap.add_argument("--after-steps", type=int, default=15, help="steps to run after the joiner is promoted")
     ap.add_argument("--timeout", type=float, default=900.0)
     ap.add_argument("--quick", action="store_true", help="5M parameters")
+    ap.add_argument("--pin", action="store_true",
+                    help="the two survivors on core 0, the joiner alone on core 1 (taskset): the donor-side "
+                         "cost of a catch-up, without the joiner competing for the survivors' core")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if args.quick:
@@ -56,6 +59,8 @@ def main() -> int:
                addrs[i], "--seeds", seeds, "--mlp-params", str(args.params), "--batch", "8", "--step-delay",
                str(args.step_delay), "--stats", str(tmp / f"r{i}.jsonl"), "--digest-every", "1",
                "--log-level", "INFO", "--min-replicas", "2" if i < 2 else "1"]
+        if args.pin:  # survivors share core 0, the joiner has core 1 to itself
+            cmd = ["taskset", "-c", "0" if i < 2 else "1", *cmd]
         log = open(tmp / f"r{i}.log", "wb")
         procs[i] = spawn_child(cmd, stdout=subprocess.DEVNULL, stderr=log, env=dict(os.environ, OMP_NUM_THREADS="1"))
         log.close()
