@@ -142,7 +142,7 @@ def _metrics_port(value: str | None, listen: str) -> str | None:
 
 # ---------------------------------------------------------------------- members
 def cmd_members(args: argparse.Namespace) -> int:
-    from .driver import admin_request, parse_hostport
+    from .driver import admin_error, admin_request, parse_hostport
     try:
         parse_hostport(args.peer)
     except ValueError as exc:
@@ -150,14 +150,8 @@ def cmd_members(args: argparse.Namespace) -> int:
     secret = _secret(args)
     try:
         report = aio.run(admin_request(args.peer, "admin.members", secret=secret, timeout=args.timeout))
-    except ConnectionRefusedError:
-        raise CliError(f"nothing listens on {args.peer} (connection refused)") from None
-    except (asyncio.TimeoutError, TimeoutError):
-        raise CliError(f"no answer from {args.peer} within {args.timeout:g} s") from None
-    except (OSError, ConnectionError) as exc:
-        raise CliError(f"cannot reach {args.peer}: {exc}") from None
-    except WireError as exc:
-        raise CliError(f"bad answer from {args.peer}: {exc}") from None
+    except (OSError, asyncio.TimeoutError, WireError) as exc:
+        raise CliError(admin_error(exc, args.peer, args.timeout) or str(exc)) from None
     if args.json:
         print(json.dumps(report, indent=2, sort_keys=True))
         return 0

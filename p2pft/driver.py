@@ -480,3 +480,16 @@ async def admin_request(addr: str, mtype: str, *, secret: bytes | None = None, t
                 return m.body
     finally:
         writer.close()
+
+
+def admin_error(exc: BaseException, peer: str, timeout: float) -> str | None:
+    """The one line a CLI prints when an admin request to `peer` failed (None: not ours to explain)."""
+    if isinstance(exc, ConnectionRefusedError):
+        return f"nothing listens on {peer} (connection refused)"
+    if isinstance(exc, (asyncio.TimeoutError, TimeoutError)):
+        return f"no answer from {peer} within {timeout:g} s"
+    if isinstance(exc, (OSError, ConnectionError)):
+        return f"cannot reach {peer}: {exc}"
+    if isinstance(exc, WireError):
+        return f"bad answer from {peer}: {exc}"
+    return None

@@ -196,7 +196,7 @@ def _with_error(f: Frame, error: str) -> Frame:
 
 
 def run_top(args: argparse.Namespace, secret: bytes | None, fail: Callable[[str], Exception]) -> int:
-    from .driver import admin_request, parse_hostport
+    from .driver import admin_error, admin_request, parse_hostport
     from .wire import WireError
     try:
         parse_hostport(args.peer)
@@ -209,14 +209,8 @@ def run_top(args: argparse.Namespace, secret: bytes | None, fail: Callable[[str]
     poller = Poller(args.peer, secret, args.timeout, admin_request)
     try:
         poller.prev = poller.fetch()   # the first answer: the baseline of the step rates
-    except ConnectionRefusedError:
-        raise fail(f"nothing listens on {args.peer} (connection refused)") from None
-    except (asyncio.TimeoutError, TimeoutError):
-        raise fail(f"no answer from {args.peer} within {args.timeout:g} s") from None
-    except (OSError, ConnectionError) as exc:
-        raise fail(f"cannot reach {args.peer}: {exc}") from None
-    except WireError as exc:
-        raise fail(f"bad answer from {args.peer}: {exc}") from None
+    except (OSError, asyncio.TimeoutError, WireError) as exc:
+        raise fail(admin_error(exc, args.peer, args.timeout) or str(exc)) from None
     except ValueError as exc:
         raise fail(f"{args.peer} cannot answer top ({exc}): is it an older p2pft?") from None
     plain = args.plain or not sys.stdout.isatty()

@@ -12,6 +12,7 @@ engine with a different ``ReplicaGroup`` and state layout. Per attempt (docs/arc
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
@@ -228,7 +229,6 @@ class StepEngine:
         return self._combine(d) if self.user_state else d
 
     def _combine(self, d: str) -> str:
-        import hashlib
         return hashlib.blake2b(f"{d}|{self.user_state.digest()}|{self.optimizer_step.peak}".encode(),
                                digest_size=32).hexdigest()
 
