@@ -80,8 +80,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[OpsCluster]:
 
 def test_metrics_move_while_training(cluster: OpsCluster) -> None:
     first = {name: scrape(port) for name, port in cluster.metrics.items()}
-    step0 = first["r0"]["p2pft_committed_step"]
-    cluster.wait(lambda: cluster.last_step("r0") >= step0 + 10, 60, "ten more steps")
+    # Each replica ten steps past its own first scrape (they were scraped at different steps).
+    cluster.wait(lambda: all(cluster.last_step(r) >= first[r]["p2pft_committed_step"] + 10 for r in ("r0", "r1")),
+                 60, "ten more steps on each replica")
     later = {name: scrape(port) for name, port in cluster.metrics.items()}
     for r in ("r0", "r1"):
         a, b = first[r], later[r]
