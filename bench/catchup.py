@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -27,7 +26,7 @@ from typing import Any
 
 from p2pft.chaos.cluster import free_ports
 from p2pft.chaos.records import read_stats
-from p2pft.procs import spawn as spawn_child
+from p2pft.procs import spawn as spawn_child, terminate
 
 
 def commits(path: Path) -> list[dict[str, Any]]:
@@ -89,14 +88,7 @@ def main() -> int:
         wait(lambda: all(max((r["step"] for r in commits(tmp / f"r{i}.jsonl")), default=0) >= target
                          for i in range(3)), "steps after promotion")
     finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in procs.values():
-            try:
-                p.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        terminate(list(procs.values()), grace=60)
     r0 = commits(tmp / "r0.jsonl")
     j = read_stats(tmp / "r2.jsonl")
     start = next(r for r in j if r.get("kind") == "start")

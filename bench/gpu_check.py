@@ -35,6 +35,7 @@ from typing import Any, Callable
 
 from p2pft.chaos.cluster import free_ports
 from p2pft.chaos.records import read_stats
+from p2pft.procs import spawn as spawn_child, terminate
 
 MiB = 1 << 20
 
@@ -168,7 +169,7 @@ def check_replicas(devices: list[str], plane: str, tmp: Path, budget_s: float = 
         seeds = ",".join(a for j, a in enumerate(addrs) if j != i)
         stats[name] = tmp / f"{plane}-{name}.jsonl"
         log = open(tmp / f"{plane}-{name}.log", "wb")
-        procs[name] = subprocess.Popen(
+        procs[name] = spawn_child(  # dies with this script, like every launcher here
             [sys.executable, "-m", "p2pft.trainer.examples.replica", "--replica-id", f"r{i}", "--listen", addrs[i],
              "--seeds", seeds, "--stats", str(stats[name]), "--device", devices[i], "--data-plane", plane,
              "--mlp-params", "2000000", "--batch", "4", "--digest-every", "5", "--step-delay", "0.02",
@@ -212,14 +213,7 @@ def check_replicas(devices: list[str], plane: str, tmp: Path, budget_s: float = 
              f"step {target} everywhere")
         out["kill_to_caught_up_s"] = time.time() - t_kill
     finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in procs.values():
-            try:
-                p.wait(20)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        terminate(list(procs.values()), grace=20)
     digests: dict[int, dict[str, str]] = {}
     for name, path in stats.items():
         for r in read_stats(path):

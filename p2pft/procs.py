@@ -171,3 +171,16 @@ def exit_now(rc: int | None) -> None:
         except (OSError, ValueError):
             pass
     os._exit(int(rc or 0))
+
+
+def terminate(procs: Sequence[subprocess.Popen[bytes]], grace: float) -> None:
+    """SIGTERM every process still running, give each up to `grace` seconds, then SIGKILL."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(timeout=5)
