@@ -33,6 +33,8 @@ class Status(str, enum.Enum):
 
     JOINING = "joining"     # needs catch-up before it contributes
     READY = "ready"         # holds the cluster's current state (at ``step``)
+    FRESH = "fresh"         # just started, with its own state at ``step`` (a checkpoint or a new
+                            # model): current only if that is exactly the cluster's step
     LEAVING = "leaving"     # on its way out: left out of the next view
 
     def __str__(self) -> str:

@@ -169,7 +169,7 @@ class Node:
             self._send(addr, ViewRequest(epoch=TOUCH_EPOCH))
 
     def set_status(self, status: str | Status, now: float, step: int | None = None) -> None:
-        """Trainer: 'joining' (needs catch-up) or 'ready' (holds current state)."""
+        """Trainer: 'fresh' (just started), 'joining' (needs catch-up) or 'ready' (holds current state)."""
         changes: dict[str, object] = {"status": Status(status)}
         if step is not None:
             changes["step"] = int(step)

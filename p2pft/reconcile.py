@@ -21,6 +21,8 @@ from .view import Member, Role, View
 log = logging.getLogger("p2pft.node")
 
 RESUME_GRACE_S = 5.0       # with no participant left, wait this long for one at the high-water step
+#: statuses of a trainer that holds a state it can train from (at its meta step)
+HOLDS_STATE = (Status.READY, Status.FRESH)
 PROMOTE_SLACK_STEPS = 8    # a 'ready' joiner this close to the head is current (see desired)
 LEFT_KEEP = 128            # trainers recently left out of a view, carried in the view ("left")
 
@@ -88,7 +90,7 @@ class ViewPlanner:
             # after a grace period for one to come back, from the best state anyone has (a disk
             # checkpoint), loudly: never silently from an older step.
             ready = [m.meta.step for _, m in newest.values()
-                     if m.meta.kind is Kind.TRAINER and m.meta.status is Status.READY]
+                     if m.meta.kind is Kind.TRAINER and m.meta.status in HOLDS_STATE]
             if self._headless_since is None:
                 self._headless_since = now
             best = max(ready, default=None)
@@ -115,14 +117,19 @@ class ViewPlanner:
                 role = Role.JOINER if status is Status.JOINING else Role.PARTICIPANT
             elif prev and prev.role is Role.JOINER:
                 # A joiner that caught up says 'ready' at its step; the head moved on meanwhile,
-                # but a joiner applies every mean gradient, so it is still current. A fresh
-                # process that merely started 'ready' at an old step stays a joiner.
-                # Its step: the one it said 'ready' at, or the one gossip carries now (a hot spare
-                # said 'ready' long ago and has applied every step since).
+                # but a joiner applies every mean gradient, so it is still current. Its step: the
+                # one it said 'ready' at, or the one gossip carries now (a hot spare said 'ready'
+                # long ago and has applied every step since). A process that merely started
+                # ('fresh') at an old step stays a joiner, however close that step is: it has
+                # not applied the steps in between.
                 st = max(m.meta.step, m.step)
-                current = st >= head - PROMOTE_SLACK_STEPS if head is not None else st == resume_at
-                role = Role.PARTICIPANT if status is Status.READY and current else Role.JOINER
-            elif (status is Status.READY and m.meta.step == (head if head is not None else resume_at)
+                target = head if head is not None else resume_at
+                if status is Status.READY:
+                    current = st >= head - PROMOTE_SLACK_STEPS if head is not None else st == resume_at
+                else:
+                    current = status is Status.FRESH and m.meta.step == target and (head is None or m.node not in left)
+                role = Role.PARTICIPANT if current else Role.JOINER
+            elif (status in HOLDS_STATE and m.meta.step == (head if head is not None else resume_at)
                   and (head is None or m.node not in left)):
                 # A fresh replica at the cluster's step: nothing to catch up. Not one that was
                 # left out of an earlier view: it may hold a step the others redid without it

@@ -316,7 +316,8 @@ class Runtime:
         self._call(lambda now: self.server.node.loop_beat(now, timeout))  # type: ignore[union-attr]
 
     def set_status(self, status: str, step: int | None = None) -> None:
-        """'ready' (holds the cluster's current state) or 'joining' (needs catch-up)."""
+        """'fresh' (just started with its own state), 'ready' (holds the cluster's current
+        state) or 'joining' (needs catch-up)."""
         self._status = status
         self._call(lambda now: self.server.node.set_status(status, now, step))  # type: ignore[union-attr]
 

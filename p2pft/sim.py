@@ -95,7 +95,7 @@ class Simulator:
         node = Node(replica_id=spec["replica_id"], addr=addr, data_addr=addr, kind=spec["kind"],
                     shards=spec["shards"], seeds=spec["seeds"], profile=self.profile,
                     rng=random.Random(self.rng.getrandbits(64)), now=self.now,
-                    status="ready" if spec["kind"] != WITNESS_KIND else None,
+                    status="fresh" if spec["kind"] != WITNESS_KIND else None,
                     max_participants=spec.get("max_participants"))
         self.nodes[addr] = node
         self.crashed.pop(addr, None)

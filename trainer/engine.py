@@ -142,7 +142,7 @@ class StepEngine:
         """Rank 0, once the replica's state is final (after a resume): announce it, follow views."""
         if self.rt is None:
             return
-        self.rt.set_status("ready", self.step)
+        self.rt.set_status("fresh", self.step)  # 'ready' once it commits, or catches up
         self.rt.publish_step(self.step)
         self._beat()
         self.comms.follow_views(self.rt, self._ranks)  # type: ignore[arg-type]
@@ -386,6 +386,8 @@ class StepEngine:
     def _after_commit(self) -> None:
         if self.rt is not None:
             self.rt.publish_step(self.step)
+            if self.rt.status == "fresh":  # it committed with the others: it holds their state
+                self.rt.set_status("ready", self.step)
         self._serve_donor_requests()
 
     def restore_snapshot(self, snap: StateSnapshot) -> None:

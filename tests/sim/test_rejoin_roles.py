@@ -8,6 +8,8 @@ start as a participant.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from p2pft.node import JOINER, PARTICIPANT, TRAINER_KIND
@@ -56,3 +58,43 @@ def test_cut_off_trainer_returns_as_joiner_fresh_process_as_participant(seed: in
     t2 = sim.now
     sim.run_until(t2 + 15.0, stop=lambda: sim.converged() and _role(sim, fresh.id) == PARTICIPANT)
     assert _role(sim, fresh.id) == PARTICIPANT
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_fresh_process_behind_the_head_stays_a_joiner_until_it_caught_up(seed: int) -> None:
+    """A process that just started at step 0 while the others are at step 5 holds none of the
+    steps in between: it stays a joiner in every later view, however close its step is (the
+    slack for a caught-up joiner must not let it in), until it says 'ready' after a catch-up."""
+    seen: dict[int, Any] = {}
+    sim = Simulator(seed, on_event=lambda addr, node, kind, payload, now: seen.setdefault(payload.epoch, payload)
+                    if kind == "view" else None)
+    trainers = ["10.0.0.1:7000", "10.0.0.2:7000"]
+    witnesses = ["10.0.1.1:7000", "10.0.1.2:7000"]
+    everyone = trainers + witnesses
+    for a in everyone:
+        sim.add_node(a, seeds=[x for x in everyone if x != a], kind=TRAINER_KIND if a in trainers else "witness",
+                     replica_id=a)
+    sim.run_until(15.0, stop=lambda: sim.converged() and all(
+        _role(sim, sim.nodes[t].id) == PARTICIPANT for t in trainers))
+    assert all(_role(sim, sim.nodes[t].id) == PARTICIPANT for t in trainers), "cluster did not form"
+    for t in trainers:
+        sim.call(t, lambda node, now: node.set_step(5))
+    sim.run_until(sim.now + 2.0)
+
+    late = "10.0.0.3:7000"
+    node = sim.add_node(late, seeds=everyone, kind=TRAINER_KIND, replica_id=late)
+    sim.run_until(sim.now + 10.0, stop=lambda: sim.converged() and _role(sim, node.id) == JOINER)
+    assert _role(sim, node.id) == JOINER
+    # More views while it is a joiner (a new witness joins): it must not be promoted in any.
+    extra = "10.0.1.3:7000"
+    sim.add_node(extra, seeds=everyone, kind="witness", replica_id=extra)
+    sim.run_until(sim.now + 10.0, stop=lambda: sim.converged() and _role(sim, sim.nodes[extra].id) is not None)
+    assert _role(sim, sim.nodes[extra].id) is not None, "the new witness never got in"
+    sim.run_until(sim.now + 5.0)
+    promoted = [v.epoch for v in seen.values() if v.role_of(node.id) == PARTICIPANT]
+    assert not promoted, f"a fresh process at step 0 was a participant in views {promoted} (head at step 5)"
+
+    # Caught up (a joiner applies every step, so 'ready' a step behind the head is current).
+    sim.call(late, lambda n, now: n.set_status("ready", now, 4))
+    sim.run_until(sim.now + 10.0, stop=lambda: sim.converged() and _role(sim, node.id) == PARTICIPANT)
+    assert _role(sim, node.id) == PARTICIPANT
