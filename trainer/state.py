@@ -16,13 +16,15 @@ import msgpack
 import torch
 from torch import nn
 
+from ..transport.buffers import host_empty
+
 FORMAT_VERSION = 1
 _GROUP_SKIP = ("params", "param_names")
 
 
 def _cpu_copy(t: torch.Tensor) -> torch.Tensor:
     """A contiguous CPU copy that later in-place updates of `t` cannot touch."""
-    out = torch.empty(t.shape, dtype=t.dtype, device="cpu")
+    out = host_empty(torch, str(t.dtype).removeprefix("torch."), tuple(t.shape))
     out.copy_(t.detach())
     return out
 
