@@ -40,7 +40,7 @@ class Runtime:
     def __init__(self, *, replica_id: str, listen: str = "127.0.0.1:0", seeds: list[str] | tuple[str, ...] = (),
                  data_host: str = "127.0.0.1", data_addrs: list[str] | None = None, shards: int = 1,
                  secret: bytes | None = None, profile: Profile = DEFAULT, comm_timeout: float = 10.0,
-                 kind: str = TRAINER_KIND, status: str = "ready", step: int = 0, advertise: str | None = None,
+                 kind: str = TRAINER_KIND, status: str = "fresh", step: int = 0, advertise: str | None = None,
                  data_listen: str | None = None, advertise_data: str | None = None,
                  metrics_port: int | str | None = None, data_plane: str | None = None,
                  max_participants: int | None = None) -> None:
