@@ -35,6 +35,7 @@ class Attempt:
     node: str = ""                                # rank 0's node id
     donor: tuple[str, tuple[str, ...]] | None = None            # catch-up source: node, shard addresses
     sources: tuple[tuple[int, str, tuple[str, ...]], ...] = ()  # participants: slot, node, addresses
+    slot_ranks: tuple[tuple[int, int], ...] = ()  # participants: slot, data rank (the ring's order)
 
     def peers(self, shard: int) -> list[str]:
         return [a[min(shard, len(a) - 1)] for a in self.addrs]
@@ -77,9 +78,13 @@ class StepResult:
     retries: int              # failed allreduce attempts before the outcome
     role: str                 # this replica's role when the outcome was reached
     fast_forwarded: int = 0   # steps applied from a peer's log (missed commits)
-    trained: list[tuple[int, int]] | None = None  # sample ranges of ours in the committed mean
+    trained: list[tuple[int, int]] | None = None  # sample ranges of ours in a committed mean
+    trained_step: int | None = None  # the step whose mean holds `trained` (its step count before the update)
     data_rank: int | None = None  # our rank in the communicator that reduced this step (None: no allreduce)
     data_world: int | None = None  # that communicator's size (the ring's summation order, for a replay)
+    # The ring that reduced the committed step (of size data_world): each contributing slot's
+    # data rank. The summation order follows from it, so a replay can add in the same order.
+    slot_ranks: dict[int, int] | None = None
 
 
 class StepTimeout(RuntimeError):

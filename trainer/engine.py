@@ -305,7 +305,9 @@ class StepEngine:
                        addrs=tuple(m.data_addrs for m in members), contribute=still_mine,
                        demote=slot is not None and not still_mine, role=me.role.value, rejoin=rejoin, node=me.node,
                        donor=(donor.node, donor.data_addrs) if donor is not None else None,
-                       sources=tuple((m.slot, m.node, m.data_addrs) for m in view.participants if m.slot is not None))
+                       sources=tuple((m.slot, m.node, m.data_addrs) for m in view.participants if m.slot is not None),
+                       slot_ranks=tuple((m.slot, view.data_rank(m.node)) for m in view.participants
+                                        if m.slot is not None))
 
     def _allreduce(self, att: Attempt) -> BaseException | None:
         try:
@@ -352,23 +354,31 @@ class StepEngine:
         assert d.step is not None
         mask = [i in reduced.steps for i in range(self.buf.max_slots)]
         entry = Entry(d.step, self.buf.flat.clone(), reduced.count, mask)
+        ranks = {s: r for s, r in att.slot_ranks if s < len(mask) and mask[s]}
         if d.action is Action.LOG:
             if self.catchup.on_reduced(entry, all(v.ready == d.step for v in verdicts)):
                 self._after_commit()
-                return StepResult(self.step, True, entry.count, retries, role, **ring)
+                return StepResult(self.step, True, entry.count, retries, role, slot_ranks=ranks, **ring)
             return StepResult(self.step, False, entry.count, retries, role, **ring)
         if d.action is Action.FAST_FORWARD:
             assert d.target is not None
-            n, ours = self._fast_forward(d.target, att, reduced.steps, slot)
+            n, mine = self._fast_forward(d.target, att, reduced.steps, slot)
             if not d.commit_after or self.step != d.step:
-                return StepResult(self.step, False, 0, retries, role, fast_forwarded=n, trained=ours, **ring)
+                return StepResult(self.step, False, 0, retries, role, fast_forwarded=n, **self._trained(mine),
+                                  **ring)
         else:
-            n, ours = 0, None
+            n, mine = 0, None
         if self._ranges_step == entry.step and slot is not None and mask[slot]:
-            ours = list(self._ranges)
+            mine = entry
         self.apply(entry)
         self._after_commit()
-        return StepResult(self.step, True, entry.count, retries, role, fast_forwarded=n, trained=ours, **ring)
+        return StepResult(self.step, True, entry.count, retries, role, fast_forwarded=n, slot_ranks=ranks,
+                          **self._trained(mine), **ring)
+
+    def _trained(self, entry: Entry | None) -> dict[str, Any]:
+        """StepResult fields for our samples in `entry`'s mean (a fast-forwarded step's, or the
+        committed one's): they are the ranges this step began with."""
+        return {} if entry is None else {"trained": list(self._ranges), "trained_step": entry.step}
 
     # ------------------------------------------------------------------ the optimizer step
     def apply(self, e: Entry) -> None:
@@ -429,11 +439,11 @@ class StepEngine:
 
     # ------------------------------------------------------------------ fast-forward
     def _fast_forward(self, target: int, att: Attempt, steps: dict[int, int],
-                      slot: int | None) -> tuple[int, list[tuple[int, int]] | None]:
+                      slot: int | None) -> tuple[int, Entry | None]:
         """Collective: fetch and apply the mean gradients of the steps we missed from a peer that
         has them (each rank its shard); if any rank cannot, the replica catches up instead.
-        Returns the steps applied and our sample ranges when our gradients were in one of them
-        (the step committed elsewhere with our contribution before we could apply it)."""
+        Returns the steps applied and the one that holds our gradients, if any (it committed
+        elsewhere with our contribution before we could apply it)."""
         want_from = self.step
         got = (fetch_recent(want_from, target, att, steps, self.shard, self.secret, self.buf.flat.device)
                if self.synced else None)
@@ -446,7 +456,7 @@ class StepEngine:
         ours = None
         for entry in entries:
             if entry.step == self._ranges_step and slot is not None and entry.mask[slot]:
-                ours = list(self._ranges)
+                ours = entry
             self.apply(entry)
         self.events.append({"t": time.time(), "kind": "fast_forward", "from": want_from, "to": self.step})
         log.info("fast-forwarded %d step(s) to %d from %s", len(entries), self.step, donor)

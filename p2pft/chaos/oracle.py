@@ -12,8 +12,11 @@ scheduler's step. The learning rate is recomputed from the schedule, never read 
 (which are compared with it instead). The result is compared with the final weights a surviving
 replica saved.
 
-The sum order differs from the ring allreduce's, so with three or more contributors the weights
-agree to float32 rounding, not bitwise; with two (a + b = b + a) they agree bitwise.
+The contributors' gradients are summed in the ring allreduce's order: every surviving replica
+records, with each commit, the ring that reduced the step (each contributing slot's data rank
+and the ring's size), which covers contributors killed before they could write their own line.
+So the weights agree bitwise; a step whose ring nobody recorded is summed in slot order, which
+with three or more contributors agrees only to float32 rounding (``ring_order_steps`` counts).
 torch is imported only when a replay runs.
 """
 from __future__ import annotations
@@ -40,7 +43,6 @@ class Contribution:
     source: str              # the stats file (one process incarnation)
     slot: int | None
     ranges: Ranges
-    ring: tuple[int, int] | None = None   # (data rank, data world) of the committed allreduce
 
 
 @dataclass
@@ -51,6 +53,7 @@ class Committed:
     count: int
     contributions: list[Contribution]
     recorded_lr: float | None = None
+    ring: tuple[int, dict[int, int]] | None = None   # (ring size, slot -> data rank) that reduced it
 
 
 @dataclass
@@ -90,6 +93,7 @@ def rebuild(stats_files: list[Path]) -> History:
     recipe: dict[str, Any] | None = None
     counts: dict[int, int] = {}
     lrs: dict[int, float] = {}
+    rings: dict[int, tuple[int, dict[int, int]]] = {}
     confirmed: dict[int, dict[str, Contribution]] = defaultdict(dict)
     pending: dict[int, dict[str, Contribution]] = defaultdict(dict)
     for path in stats_files:
@@ -112,10 +116,13 @@ def rebuild(stats_files: list[Path]) -> History:
                                           "training began again from step 0?)")
                     if "lr" in rec:
                         lrs[step - 1] = float(rec["lr"])
+                    if rec.get("sr") and rec.get("dw"):
+                        ring = (int(rec["dw"]), {int(k): int(r) for k, r in rec["sr"]})
+                        if rings.setdefault(step - 1, ring) != ring:
+                            raise OracleError(f"step {step}: replicas recorded two rings, {rings[step - 1]} and {ring}")
                 if rec.get("tr"):
-                    idx = step - 1 if c else step - int(rec.get("ff", 1))
-                    ring = (int(rec["dr"][0]), int(rec["dr"][1])) if c and rec.get("dr") else None
-                    confirmed[idx][src] = Contribution(src, rec.get("slot"), _ranges(rec["tr"]), ring)
+                    idx = int(rec["ts"]) if rec.get("ts") is not None else step - 1 if c else step - int(rec.get("ff", 1))
+                    confirmed[idx][src] = Contribution(src, rec.get("slot"), _ranges(rec["tr"]))
     if recipe is None:
         raise OracleError("no start record with a recipe: these are not gpt.py stats")
     steps, unresolved = [], []
@@ -128,7 +135,7 @@ def rebuild(stats_files: list[Path]) -> History:
         if n is None or len(have) != n:
             unresolved.append(idx)
         contribs = sorted(have.values(), key=lambda c: (c.slot if c.slot is not None else 1 << 30, c.ranges))
-        steps.append(Committed(idx, n or 0, contribs, lrs.get(idx)))
+        steps.append(Committed(idx, n or 0, contribs, lrs.get(idx), rings.get(idx)))
     return History(recipe, steps, unresolved)
 
 
@@ -178,7 +185,7 @@ def replay(history: History, targets: dict[str, tuple[int, dict[str, Any]]],
             forward_backward(model, batch, r, scaler)
             grads.append(torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
                                     for p in params]))
-        total, exact = _sum(grads, [c.ring if ring_order else None for c in st.contributions], ring_size)
+        total, exact = _sum(grads, _places(st) if ring_order else [None] * len(grads), ring_size)
         in_ring_order += exact
         off = 0
         for p in params:
@@ -198,6 +205,14 @@ def replay(history: History, targets: dict[str, tuple[int, dict[str, Any]]],
                         abs_diff_by_step=dict(sorted(by_step.items())), lr_max_abs_diff=lr_diff,
                         unresolved_steps=sum(1 for i in history.unresolved if i < last), ring_order_steps=in_ring_order,
                         cursor_mismatches=_cursor_mismatches(history, last), seconds=round(time.monotonic() - t0, 1))
+
+
+def _places(st: Committed) -> list[tuple[int, int] | None]:
+    """Each contribution's (data rank, ring size) in the ring that reduced the step."""
+    if st.ring is None:
+        return [None] * len(st.contributions)
+    world, ranks = st.ring
+    return [(ranks[c.slot], world) if c.slot in ranks else None for c in st.contributions]
 
 
 def _sum(grads: list[Any], rings: list[tuple[int, int] | None], size: int) -> tuple[Any, bool]:

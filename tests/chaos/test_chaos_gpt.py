@@ -24,6 +24,8 @@ def test_gpt_workload_is_replayed_exactly_by_the_oracle(tmp_path: Path) -> None:
         assert "oracle_error" not in row, row.get("oracle_error")
         assert row["oracle_steps"] >= 10 and row["oracle_compared"]
         assert row["oracle_unresolved_steps"] == 0 and row["oracle_cursor_mismatches"] == 0
-        # Bitwise: gradients are summed in the ring's order (see p2pft/chaos/oracle.py).
+        # Bitwise: gradients are summed in the ring's order (see p2pft/chaos/oracle.py), every
+        # step's, a killed contributor's included (its place is in the survivors' records).
+        assert row["oracle_ring_order_steps"] == row["oracle_steps"]
         assert row["oracle_max_abs_diff"] == 0.0 and row["oracle_lr_max_abs_diff"] == 0.0
     assert "oracle" in proc.stdout

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from p2pft.chaos.oracle import OracleError, rebuild
+from p2pft.chaos.oracle import OracleError, _places, rebuild
 
 RECIPE = {"batch": 4, "seq_len": 8}
 
@@ -24,19 +24,19 @@ def test_counts_ranges_and_slot_order(tmp_path: Path) -> None:
     a = _write(tmp_path / "r0-0.jsonl", [
         _start(),
         {"kind": "begin", "step": 0, "slot": 1, "tr": [[4, 8]]},
-        {"step": 1, "c": 1, "n": 2, "lr": 0.1, "tr": [[4, 8]], "slot": 1, "dr": [0, 2]},
+        {"step": 1, "c": 1, "n": 2, "lr": 0.1, "tr": [[4, 8]], "slot": 1, "ts": 0, "sr": [[0, 1], [1, 0]], "dw": 2},
     ])
     b = _write(tmp_path / "r1-0.jsonl", [
         _start(),
         {"kind": "begin", "step": 0, "slot": 0, "tr": [[0, 4]]},
-        {"step": 1, "c": 1, "n": 2, "lr": 0.1, "tr": [[0, 4]], "slot": 0, "dr": [1, 2]},
+        {"step": 1, "c": 1, "n": 2, "lr": 0.1, "tr": [[0, 4]], "slot": 0, "ts": 0, "sr": [[0, 1], [1, 0]], "dw": 2},
     ])
     h = rebuild([a, b])
     assert h.recipe == RECIPE and h.unresolved == []
     (st,) = h.steps
     assert st.count == 2 and st.recorded_lr == 0.1
     assert [c.ranges for c in st.contributions] == [((0, 4),), ((4, 8),)]   # slot order
-    assert [c.ring for c in st.contributions] == [(1, 2), (0, 2)]
+    assert _places(st) == [(1, 2), (0, 2)]   # slot 0 is data rank 1 of 2
 
 
 def test_a_contributor_killed_before_its_step_line_is_taken_from_its_begin_line(tmp_path: Path) -> None:
@@ -50,6 +50,37 @@ def test_a_contributor_killed_before_its_step_line_is_taken_from_its_begin_line(
     assert h.unresolved == []
     assert [len(s.contributions) for s in h.steps] == [2, 1]
     assert h.steps[0].contributions[1].source == "r1-0.jsonl"
+
+
+def test_a_killed_contributor_is_summed_in_its_ring_place_from_the_survivors_record(tmp_path: Path) -> None:
+    """Killed after the allreduce but before its step line: its ring place is in the survivors'."""
+    ring = {"sr": [[0, 0], [1, 2], [2, 1]], "dw": 4}   # data rank 3 is a joiner (no slot)
+    survivors = [_write(tmp_path / f"r{i}-0.jsonl", [
+        _start(), {"step": 1, "c": 1, "n": 3, "tr": [[4 * i, 4 * i + 4]], "slot": i, "ts": 0, **ring}])
+        for i in (0, 1)]
+    killed = _write(tmp_path / "r2-0.jsonl", [_start(), {"kind": "begin", "step": 0, "slot": 2, "tr": [[8, 12]]}])
+    h = rebuild([*survivors, killed])
+    (st,) = h.steps
+    assert h.unresolved == [] and [c.slot for c in st.contributions] == [0, 1, 2]
+    assert _places(st) == [(0, 4), (2, 4), (1, 4)]
+    other = _write(tmp_path / "r3-0.jsonl", [_start(), {"step": 1, "c": 1, "n": 3, "sr": [[0, 1]], "dw": 4}])
+    with pytest.raises(OracleError, match="two rings"):
+        rebuild([*survivors, other])
+
+
+def test_ranges_fast_forwarded_before_a_commit_belong_to_the_step_they_were_trained_for(tmp_path: Path) -> None:
+    """r1's allreduce of step 0 failed where r0's succeeded: r1 then fast-forwards step 0 (which
+    holds its gradients) and commits step 1 (which does not) in one call; its line says so."""
+    ahead = _write(tmp_path / "r0-0.jsonl", [
+        _start(),
+        {"step": 1, "c": 1, "n": 2, "tr": [[0, 4]], "slot": 0, "ts": 0},
+        {"step": 2, "c": 1, "n": 1, "tr": [[8, 12]], "slot": 0, "ts": 1},
+    ])
+    behind = _write(tmp_path / "r1-0.jsonl",
+                    [_start(), {"step": 2, "c": 1, "n": 1, "ff": 1, "tr": [[4, 8]], "slot": 1, "ts": 0}])
+    h = rebuild([ahead, behind])
+    assert h.unresolved == []
+    assert [[c.ranges for c in s.contributions] for s in h.steps] == [[((0, 4),), ((4, 8),)], [((8, 12),)]]
 
 
 def test_fast_forwarded_ranges_belong_to_the_first_step_applied(tmp_path: Path) -> None:

@@ -292,7 +292,8 @@ class Monitor:
                     "tr": [[(step - 1) * b, step * b]]}, loss)
 
     def ft_step(self, res: Any, loss: float | None) -> None:
-        """One commit's line (replica.py's format, plus lr, the slot and our ring position)."""
+        """One commit's line (replica.py's format, plus lr, the slot, the step our ranges were
+        trained for, and the committed step's ring)."""
         ft, view = self.ft, self.rt.view
         rec: dict[str, Any] = {"step": res.step, "c": int(res.committed), "role": res.role,
                                "n": res.contributors, "r": res.retries, "e": view.epoch if view else 0}
@@ -301,9 +302,9 @@ class Monitor:
         if res.fast_forwarded:
             rec["ff"] = res.fast_forwarded
         if res.trained:
-            rec.update(tr=[list(x) for x in res.trained], slot=self.slot)
-            if res.committed:
-                rec["dr"] = [res.data_rank, res.data_world]
+            rec.update(tr=[list(x) for x in res.trained], slot=self.slot, ts=res.trained_step)
+        if res.committed and res.slot_ranks:  # the committed step's ring: its summation order
+            rec.update(sr=sorted([k, r] for k, r in res.slot_ranks.items()), dw=res.data_world)
         if res.committed and self.args.digest_every and res.step % self.args.digest_every == 0:
             rec["digest"] = ft.digest()
         if view is not None and view.epoch != self.last_epoch:
