@@ -26,7 +26,9 @@ from .backend import Backend
 from .errors import CommTimeout, ProtocolMismatch
 from .nccl import NcclCommunicator
 from .ncclid import KIND_NCCL_ID
-from .options import DEFAULT_CHUNK_BYTES, DEFAULT_STATE_CHUNK_BYTES, ChunkHook, DonorLimits, RingOptions
+from .options import (
+    DEFAULT_CHUNK_BYTES, DEFAULT_STATE_CHUNK_BYTES, ChunkHook, DonorLimits, RingOptions, ring_bufsize_from_env,
+)
 from .sockutil import close_quietly, shutdown_quietly
 from .stream import StateSnapshot, serve_state_connection
 from .staging import DEFAULT_PIECE_BYTES, StagingTcpCommunicator
@@ -91,7 +93,7 @@ class DataServer:
         self.secret = bytes(secret) if secret is not None else None
         self.chunk_bytes = int(chunk_bytes)
         self.lanes = int(lanes)
-        self.sock_bufsize = sock_bufsize
+        self.sock_bufsize = sock_bufsize if sock_bufsize is not None else ring_bufsize_from_env()
         self.inline_send = inline_send
         self.pending_timeout = pending_timeout
         self.max_pending = max_pending

@@ -156,3 +156,31 @@ def test_server_close_releases_everything() -> None:
     time.sleep(0.05)
     assert p2pft_threads() == []
     assert open_fds() <= fds
+
+
+def test_ring_socket_buffers_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """$P2PFT_RING_BUFSIZE fixes the ring sockets' kernel buffers (the setting for ranks that
+    share cores); unset, the kernel autotunes; a bad value is one clear error."""
+    monkeypatch.setenv("P2PFT_RING_BUFSIZE", "262144")
+    servers = [DataServer() for _ in range(3)]
+    try:
+        assert all(x.sock_bufsize == 262144 for x in servers)
+        peers = [x.addr for x in servers]
+        comms = [x.communicator(1, 0, r, peers) for r, x in enumerate(servers)]
+        xs = [np.full(3 << 20, r + 1, dtype=np.float32) for r in range(3)]   # 12 MB: many chunks
+        assert run_ranks([lambda r=r: comms[r].allreduce(xs[r]) for r in range(3)]) == [3, 3, 3]
+        assert all(float(x.min()) == float(x.max()) == 6.0 for x in xs)
+        # Linux reports twice what was asked (room for its bookkeeping), on both ends of a link.
+        for sock in comms[0]._links.rights + comms[1]._links.lefts:
+            assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) == 2 * 262144
+            assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) == 2 * 262144
+    finally:
+        for x in servers:
+            x.close()
+    monkeypatch.setenv("P2PFT_RING_BUFSIZE", "lots")
+    with pytest.raises(ValueError, match="P2PFT_RING_BUFSIZE='lots': expected a size in bytes"):
+        DataServer()
+    monkeypatch.delenv("P2PFT_RING_BUFSIZE")
+    s = DataServer()
+    assert s.sock_bufsize is None
+    s.close()
