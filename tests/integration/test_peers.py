@@ -69,7 +69,12 @@ async def test_sixteen_peers_agree_on_one_view(cluster: Cluster, ctl: Any) -> No
     voters = [m for m in rep["members"] if m["voter"]]
     assert len(voters) == 5                              # max_voters, odd
     assert {m["role"] for m in rep["members"]} == {"witness"}
-    assert all(m["state"] == "alive" for m in rep["members"])
+    # Nobody is dead; under load a probe can time out and make a peer suspect for a moment,
+    # which the peer refutes: every member is alive again, in every peer's view, within seconds.
+    async def all_alive() -> bool:
+        reps = await ctl.reports(cluster.addrs)
+        return all(r is not None and all(m["state"] == "alive" for m in r["members"]) for r in reps.values())
+    await ctl.wait_until(all_alive, 10.0, interval=0.1, what="every member alive in every peer's view")
 
 
 async def test_sigkill_is_excluded_everywhere_and_a_restart_rejoins(cluster: Cluster, ctl: Any) -> None:
