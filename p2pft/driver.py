@@ -29,6 +29,7 @@ from collections import Counter, OrderedDict, deque
 from typing import Any, Callable
 
 from . import codec
+from .aio import Wakeup, read_or_idle
 from .config import DEFAULT, Profile
 from .log import set_context
 from .meta import Kind, Status
@@ -70,7 +71,7 @@ class _Peer:
         self.server = server
         self.addr = addr
         self.queue: deque[bytes] = deque()
-        self.wake = asyncio.Event()
+        self.wake = Wakeup()
         self.task = asyncio.get_running_loop().create_task(self._run())
         self.last_used = time.monotonic()
 
@@ -101,22 +102,23 @@ class _Peer:
                     self.server.observer.connect_failed(self.addr, exc)
                     return
                 eof = asyncio.get_running_loop().create_task(reader.read(1))
+                eof.add_done_callback(lambda _f: self.wake.set())
                 try:
                     while not self.server.closing:
                         while self.queue:
                             writer.write(self.queue.popleft())
-                        await asyncio.wait_for(writer.drain(), self.server.drain_timeout)
+                        if writer.transport.get_write_buffer_size():
+                            await asyncio.wait_for(writer.drain(), self.server.drain_timeout)
                         self.wake.clear()
-                        waiter = asyncio.get_running_loop().create_task(self.wake.wait())
-                        done, _ = await asyncio.wait({waiter, eof}, timeout=self.server.idle_timeout / 2,
-                                                     return_when=asyncio.FIRST_COMPLETED)
-                        waiter.cancel()
-                        if eof in done:
+                        if self.queue:
+                            continue  # queued while we drained
+                        woken = await self.wake.wait(self.server.idle_timeout / 2)
+                        if eof.done():
                             self.server.counters["peer_eof"] += 1
                             self.server.evidence(self.addr, certain=False)
                             await self._check_refused(host, port)
                             return
-                        if not done and not self.queue:
+                        if not woken and not self.queue:
                             return  # idle: let the connection go, reconnect on the next send
                 except (OSError, asyncio.TimeoutError):
                     self.server.counters["send_failed"] += 1
@@ -186,7 +188,7 @@ class NodeServer:
         self._last_reject_log: dict[str, float] = {}
         self._server: asyncio.base_events.Server | None = None
         self._timer: asyncio.Task[None] | None = None
-        self._wake: asyncio.Event | None = None
+        self._wake: Wakeup | None = None
         self.observer = Observer(self)   # events for `p2pft top`, message counts, seed warnings
 
     @property
@@ -218,7 +220,7 @@ class NodeServer:
                          kind=self.kind, shards=self.shards, seeds=self.seeds, profile=self.profile,
                          rng=self.rng, now=time.monotonic(), start_stamp=time.time(), status=self.status,
                          step=self.step, max_participants=self.max_participants)
-        self._wake = asyncio.Event()
+        self._wake = Wakeup()
         self._timer = asyncio.get_running_loop().create_task(self._timer_loop())
         self._flush()
         log.info("listening on %s%s as %s (seeds: %s)", self.bound_addr,
@@ -259,10 +261,7 @@ class NodeServer:
             delay = self.node.next_deadline() - time.monotonic()
             if delay > 0:
                 self._wake.clear()
-                try:
-                    await asyncio.wait_for(self._wake.wait(), timeout=min(delay, 1.0))
-                except asyncio.TimeoutError:
-                    pass
+                await self._wake.wait(min(delay, 1.0))
             try:
                 self.node.tick(time.monotonic())
             except Exception:  # a bug must not stop the timers of a live node
@@ -335,9 +334,8 @@ class NodeServer:
         decoder = FrameDecoder(secret=self.secret, max_frame=self.max_frame, guard=self.replay)
         try:
             while not self.closing:
-                try:
-                    data = await asyncio.wait_for(reader.read(1 << 16), self.idle_timeout)
-                except asyncio.TimeoutError:
+                data = await read_or_idle(reader, writer, 1 << 16, self.idle_timeout)
+                if data is None:
                     self.counters["idle_closed"] += 1
                     self._log_reject("idle_closed", "closing connection from %s: nothing received for %g s",
                                      _fmt_peer(peer), self.idle_timeout)
