@@ -15,10 +15,10 @@ from typing import Any, Callable
 from ..transport.stream import StateSnapshot
 
 CATCHUP_NICE = 10  # weight ~1/10 of a normal thread: catch-up still progresses on a busy host
-# The donor's stream: it lowest (weight 15 against a training thread's 1024, ~1.5% of a busy
-# core), so it runs mostly while the training threads wait (allreduce, accelerator time) and
-# the survivors' steps barely notice it; at nice 10 it took a tenth of the survivors' core for
-# the whole stream (+12-20% steps at 50M parameters with the joiner on its own core).
+# The donor's stream runs at the lowest priority (weight 15 against a training thread's 1024,
+# ~1.5% of a busy core): it runs mostly while the training threads wait (allreduce, accelerator
+# time), so the survivors' steps barely notice it; at nice 10 it took a tenth of the survivors'
+# core for the whole stream (+12-20% steps at 50M parameters, the joiner on its own core).
 DONOR_NICE = 19
 
 
