@@ -105,6 +105,7 @@ class ViewPlanner:
         epoch = self.raft.last_index + 1
         left_list = list(cur.left)
         left = set(left_list)
+        target = head if head is not None else resume_at   # the step a trainer must hold to train now
         chosen: list[tuple[GossipMember, Role]] = []
         for _, m in newest.values():
             if self._loop_stalled(m, now):
@@ -123,14 +124,12 @@ class ViewPlanner:
                 # ('fresh') at an old step stays a joiner, however close that step is: it has
                 # not applied the steps in between.
                 st = max(m.meta.step, m.step)
-                target = head if head is not None else resume_at
                 if status is Status.READY:
-                    current = st >= head - PROMOTE_SLACK_STEPS if head is not None else st == resume_at
+                    current = st >= head - PROMOTE_SLACK_STEPS if head is not None else st == target
                 else:
                     current = status is Status.FRESH and m.meta.step == target and (head is None or m.node not in left)
                 role = Role.PARTICIPANT if current else Role.JOINER
-            elif (status in HOLDS_STATE and m.meta.step == (head if head is not None else resume_at)
-                  and (head is None or m.node not in left)):
+            elif status in HOLDS_STATE and m.meta.step == target and (head is None or m.node not in left):
                 # A fresh replica at the cluster's step: nothing to catch up. Not one that was
                 # left out of an earlier view: it may hold a step the others redid without it
                 # (its allreduce finished, theirs failed), so it comes back through catch-up.
