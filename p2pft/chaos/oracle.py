@@ -121,7 +121,10 @@ def rebuild(stats_files: list[Path]) -> History:
                         if rings.setdefault(step - 1, ring) != ring:
                             raise OracleError(f"step {step}: replicas recorded two rings, {rings[step - 1]} and {ring}")
                 if rec.get("tr"):
-                    idx = int(rec["ts"]) if rec.get("ts") is not None else step - 1 if c else step - int(rec.get("ff", 1))
+                    if rec.get("ts") is not None:   # the step these ranges were trained for
+                        idx = int(rec["ts"])
+                    else:                             # lines without it: the committed or first fast-forwarded step
+                        idx = step - 1 if c else step - int(rec.get("ff", 1))
                     confirmed[idx][src] = Contribution(src, rec.get("slot"), _ranges(rec["tr"]))
     if recipe is None:
         raise OracleError("no start record with a recipe: these are not gpt.py stats")
@@ -185,7 +188,7 @@ def replay(history: History, targets: dict[str, tuple[int, dict[str, Any]]],
             forward_backward(model, batch, r, scaler)
             grads.append(torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
                                     for p in params]))
-        total, exact = _sum(grads, _places(st) if ring_order else [None] * len(grads), ring_size)
+        total, exact = _sum(grads, _places(st) if ring_order else None, ring_size)
         in_ring_order += exact
         off = 0
         for p in params:
@@ -207,29 +210,31 @@ def replay(history: History, targets: dict[str, tuple[int, dict[str, Any]]],
                         cursor_mismatches=_cursor_mismatches(history, last), seconds=round(time.monotonic() - t0, 1))
 
 
-def _places(st: Committed) -> list[tuple[int, int] | None]:
-    """Each contribution's (data rank, ring size) in the ring that reduced the step."""
+def _places(st: Committed) -> tuple[int, list[int]] | None:
+    """(ring size, each contribution's data rank) in the ring that reduced the step; None when
+    that ring was not recorded or does not place every contribution."""
     if st.ring is None:
-        return [None] * len(st.contributions)
+        return None
     world, ranks = st.ring
-    return [(ranks[c.slot], world) if c.slot in ranks else None for c in st.contributions]
+    if any(c.slot not in ranks for c in st.contributions):
+        return None
+    return world, [ranks[c.slot] for c in st.contributions]  # type: ignore[index]
 
 
-def _sum(grads: list[Any], rings: list[tuple[int, int] | None], size: int) -> tuple[Any, bool]:
+def _sum(grads: list[Any], ring: tuple[int, list[int]] | None, size: int) -> tuple[Any, bool]:
     """The sum of the contributors' flat gradients. In the ring's order when every contributor
-    recorded its place (segment k of the buffer is summed from data rank k onwards, around the
-    ring; ranks that did not contribute add zeros): then bitwise what the replicas applied.
+    has its place (segment k of the buffer is summed from data rank k onwards, around the ring;
+    ranks that did not contribute add zeros): then bitwise what the replicas applied.
     Otherwise in slot order."""
     import torch
 
     from ..transport.ring import segments
-    world = rings[0][1] if rings and rings[0] is not None else 0
-    ranks = [x[0] for x in rings if x is not None and x[1] == world]
-    if not world or len(ranks) != len(grads) or len(set(ranks)) != len(ranks):
+    if ring is None or len(set(ring[1])) != len(grads):
         total = torch.zeros_like(grads[0])
         for g in grads:
             total.add_(g)
         return total, False
+    world, ranks = ring
     by_rank = dict(zip(ranks, grads))
     n = grads[0].numel()
     total = torch.empty_like(grads[0])

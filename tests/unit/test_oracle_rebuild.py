@@ -36,7 +36,7 @@ def test_counts_ranges_and_slot_order(tmp_path: Path) -> None:
     (st,) = h.steps
     assert st.count == 2 and st.recorded_lr == 0.1
     assert [c.ranges for c in st.contributions] == [((0, 4),), ((4, 8),)]   # slot order
-    assert _places(st) == [(1, 2), (0, 2)]   # slot 0 is data rank 1 of 2
+    assert _places(st) == (2, [1, 0])   # a ring of 2: slot 0 is data rank 1, slot 1 data rank 0
 
 
 def test_a_contributor_killed_before_its_step_line_is_taken_from_its_begin_line(tmp_path: Path) -> None:
@@ -62,7 +62,7 @@ def test_a_killed_contributor_is_summed_in_its_ring_place_from_the_survivors_rec
     h = rebuild([*survivors, killed])
     (st,) = h.steps
     assert h.unresolved == [] and [c.slot for c in st.contributions] == [0, 1, 2]
-    assert _places(st) == [(0, 4), (2, 4), (1, 4)]
+    assert _places(st) == (4, [0, 2, 1])
     other = _write(tmp_path / "r3-0.jsonl", [_start(), {"step": 1, "c": 1, "n": 3, "sr": [[0, 1]], "dw": 4}])
     with pytest.raises(OracleError, match="two rings"):
         rebuild([*survivors, other])
