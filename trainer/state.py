@@ -16,7 +16,7 @@ import msgpack
 import torch
 from torch import nn
 
-from ..transport.buffers import host_empty
+from ..transport.buffers import dtype_name, host_empty
 
 FORMAT_VERSION = 1
 _GROUP_SKIP = ("params", "param_names")
@@ -24,7 +24,7 @@ _GROUP_SKIP = ("params", "param_names")
 
 def _cpu_copy(t: torch.Tensor) -> torch.Tensor:
     """A contiguous CPU copy that later in-place updates of `t` cannot touch."""
-    out = host_empty(torch, str(t.dtype).removeprefix("torch."), tuple(t.shape))
+    out = host_empty(torch, dtype_name(t), tuple(t.shape))
     out.copy_(t.detach())
     return out
 

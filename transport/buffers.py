@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["FlatBuffer", "as_flat_buffer", "host_empty", "DTYPE_CODES"]
+__all__ = ["FlatBuffer", "as_flat_buffer", "dtype_name", "host_empty", "DTYPE_CODES"]
 
 # Codes carried in frame headers so that ranks passing different dtypes fail loudly.
 DTYPE_CODES: dict[str, int] = {
@@ -18,6 +18,11 @@ DTYPE_CODES: dict[str, int] = {
     "int8": 5, "uint8": 6, "int16": 7, "int32": 8, "int64": 9, "bool": 10,
 }
 _REDUCIBLE = {"float16", "bfloat16", "float32", "float64", "int32", "int64"}
+
+
+def dtype_name(t: Any) -> str:
+    """A torch tensor's dtype as the wire and numpy spell it: 'float32', 'bfloat16', ..."""
+    return str(t.dtype).removeprefix("torch.")
 
 
 def host_empty(torch: Any, dtype_name: str, shape: list[int] | tuple[int, ...]) -> Any:
@@ -103,7 +108,7 @@ def _from_torch(torch: Any, t: Any, reducible: bool) -> FlatBuffer:
         raise TypeError(f"the tcp backend needs CPU tensors, got device {t.device}; use the nccl backend")
     if not t.is_contiguous():
         raise ValueError("tensor must be contiguous")
-    name = str(t.dtype).removeprefix("torch.")
+    name = dtype_name(t)
     _check_dtype(name, reducible)
     flat = t.detach().reshape(-1)
     if name == "bfloat16":

@@ -21,6 +21,7 @@ from typing import Any, Callable
 
 from .backend import probe_nccl
 from .base import Communicator
+from .buffers import dtype_name
 from .errors import CommAborted, CommError, CommTimeout, ProtocolMismatch
 from .ncclid import KIND_NCCL_ID, StarLinks
 from .options import RingOptions
@@ -81,7 +82,7 @@ class _Device:
                 raise ValueError("tensor must be contiguous")
             self.ptr = tensor.data_ptr()
             self.count = tensor.numel()
-            name = str(tensor.dtype).removeprefix("torch.")
+            name = dtype_name(tensor)
             self.stream = torch.cuda.current_stream(tensor.device).cuda_stream
             self.zero = tensor.zero_
             self.kind = "torch"

@@ -12,8 +12,8 @@ import os
 from dataclasses import dataclass
 from typing import Callable
 
-__all__ = ["DEFAULT_CHUNK_BYTES", "DEFAULT_STATE_CHUNK_BYTES", "RING_BUFSIZE_ENV", "ChunkHook", "DonorLimits", "RingOptions",
-           "ring_bufsize_from_env"]
+__all__ = ["DEFAULT_CHUNK_BYTES", "DEFAULT_STATE_CHUNK_BYTES", "RING_BUFSIZE_ENV", "ChunkHook", "DonorLimits",
+           "RingOptions", "ring_bufsize_from_env"]
 
 #: Ring chunk size: per-frame overhead is negligible above it, and a chunk still fits the
 #: kernel's socket buffers so consecutive ring steps overlap.

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 import msgpack
 import numpy as np
 
-from .buffers import DTYPE_CODES, as_flat_buffer, host_empty
+from .buffers import DTYPE_CODES, as_flat_buffer, dtype_name, host_empty
 from .devcopy import DeviceSink, DeviceSource, PinnedPair, is_device_tensor, iter_chunks
 from .errors import CommError, CommTimeout, PeerFailed, ProtocolMismatch
 from .options import DonorLimits
@@ -67,10 +67,6 @@ def _recv_msg(sock: socket.socket) -> Any:
     body = bytearray(n)
     recv_exact(sock, memoryview(body))
     return msgpack.unpackb(bytes(body), strict_map_key=False)
-
-
-def _dtype_name(t: Any) -> str:
-    return str(t.dtype).removeprefix("torch.")
 
 
 class _Pacer:
@@ -119,7 +115,7 @@ def serve_state_connection(sock: socket.socket, provider: Callable[[dict], State
         if not t.is_contiguous():
             t = t.contiguous()
         if is_device_tensor(t):
-            dname = _dtype_name(t)
+            dname = dtype_name(t)
             if dname not in DTYPE_CODES:
                 raise TypeError(f"unsupported dtype {dname} for tensor {name!r}")
             pair = pairs.get(t.device) or pairs.setdefault(t.device, PinnedPair(chunk, t.device))
