@@ -187,6 +187,11 @@ class StepEngine:
 
     def zero_grad(self) -> None:
         if self.synced:  # while catching up, the background worker owns the gradients
+            self._clear_grads()
+
+    def _clear_grads(self) -> None:
+        """Zero the step buffer's gradient views in place, else drop the gradients."""
+        if not self.buf.zero_grads():
             self.opt.zero_grad(set_to_none=True)
 
     def commit(self) -> StepResult:
@@ -388,7 +393,7 @@ class StepEngine:
             raise AssertionError(f"applying step {e.step} at step {self.step}")
         self.buf.unpack(float(e.count), source=e.flat)
         self.optimizer_step(e.count)
-        self.opt.zero_grad(set_to_none=True)
+        self._clear_grads()
         self.cursor.commit(e.mask)
         self.step += 1
         self.recent.append(e)
