@@ -251,8 +251,13 @@ class Monitor:
             self.ft.request_stop()   # a commit in flight raises Stopped instead of retrying
 
     def start(self, model: Any, ft: Any = None, rt: Any = None) -> None:
-        """Announce the start (the harness waits for it), then wait for its go file and peers."""
+        """Wait for the peers (the group forms), announce the start (the harness waits for it),
+        then wait for the go file."""
         self.model, self.ft, self.rt = model, ft, rt
+        if ft is not None and self.args.min_replicas > 1 and ft.step == 0:  # a restarted replica must not wait
+            # The group forms before the start record, as a torch job's rendezvous does.
+            rt.wait_view(lambda v: len(v.participants) >= self.args.min_replicas
+                         or v.role_of(rt.node_id) == "joiner", timeout=30.0)
         self.write({"t": time.time(), "kind": "start", "t_process": T_START, "t_imported": self.t0,
                     "pid": os.getpid(), "recipe": dataclasses.asdict(self.r), "step": ft.step if ft else 0,
                     **({"node": rt.node_id} if rt else {})})
@@ -262,9 +267,6 @@ class Monitor:
             deadline = time.monotonic() + 600
             while not os.path.exists(self.args.go_file) and time.monotonic() < deadline and not self.stopped:
                 time.sleep(0.02)
-        if self.args.min_replicas > 1 and ft.step == 0:  # a restarted replica must not wait
-            rt.wait_view(lambda v: len(v.participants) >= self.args.min_replicas
-                         or v.role_of(rt.node_id) == "joiner", timeout=30.0)
 
     def running(self, step: int) -> bool:
         return not self.stopped and time.monotonic() < self.deadline and (not self.args.steps or step < self.args.steps)

@@ -163,6 +163,13 @@ def main(argv: list[str] | None = None) -> int:
     ft_box.append(ft)
     steps = StepMetrics.attach(rt, ft)   # per-step metrics; a no-op without --metrics-port
     progress = Progress(args.replica_id, mode=args.progress)
+    if args.min_replicas > 1 and ft.step == 0:
+        # The group forms before the start record, as a torch job's rendezvous does before its
+        # first step (the harness measures training from the start records). A replica the view
+        # already makes a joiner (a restart) has nobody to wait for, and must not: it is in the
+        # data plane, and the participants' allreduces need its loop running.
+        rt.wait_view(lambda v: len(v.participants) >= args.min_replicas
+                     or v.role_of(rt.node_id) == "joiner", timeout=30.0)
     stats.write({"t": time.time(), "kind": "start", "t_process": T_START, "t_imported": t_imported,
                  "node": rt.node_id, "step": ft.step, "pid": os.getpid()})
     stats.flush()
@@ -170,11 +177,6 @@ def main(argv: list[str] | None = None) -> int:
         go_deadline = time.monotonic() + 600
         while not os.path.exists(args.go_file) and time.monotonic() < go_deadline and not stop["flag"]:
             time.sleep(0.02)
-    if args.min_replicas > 1 and ft.step == 0:
-        # A replica the view already makes a joiner (a restart) has nobody to wait for, and must
-        # not: it is in the data plane, and the participants' allreduces need its loop running.
-        rt.wait_view(lambda v: len(v.participants) >= args.min_replicas
-                     or v.role_of(rt.node_id) == "joiner", timeout=30.0)
     deadline = time.monotonic() + args.duration if args.duration else float("inf")
     last_epoch = -1
     while not stop["flag"] and time.monotonic() < deadline and (not args.steps or ft.step < args.steps):
@@ -189,9 +191,13 @@ def main(argv: list[str] | None = None) -> int:
         loss_val = None
         if idx:
             loss = loss_fn(idx)
+            if args.step_delay:
+                # Emulated accelerator time between forward and backward, where the DDP and
+                # torchft baselines put it (their backward starts the exchange).
+                time.sleep(args.step_delay)
             loss.backward()
             loss_val = float(loss.detach())
-        if args.step_delay:
+        elif args.step_delay:
             time.sleep(args.step_delay)
         try:
             res = ft.commit()
