@@ -22,21 +22,19 @@ import json
 import multiprocessing as mp
 import os
 import resource
-import socket
 import statistics
 import sys
 import time
 from typing import Any
 
 from p2pft.procs import die_with_parent
+from p2pft.ports import free_ports
 
 MB = 1 << 20
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
 
 
 # ---------------------------------------------------------------------------- allreduce workers

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from p2pft.chaos.cluster import free_ports
+from p2pft.ports import free_ports
 from p2pft.chaos.records import read_stats
 from p2pft.procs import spawn as spawn_child, terminate
 

@@ -45,6 +45,7 @@ from p2pft.transport.wire import (ACK_LEN, HELLO_LEN, KIND_RING, ST_AUTH, ST_OK,
                                   pack_error_frame, pack_hello, parse_ack, parse_hello)
 from p2pft.transport.errors import PeerFailed
 from p2pft.procs import spawn as spawn_child
+from p2pft.ports import free_ports
 from p2pft import codec
 from p2pft.messages import (Append, AppendResp, Ping, PushPull, Row, Snapshot, Update, Updates, ViewDelta, ViewFull,
                             ViewRequest)
@@ -279,9 +280,7 @@ def _send(addr: tuple[str, int], data: bytes, read: bool) -> None:
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
 
 
 def phase_live(seed: int, conns: int, tmp: Path) -> dict[str, Any]:

@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from p2pft.chaos.cluster import free_ports
+from p2pft.ports import free_ports
 from p2pft.chaos.records import read_stats
 from p2pft.procs import spawn as spawn_child, terminate
 

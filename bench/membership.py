@@ -27,7 +27,6 @@ import math
 import os
 import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -38,6 +37,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from p2pft.config import DEFAULT
+from p2pft.ports import free_ports
 from p2pft.procs import spawn as spawn_child
 from p2pft.sim import InvariantChecker, InvariantViolation, Simulator
 
@@ -232,16 +232,7 @@ def sim_detection(sim: Simulator, checker: FingerprintChecker, loss: float, cras
 
 # ------------------------------------------------------------------------------------ real peers
 def _free_ports(n: int) -> list[int]:
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+    return free_ports(n)
 
 
 def _peer_cmd() -> list[str]:

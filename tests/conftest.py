@@ -9,7 +9,6 @@ import asyncio
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,22 +19,9 @@ from typing import Any, Awaitable, Callable, Iterator
 import pytest
 
 from p2pft.driver import admin_request
+from p2pft.ports import free_ports
 
 HOST = "127.0.0.1"
-
-
-def free_ports(n: int) -> list[int]:
-    """n distinct ports that were free a moment ago (bound together, then released)."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind((HOST, 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def p2pft_command() -> list[str]:
@@ -195,8 +181,8 @@ def ctl() -> type[Ctl]:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Multi-process tests (marked ``slow``) run real replicas on a shared 2-core machine, where
-    a port picked free can be taken by another process's outgoing connection before a replica
-    binds it, and load stretches timings: such a test gets one rerun. A second failure fails the
+    load stretches timings (their ports lie outside the ephemeral range, ``p2pft.ports``, so no
+    outgoing connection takes one): such a test gets one rerun. A second failure fails the
     suite, and pytest reports every rerun (``R`` in the progress line, 'rerun' in the summary)."""
     for item in items:
         if item.get_closest_marker("slow") is not None and item.get_closest_marker("flaky") is None:

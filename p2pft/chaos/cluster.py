@@ -15,7 +15,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..ports import free_ports
 from ..procs import ProcGroup, collect
 from .records import read_stats
 
@@ -64,25 +64,6 @@ class ChaosConfig:
             raise ValueError(f"--workload must be one of {', '.join(WORKLOADS)}")
         if self.kill_every < self.restart_after + 1.0:
             raise ValueError("--kill-every must exceed --restart-after by at least 1 s")
-
-
-_HANDED_OUT: set[int] = set()
-
-
-def free_ports(n: int) -> list[int]:
-    """Ports free now and never handed out before in this process (clusters must not share one)."""
-    socks, ports = [], []
-    while len(ports) < n:
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-        port = s.getsockname()[1]
-        if port not in _HANDED_OUT:
-            ports.append(port)
-            _HANDED_OUT.add(port)
-    for s in socks:
-        s.close()
-    return ports
 
 
 @dataclass

@@ -14,7 +14,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from .cluster import Cluster, Proc, free_ports
+from ..ports import free_ports
+from .cluster import Cluster, Proc
 
 
 @dataclass

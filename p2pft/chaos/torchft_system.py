@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .cluster import Cluster, Proc, free_ports, stop_procs
+from ..ports import free_ports
+from .cluster import Cluster, Proc, stop_procs
 
 # Lighthouse settings. torchft's README starts it with --min_replicas 1 --quorum_tick_ms 100
 # --join_timeout_ms 10000 (heartbeat timeout default 5000 ms). The two timeouts bound how long

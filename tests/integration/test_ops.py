@@ -21,6 +21,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from replica_harness import Replicas
 
+from p2pft.ports import free_ports
+
 pytestmark = pytest.mark.slow
 
 
@@ -58,13 +60,7 @@ class OpsCluster(Replicas):
 
 
 def _ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    out = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return out
+    return free_ports(n)
 
 
 @pytest.fixture(scope="module")

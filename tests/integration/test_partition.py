@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import time
@@ -30,6 +29,7 @@ import pytest
 from replica_harness import ProcessSet, check_invariants, records, steps
 
 from p2pft.chaos.netfault import ANY, NetFault
+from p2pft.ports import free_ports
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -44,9 +44,7 @@ def _ip(k: int) -> str:
 
 
 def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    return free_ports(1, host)[0]
 
 
 class NetCluster(ProcessSet):

@@ -2,7 +2,6 @@
 DTensor parameters, gradients and optimizer state, the same code paths as R ranks."""
 from __future__ import annotations
 
-import socket
 from collections.abc import Iterator
 
 import pytest
@@ -11,6 +10,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
+from p2pft.ports import free_ports
 from p2pft.trainer.model import ModelConfig
 from p2pft.trainer.shardstate import ShardStepBuffer, capture_shard, local, restore_shard, shard_digest
 
@@ -19,9 +19,7 @@ CFG = ModelConfig(vocab_size=32, d_model=16, n_layers=1, n_heads=2, seq_len=8)
 
 @pytest.fixture(scope="module")
 def group() -> Iterator[None]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    (port,) = free_ports(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     yield
     dist.destroy_process_group()

@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import sys
 import time
 
@@ -52,10 +51,9 @@ def launch(nproc: int, argv: list[str]) -> int:
     The ranks share one process group and die with the launcher (``p2pft.procs``): SIGTERM,
     SIGINT and SIGHUP stop them in order, and a SIGKILLed launcher leaves no orphan rank.
     """
+    from p2pft.ports import free_ports
     from p2pft.procs import ProcGroup
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    (port,) = free_ports(1)
     procs = []
     group = ProcGroup()
     for r in range(nproc):
