@@ -112,6 +112,9 @@ class ViewPlanner:
                 continue
             prev = cur.member(m.node)
             status = m.meta.status
+            # Holds a state at the cluster's step, and was not left out of an earlier view (it
+            # may hold a step the others redid without it: it comes back through catch-up).
+            at_target = status in HOLDS_STATE and m.meta.step == target and (head is None or m.node not in left)
             if m.meta.kind is Kind.WITNESS:
                 role = Role.WITNESS
             elif prev and prev.role is Role.PARTICIPANT:
@@ -127,12 +130,10 @@ class ViewPlanner:
                 if status is Status.READY:
                     current = st >= head - PROMOTE_SLACK_STEPS if head is not None else st == target
                 else:
-                    current = status is Status.FRESH and m.meta.step == target and (head is None or m.node not in left)
+                    current = at_target
                 role = Role.PARTICIPANT if current else Role.JOINER
-            elif status in HOLDS_STATE and m.meta.step == target and (head is None or m.node not in left):
-                # A fresh replica at the cluster's step: nothing to catch up. Not one that was
-                # left out of an earlier view: it may hold a step the others redid without it
-                # (its allreduce finished, theirs failed), so it comes back through catch-up.
+            elif at_target:
+                # A fresh replica at the cluster's step: nothing to catch up.
                 role = Role.PARTICIPANT
             else:
                 role = Role.JOINER
