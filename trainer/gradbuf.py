@@ -100,15 +100,22 @@ class GradBuffer:
             else:
                 p.grad.copy_(view / divisor)
 
-    def _unpack_views(self, divisor: float, source: torch.Tensor | None) -> list[torch.Tensor]:
-        """Check the divisor; the per-parameter views of `source` (default: `flat`)."""
+    def _check_unpack(self, divisor: float, source: torch.Tensor | None) -> torch.Tensor:
+        """Check the divisor and the source's layout; the buffer to read (default: `flat`)."""
         if isinstance(divisor, bool) or not isinstance(divisor, (int, float)) or not math.isfinite(divisor) or divisor <= 0:
             raise ValueError(f"divisor must be a finite positive number, got {divisor!r}")
         if source is None or source is self.flat:
-            return self._views
+            return self.flat
         if source.shape != self.flat.shape:
             raise ValueError(f"source of shape {tuple(source.shape)} does not match the buffer {tuple(self.flat.shape)}")
-        return [source[o:o + v.numel()].view(v.shape) for v, o in zip(self._views, self._offsets)]
+        return source
+
+    def _unpack_views(self, divisor: float, source: torch.Tensor | None) -> list[torch.Tensor]:
+        """Check the divisor; the per-parameter views of `source` (default: `flat`)."""
+        src = self._check_unpack(divisor, source)
+        if src is self.flat:
+            return self._views
+        return [src[o:o + v.numel()].view(v.shape) for v, o in zip(self._views, self._offsets)]
 
     def save(self) -> None:
         """Keep a copy of the packed local contribution for a retry."""

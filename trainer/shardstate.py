@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from .state import _cpu_copy, _group_names, _msgpack_check, _plain, _tuples, state_digest
-from .stepbuf import MAX_EXACT_STEP, StepBuffer
+from .stepbuf import StepBuffer
 
 FORMAT = "p2pft-shard-1"
 _GROUP_SKIP = ("params", "param_names")
@@ -75,33 +75,29 @@ class ShardStepBuffer(StepBuffer):
         return True
 
     def pack_step(self, slot: int | None, step: int) -> None:
-        if slot is not None and self.grads_bound():
-            if step > MAX_EXACT_STEP:
-                raise ValueError(f"step {step} is too large to travel exactly in float32")
-            if not 0 <= slot < self.max_slots:
-                raise ValueError(f"slot must be in [0, {self.max_slots}), got {slot!r}")
+        self._check_pack(slot, step)
+        if slot is None:
+            self.flat.zero_()
+            self._repack = (None, step, -1)
+            return
+        if self.grads_bound():
             self.flat[:self.grad_numel].copy_(self.grads)
             self.flat[self.grad_numel:].zero_()
             self._repack = (slot, step, self._grads_gen)
         else:
-            super().pack_step(None, step)  # validates the step; zeros everything
-            self._repack = (None, step, -1) if slot is None else None
-            if slot is None:
-                return
-            if not 0 <= slot < self.max_slots:
-                raise ValueError(f"slot must be in [0, {self.max_slots}), got {slot!r}")
+            self.flat.zero_()
             for p, view in zip(self.dparams, self._views):
                 if p.grad is not None:
                     view.copy_(local(p.grad).reshape(view.shape))
+            self._repack = None
         self.flat[self.grad_numel + slot] = 1.0
         self.flat[self._count_index] = 1.0
         self.flat[self._count_index + 1 + slot] = float(step + 1)
 
     def unpack(self, divisor: float, source: torch.Tensor | None = None) -> None:
         """Write (source or flat) / divisor into each parameter's local grad shard."""
-        views = self._unpack_views(divisor, source)  # validates the divisor and the source
         if self.grads is not None:
-            src = self.flat if source is None else source
+            src = self._check_unpack(divisor, source)
             torch.div(src[:self.grad_numel], divisor, out=self.grads)
             self._grads_gen += 1
             for p, v in zip(self.dparams, self._grad_views):
@@ -109,7 +105,7 @@ class ShardStepBuffer(StepBuffer):
                 if g is None or g.data_ptr() != v.data_ptr():
                     p.grad = v
             return
-        for p, view in zip(self.dparams, views):
+        for p, view in zip(self.dparams, self._unpack_views(divisor, source)):
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             torch.div(view, divisor, out=local(p.grad).view(view.shape))

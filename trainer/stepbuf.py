@@ -42,15 +42,18 @@ class StepBuffer(GradBuffer):
     def contributors(self) -> int:
         return int(round(float(self.flat[self._count_index])))
 
-    def pack_step(self, slot: int | None, step: int) -> None:
-        """Pack local gradients for `slot` at `step` (slot None: contribute nothing)."""
+    def _check_pack(self, slot: int | None, step: int) -> None:
         if step > MAX_EXACT_STEP:
             raise ValueError(f"step {step} is too large to travel exactly in float32")
+        if slot is not None and not 0 <= slot < self.max_slots:
+            raise ValueError(f"slot must be in [0, {self.max_slots}), got {slot!r}")
+
+    def pack_step(self, slot: int | None, step: int) -> None:
+        """Pack local gradients for `slot` at `step` (slot None: contribute nothing)."""
+        self._check_pack(slot, step)
         if slot is None:
             self.flat.zero_()
             return
-        if not 0 <= slot < self.max_slots:
-            raise ValueError(f"slot must be in [0, {self.max_slots}), got {slot!r}")
         for p, view in zip(self.params, self._views):
             if p.grad is None:
                 view.zero_()
