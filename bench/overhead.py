@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from p2pft.chaos.cluster import ChaosConfig
-from p2pft.chaos.interrupt import Interrupt
+from p2pft.chaos.interrupt import Interrupt, Interrupted
 from p2pft.chaos.run import run_chaos
 
 SYSTEMS = {"p2pft": "failure_free", "ddp": "ddp"}
@@ -67,7 +67,11 @@ def main() -> int:
     interrupt = Interrupt()
     with tempfile.TemporaryDirectory(prefix="p2pft-overhead-") as tmp, interrupt.handling():
         for i, system in enumerate(order(args.rounds)):
-            row = one_run(system, cfg, Path(tmp) / f"{i}-{system}", interrupt)
+            try:
+                row = one_run(system, cfg, Path(tmp) / f"{i}-{system}", interrupt)
+            except Interrupted as exc:   # before this run trained: nothing of it to report
+                print(f"run {i + 1}: {exc}", flush=True)
+                break
             runs.append(row)
             print(f"run {i + 1}: {system:6s} {row['steps']:4d} steps  step p50 {row['step_p50_s']} s  "
                   f"CPU {sum(row['cpu_s'].values()):.1f} s ({row['cpu_s_per_step']} s/step)", flush=True)
