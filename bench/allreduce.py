@@ -10,6 +10,7 @@ bus bandwidth = 2 (n-1)/n * bytes / time.
     python bench/allreduce.py --ranks 3 --sizes 1,64 --json out.json
     python bench/allreduce.py --state               # fetch_state of 1 GB: GB/s and peak extra memory
     python bench/allreduce.py --ranks 2 --pin       # each rank on a core of its own (taskset-style)
+    python bench/allreduce.py --python-loop         # p2pft on its Python ring loop, not the C one
 
 CPU seconds per allreduce (per rank, process time) are reported beside bandwidth for both: on a
 machine with fewer cores than ranks, wall time measures the machine, CPU time the code.
@@ -223,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunk-kb", type=int, default=None, help="p2pft ring chunk size (default: library default)")
     ap.add_argument("--lanes", type=int, default=1, help="p2pft parallel connections per ring edge")
     ap.add_argument("--no-inline", action="store_true", help="p2pft: always hand sends to the sender thread")
+    ap.add_argument("--python-loop", action="store_true",
+                    help="p2pft: run allreduce on the Python ring loop instead of the C one (P2PFT_NATIVE_RING=0)")
     ap.add_argument("--bufsize-kb", type=int, default=0, help="p2pft SO_SNDBUF/SO_RCVBUF (0: kernel autotuning)")
     ap.add_argument("--quick", action="store_true", help="small run (< ~60 s)")
     ap.add_argument("--state", action="store_true", help="also time fetch_state of --state-mb")
@@ -235,6 +238,11 @@ def main(argv: list[str] | None = None) -> int:
 
     from p2pft.transport import DEFAULT_CHUNK_BYTES
 
+    from p2pft.transport import native
+
+    if a.python_loop:
+        os.environ[native.NATIVE_ENV] = "0"  # inherited by the rank processes
+    loop = "c" if native.native_loop() is not None else "python"
     if a.quick:
         a.ranks, a.sizes, a.warmup, a.iters = "2,3", "1,16,64", 1, 5
         a.state_mb = min(a.state_mb, 256)
@@ -243,11 +251,12 @@ def main(argv: list[str] | None = None) -> int:
     chunk = a.chunk_kb * 1024 if a.chunk_kb else DEFAULT_CHUNK_BYTES
     out: dict[str, Any] = {"config": {"ranks": ranks, "sizes_mb": sizes, "warmup": a.warmup, "iters": a.iters,
                                       "chunk_bytes": chunk, "lanes": a.lanes, "bufsize": a.bufsize_kb * 1024, "inline_send": not a.no_inline,
-                                      "cpus": os.cpu_count(), "pinned": a.pin}}
+                                      "ring_loop": loop, "cpus": os.cpu_count(), "pinned": a.pin}}
     if not a.state_only:
         rows, setups = bench_allreduce(ranks, sizes, a.warmup, a.iters, chunk, a.lanes, a.bufsize_kb * 1024,
                                        not a.no_inline, a.pin)
         ratios = []
+        print(f"p2pft ring loop: {loop}")
         print(f"{'ranks':>5} {'MB':>6} {'p2pft GB/s':>11} {'gloo GB/s':>10} {'p2pft ms':>9} {'gloo ms':>9} "
               f"{'ratio':>6} {'p2pft cpu ms':>13} {'gloo cpu ms':>12} {'p2pft csw':>10} {'gloo csw':>9}")
         for n in ranks:

@@ -9,14 +9,18 @@ lane's sender.
 
 from __future__ import annotations
 
+import os
 import queue
 import socket
 import threading
+import time
+from types import ModuleType
 from typing import Any, Callable
 
 from .buffers import FlatBuffer
 from .errors import CommError, CommTimeout, PeerFailed, ProtocolMismatch
 from .failure import FailHooks, frame_mismatch
+from .native import NATIVE_DTYPES, Status, native_loop, packed_plan
 from .ring import LanePlan
 from .sender import STOP, LaneSender
 from .wire import (
@@ -48,10 +52,15 @@ class LaneReceiver:
         self._scratch = bytearray(0)
         self._hdr = bytearray(FRAME_LEN)
         self._recv_tmo = -1.0
+        self._keepalive = FRAME_PREFIX.pack(FRAME_MAGIC, OP_KEEPALIVE, 0, epoch, shard, rank, 0, 0, 0) \
+            + FRAME_SUFFIX.pack(0, 0, 0, 0, 0)
 
     # ------------------------------------------------------------------ operations
     def allreduce(self, plan: LanePlan, buf: FlatBuffer, prefix_out: bytes, prefix_in: bytes,
                   contrib: bool, tmo: float) -> int:
+        loop = native_loop()
+        if loop is not None and buf.dtype_code in NATIVE_DTYPES:
+            return self._allreduce_native(loop, plan, buf, prefix_out, prefix_in, contrib, tmo)
         sock = self.sock
         snd = self.sender
         self._start(tmo)
@@ -121,6 +130,51 @@ class LaneReceiver:
         snd.drain(tmo)
         return total
 
+    def _allreduce_native(self, loop: ModuleType, plan: LanePlan, buf: FlatBuffer, prefix_out: bytes,
+                          prefix_in: bytes, contrib: bool, tmo: float) -> int:
+        """The same schedule in C (native.py): sends and receives on this thread, no GIL held."""
+        self._start(tmo)
+        snd = self.sender
+        sends, recvs = packed_plan(plan)
+        if len(self._scratch) < loop.SCRATCH_BYTES:
+            self._scratch = bytearray(loop.SCRATCH_BYTES)
+        # Holding the lane's write lock keeps the sender thread from writing an error frame into
+        # the middle of a frame this loop is writing; a half-written one is handed to it below.
+        with snd.wlock:
+            st, total, err, detail, hdr, pending = loop.allreduce_lane(
+                self.sock.fileno(), snd.sock.fileno(), buf.mv, self._scratch, sends, plan.first_sends, recvs,
+                prefix_out, prefix_in, self._keepalive, contrib, buf.dtype_code, self.world, tmo, io_slice(tmo))
+            if st == Status.OK:
+                return total
+            if st in (Status.SEND_ERROR, Status.SEND_TIMEOUT):
+                # As when the sender thread fails: blame from the reverse error frame, then close.
+                err_out = (CommTimeout(f"rank {snd.right} accepted no data for {tmo:.3g} s",
+                                       peer_rank=snd.right, peer_addr=snd.right_addr)
+                           if st == Status.SEND_TIMEOUT else snd._blame(OSError(err, os.strerror(err))))
+                snd._close_sock(snd.sock)
+                raise self.fail(err_out)
+            if pending is not None:
+                rest, off, n = pending
+                snd.submitted += 1
+                snd.q.put((rest, buf.mv[off:off + n] if n else None, time.monotonic(), True))
+        if st == Status.INTERRUPTED:
+            raise hdr  # e.g. KeyboardInterrupt: the communicator fails as with the Python loop
+        if st == Status.RECV_TIMEOUT:
+            raise self.fail(CommTimeout(f"no data from rank {self.left} for {tmo:.3g} s",
+                                        peer_rank=self.left, peer_addr=self.left_addr))
+        if st in (Status.EOF, Status.RECV_ERROR):
+            raise self._reader_lost(EOFError() if st == Status.EOF else OSError(err, os.strerror(err)))
+        if st == Status.BAD_PREFIX:
+            self._bad_prefix(self.sock, memoryview(bytearray(hdr)), prefix_in)  # raises unless a keepalive
+        elif st == Status.BAD_SUFFIX:
+            f = plan.recvs[detail[0]][0]
+            self._check_suffix(FRAME_SUFFIX.unpack_from(hdr, PREFIX_LEN), f.step, f.chunk, f.nbytes)  # raises
+        elif st == Status.COUNT_MISMATCH:
+            raise self.fail(ProtocolMismatch(
+                f"rank {self.left} reports {detail[0]} contributors, this rank counted {detail[1]}",
+                peer_rank=self.left, peer_addr=self.left_addr))
+        raise self.fail(CommError(f"ring loop stopped with status {st}"))
+
     def broadcast(self, plan: LanePlan, buf: FlatBuffer, prefix_out: bytes, prefix_in: bytes,
                   root: int, tmo: float) -> None:
         sock = self.sock
@@ -171,8 +225,7 @@ class LaneReceiver:
         instead of blaming their own, innocent, left neighbour."""
         snd = self.sender
         every = tmo / 4
-        frame = FRAME_PREFIX.pack(FRAME_MAGIC, OP_KEEPALIVE, 0, self.epoch, self.shard, self.rank, 0, 0, 0) \
-            + FRAME_SUFFIX.pack(0, 0, 0, 0, 0)
+        frame = self._keepalive
         state = [every]
 
         def idle(waited: float) -> None:

@@ -15,7 +15,8 @@ Chunk c travels on lane c mod lanes, so lanes are independent rings.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 __all__ = ["Frame", "LanePlan", "segments", "allreduce_plan", "broadcast_plan"]
 
@@ -36,6 +37,7 @@ class LanePlan:
     sends: list[Frame]
     first_sends: int                      # sends[:first_sends] need no input (own data)
     recvs: list[tuple[Frame, bool, int]]  # (frame, reduce, index of the send it unlocks or -1)
+    packed: Any = field(default=None, repr=False)  # the same, as native.packed_plan() hands it to C
 
 
 def segments(nbytes: int, itemsize: int, world: int) -> list[tuple[int, int]]:
