@@ -24,7 +24,7 @@ NATIVE_DTYPES = frozenset(DTYPE_CODES[n] for n in ("float32", "float64", "int32"
 
 
 class Status:
-    """Return statuses of `_ringloop.allreduce_lane` (same numbers as in _ringloop.c)."""
+    """Return statuses of `_ringloop.allreduce_lane` (the same numbers as in ringloop/ringloop.h)."""
 
     OK = 0
     RECV_TIMEOUT = 1

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pathlib
+import re
 import shutil
 import signal
 import socket
@@ -144,6 +146,15 @@ def test_the_environment_switch_selects_the_python_loop(monkeypatch: pytest.Monk
     assert native.native_loop() is None
     monkeypatch.delenv(native.NATIVE_ENV)
     assert native.native_loop() is native._MODULE
+
+
+def test_python_reads_the_statuses_the_c_loop_returns() -> None:
+    """Status numbers live twice (ringloop.h and native.Status); a drift would map, say, a
+    receive timeout to a send error. Read the header's enum and compare."""
+    header = pathlib.Path(native.__file__).with_name("ringloop") / "ringloop.h"
+    in_c = {m.group(1): int(m.group(2)) for m in re.finditer(r"\bST_([A-Z_]+) = (\d+)", header.read_text())}
+    in_py = {k: v for k, v in vars(native.Status).items() if k.isupper()}
+    assert in_c and in_c == in_py
 
 
 class _Alarm(Exception):

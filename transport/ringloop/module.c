@@ -90,14 +90,15 @@ static PyObject *allreduce_lane(PyObject *self, PyObject *args) {
             goto out;
         }
     }
-    pthread_mutex_init(&L.mu, NULL);
-    pthread_cond_init(&L.cv, NULL);
+    /* the queue holds every data frame at once at most, and one keepalive (queued only when empty) */
     L.qcap = L.nsends + 2;
     L.q = malloc(sizeof(Out) * (size_t)L.qcap);
     if (!L.q) {
         PyErr_NoMemory();
         goto out;
     }
+    pthread_mutex_init(&L.mu, NULL);
+    pthread_cond_init(&L.cv, NULL);
     L.ts = PyEval_SaveThread();
     int st = rl_run(&L);
     PyEval_RestoreThread(L.ts);
