@@ -9,7 +9,7 @@ from .breakdown import commit_series, contributor_seconds, phase_windows, step_t
 from .cluster import Cluster
 from .records import read_stats
 
-__all__ = ["read_stats", "summarize"]  # read_stats is re-exported for the benchmarks
+__all__ = ["digests_by_step", "read_stats", "summarize"]  # read_stats is re-exported for the benchmarks
 
 STALL_WINDOW = 5.0   # seconds after a failure in which a survivor's longest commit gap is its stall
 
@@ -22,6 +22,25 @@ def _pct(xs: list[float], q: float) -> float | None:
     return xs[k]
 
 
+def digests_by_step(recs: dict[tuple[int, int], list[dict[str, Any]]],
+                    restarts_all: bool) -> dict[tuple[int, int], set[str]]:
+    """The state digests recorded at each step, by (job start, step), from the records of each
+    (replica, incarnation).
+
+    A replica that rejoins a running cluster must hold the survivors' weights at every step, so
+    for p2pft all incarnations are compared at one step. A job restarted as a whole discards
+    the steps past its checkpoint: only the ranks of one start of the job are compared (a
+    re-trained step may differ in its last bits from the discarded one: DDP's reduction order
+    follows its gradient buckets, which it lays out again after the first step of every start)."""
+    digests: dict[tuple[int, int], set[str]] = defaultdict(set)
+    for (_replica, incarnation), rs in recs.items():
+        start = incarnation if restarts_all else 0  # a whole-job restart starts every rank anew
+        for r in rs:
+            if "digest" in r and "step" in r and r.get("kind") is None:
+                digests[(start, int(r["step"]))].add(r["digest"])
+    return digests
+
+
 def summarize(cluster: Cluster, t_end: float) -> dict[str, Any]:
     """The row of one system: progress, stalls, rejoins, crashes, divergence."""
     procs = sorted(cluster.finished, key=lambda p: (p.replica, p.incarnation))
@@ -31,7 +50,6 @@ def summarize(cluster: Cluster, t_end: float) -> dict[str, Any]:
     crashes = [e for e in cluster.events if e["kind"] == "crash"]
     last_step: dict[tuple[int, int], int] = {}
     commit_times: dict[tuple[int, int], list[float]] = {}
-    digests: dict[int, set[str]] = defaultdict(set)
     step_gaps: list[float] = []
     contributors: dict[int, int] = {}
     losses: list[tuple[int, float]] = []
@@ -45,8 +63,6 @@ def summarize(cluster: Cluster, t_end: float) -> dict[str, Any]:
                     ts.append(float(r["t"]))
                     if r["t"] <= t_end:
                         contributors[int(r["step"])] = int(r.get("n", 0))
-                if "digest" in r:
-                    digests[int(r["step"])].add(r["digest"])
                 if "loss" in r:
                     losses.append((int(r["step"]), float(r["loss"])))
         commit_times[key] = ts
@@ -102,7 +118,8 @@ def summarize(cluster: Cluster, t_end: float) -> dict[str, Any]:
         if start and first:
             rejoins.append(float(first["t"]) - p.started)
             rejoins_excl.append(float(first["t"]) - float(start["t_imported"]))
-    divergent = sum(1 for s, d in digests.items() if len(d) > 1)
+    digests = digests_by_step(recs, cluster.restarts_all)
+    divergent = sum(1 for d in digests.values() if len(d) > 1)
     return {
         "system": cluster.system,
         "final_step": final_step,

@@ -39,7 +39,8 @@ cores. 'stall' = a surviving replica's longest gap between two committed steps a
 minus one normal step ({step}); for a job restarted as a whole, failure to its next committed
 step. 'rejoin' = a restarted replica's process start to its first step that counts its gradients
 ('w/o imports': from after Python and torch imports). 'divergent steps' = steps at which two
-replicas held different weights (state digests compared every {digest} steps). ddp = plain
+replicas held different weights (state digests compared every {digest} steps; for a job
+restarted as a whole, within one start of it). ddp = plain
 PyTorch DDP (Gloo): every failure restarts all ranks from the last disk checkpoint (every {ckpt}
 steps), as torchrun does; sync = p2pft replicas restarted the same way. 'oracle abs/rel'
 (--workload gpt) = the largest difference between a survivor's final weights and the committed

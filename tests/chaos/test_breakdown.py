@@ -1,9 +1,10 @@
-"""The time breakdown of a chaos row, from hand-written stats records with known answers."""
+"""The time breakdown and the divergence check of a chaos row, from hand-written stats records with known answers."""
 from __future__ import annotations
 
 from typing import Any
 
 from p2pft.chaos.breakdown import commit_series, contributor_seconds, phase_windows, step_time_by_phase
+from p2pft.chaos.metrics import digests_by_step
 
 
 def _steps(replica_t0: float, first: int, n: int, count: int, dt: float = 0.1) -> list[dict[str, Any]]:
@@ -46,3 +47,25 @@ def test_a_gap_holding_a_failure_is_no_step_time() -> None:
     recs = {(0, 0): _steps(0.0, 1, 3, 5) + _steps(2.0, 6, 2, 5)}
     out = step_time_by_phase(commit_series(recs, 0.0, 3.0), [], failures=[1.0], step_p50=0.5)
     assert out["normal"]["steps"] == 8  # 9 gaps, the one across the failure left out
+
+
+def _digest(step: int, d: str) -> dict[str, Any]:
+    return {"t": float(step), "step": step, "c": 1, "n": 3, "digest": d}
+
+
+def test_a_rejoined_replica_is_compared_with_the_survivors_at_every_step() -> None:
+    recs = {(0, 0): [_digest(10, "a"), _digest(20, "b")],
+            (1, 0): [_digest(10, "a")],                  # killed after step 10
+            (1, 1): [_digest(20, "c")]}                  # rejoined, but holds other weights at 20
+    digests = digests_by_step(recs, restarts_all=False)
+    assert {k: len(v) for k, v in digests.items()} == {(0, 10): 1, (0, 20): 2}
+
+
+def test_a_job_restarted_as_a_whole_is_compared_within_each_start() -> None:
+    # Start 0 reached step 20 and was killed; start 1 resumed from a checkpoint at 10 and
+    # trained step 20 again with other bits (DDP lays its buckets out again): not a divergence.
+    recs = {(0, 0): [_digest(10, "a"), _digest(20, "b")], (1, 0): [_digest(10, "a"), _digest(20, "b")],
+            (0, 1): [_digest(20, "c")], (1, 1): [_digest(20, "c")]}
+    assert all(len(v) == 1 for v in digests_by_step(recs, restarts_all=True).values())
+    recs[(1, 1)] = [_digest(20, "d")]                    # two ranks of one start disagree: counted
+    assert sorted(len(v) for v in digests_by_step(recs, restarts_all=True).values()) == [1, 1, 2]
