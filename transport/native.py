@@ -36,6 +36,8 @@ class Status:
     BAD_SUFFIX = 7
     COUNT_MISMATCH = 8
     INTERRUPTED = 9  # a signal handler raised; the exception is returned in the header slot
+    FAILED = 10  # the communicator failed elsewhere (another lane, abort) while this lane ran
+    NO_THREAD = 11  # the loop could not start its sender thread (errno in the err slot)
 
 
 def _load() -> ModuleType | None:

@@ -143,7 +143,8 @@ class LaneReceiver:
         with snd.wlock:
             st, total, err, detail, hdr, pending = loop.allreduce_lane(
                 self.sock.fileno(), snd.sock.fileno(), buf.mv, self._scratch, sends, plan.first_sends, recvs,
-                prefix_out, prefix_in, self._keepalive, contrib, buf.dtype_code, self.world, tmo, io_slice(tmo))
+                prefix_out, prefix_in, self._keepalive, contrib, buf.dtype_code, self.world, tmo, io_slice(tmo),
+                self.hooks.state)
             if st == Status.OK:
                 return total
             if st in (Status.SEND_ERROR, Status.SEND_TIMEOUT):
@@ -159,6 +160,10 @@ class LaneReceiver:
                 snd.q.put((rest, buf.mv[off:off + n] if n else None, time.monotonic(), True))
         if st == Status.INTERRUPTED:
             raise hdr  # e.g. KeyboardInterrupt: the communicator fails as with the Python loop
+        if st == Status.FAILED:
+            raise self.fail(CommError("failed while this lane ran"))  # returns the failure recorded first
+        if st == Status.NO_THREAD:
+            raise self.fail(CommError(f"the ring loop could not start its sender thread: {os.strerror(err)}"))
         if st == Status.RECV_TIMEOUT:
             raise self.fail(CommTimeout(f"no data from rank {self.left} for {tmo:.3g} s",
                                         peer_rank=self.left, peer_addr=self.left_addr))

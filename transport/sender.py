@@ -63,7 +63,7 @@ class LaneSender:
         self.reverse: RemoteError | None = None
         self.q: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.exited = threading.Event()
-        self.timeout = 1.0  # op timeout, set by the producer between operations
+        self.timeout = -1.0  # op timeout, set by the producer before each operation (none yet)
         self.thread = threading.Thread(target=self._run, daemon=True, name=name)
 
     def start(self) -> None:
@@ -108,7 +108,9 @@ class LaneSender:
             state.wake_waiters()
 
     def set_timeout(self, tmo: float) -> None:
-        """Called by the lane's receive thread at op start, while no frame of this lane is queued."""
+        """Called by the lane's receive thread at op start, while no frame of this lane is queued.
+        The socket's send slice is set on the first call whatever `tmo` is: until then the
+        socket blocks without a limit."""
         if tmo != self.timeout:
             set_io_slice(self.sock, io_slice(tmo), recv=False)
             self.timeout = tmo
@@ -175,7 +177,7 @@ class LaneSender:
     def _finish_with_error(self, job: Any) -> None:
         """Complete a frame the producer left half-written, then append the error frame."""
         frame = self.state.error_frame
-        grace = min(self.timeout, ERROR_FRAME_GRACE_S)
+        grace = min(self.timeout, ERROR_FRAME_GRACE_S) if self.timeout > 0 else ERROR_FRAME_GRACE_S
         with self.wlock:
             rest = job if type(job) is tuple and job[3] else None
             while rest is None:

@@ -11,11 +11,12 @@ import sysconfig
 import threading
 import time
 from array import array
+from typing import Any
 
 import numpy as np
 import pytest
 
-from p2pft.transport import DataServer, native
+from p2pft.transport import CommTimeout, DataServer, native
 from p2pft.transport import receiver as receiver_mod
 from transport_testutil import run_ranks
 
@@ -109,8 +110,8 @@ def test_c_loop_with_lanes_and_python_loop_on_the_others(monkeypatch: pytest.Mon
 
 @needs_native
 def test_c_loop_rejects_plans_outside_its_buffers() -> None:
-    """A plan that would read or write outside the tensor or scratch is a ValueError, checked
-    before any I/O, never a memory error."""
+    """A plan that would read or write outside the tensor, the scratch or the send queue is a
+    ValueError, checked before any I/O, never a memory error."""
     mod = native._MODULE
     a, b = socket.socketpair()
     try:
@@ -119,23 +120,33 @@ def test_c_loop_rejects_plans_outside_its_buffers() -> None:
         prefix = bytes(48)
         ka = bytes(72)
         good_sends = array("q", [0, 0, 0, 32])
+        two_sends = array("q", [0, 0, 0, 32, 0, 1, 32, 32])
+        big = 1 << 62
         cases = [
-            (array("q", [0, 0, 48, 32]), array("q")),                      # send past the end
-            (good_sends, array("q", [0, 0, 0, 32, 1, -1])),                # reduce chunk > scratch
-            (good_sends, array("q", [0, 0, 60, 8, 0, -1])),                # receive past the end
-            (good_sends, array("q", [0, 0, 0, 8, 0, 5])),                  # unlocks a send that is not there
-            (good_sends, array("q", [0, 0, 0, 6, 0, -1])),                 # not whole elements
+            (array("q", [0, 0, 48, 32]), 1, array("q")),                   # send past the end
+            (array("q", [0, 0, big, big]), 1, array("q")),                 # offset + size overflows int64
+            (good_sends, 1, array("q", [0, 0, 0, 32, 1, -1])),             # reduce chunk > scratch
+            (good_sends, 1, array("q", [0, 0, 60, 8, 0, -1])),             # receive past the end
+            (good_sends, 1, array("q", [0, 0, big, big, 0, -1])),          # offset + size overflows int64
+            (good_sends, 1, array("q", [0, 0, 0, 8, 0, 5])),               # unlocks a send that is not there
+            (good_sends, 1, array("q", [0, 0, 0, 6, 0, -1])),              # not whole elements
+            (good_sends, 2, array("q")),                                   # more first sends than sends
+            (two_sends, 1, array("q", [0, 0, 0, 8, 0, 1] * 2)),            # one send unlocked twice
+            (two_sends, 1, array("q", [0, 0, 0, 8, 0, 0])),                # unlocks a first send again
         ]
-        for sends, recvs in cases:
+        for sends, first, recvs in cases:
             with pytest.raises(ValueError):
-                mod.allreduce_lane(a.fileno(), b.fileno(), buf, scratch, sends, 1, recvs, prefix, prefix, ka,
-                                   True, 3, 2, 1.0, 0.05)
+                mod.allreduce_lane(a.fileno(), b.fileno(), buf, scratch, sends, first, recvs, prefix, prefix, ka,
+                                   True, 3, 2, 1.0, 0.05, None)
         with pytest.raises(ValueError):  # a dtype the C loop does not add
             mod.allreduce_lane(a.fileno(), b.fileno(), buf, scratch, good_sends, 1, array("q"), prefix, prefix,
-                               ka, True, 2, 2, 1.0, 0.05)
+                               ka, True, 2, 2, 1.0, 0.05, None)
+        with pytest.raises(ValueError):  # a failure state without `failed`
+            mod.allreduce_lane(a.fileno(), b.fileno(), buf, scratch, good_sends, 1, array("q"), prefix, prefix,
+                               ka, True, 3, 2, 1.0, 0.05, object())
         with pytest.raises(TypeError):  # a read-only tensor
             mod.allreduce_lane(a.fileno(), b.fileno(), bytes(64), scratch, good_sends, 1, array("q"), prefix,
-                               prefix, ka, True, 3, 2, 1.0, 0.05)
+                               prefix, ka, True, 3, 2, 1.0, 0.05, None)
     finally:
         a.close()
         b.close()
@@ -195,4 +206,97 @@ def test_a_signal_handler_that_raises_interrupts_a_waiting_allreduce(loop: str,
         comm.close()
         other.close()
         for s in servers:
+            s.close()
+
+
+def _in_thread(fn: Any, limit: float) -> tuple[Any, BaseException | None, float]:
+    """Run `fn` on a daemon thread; fail the test if it is still running after `limit` s (a
+    C loop stuck without the GIL cannot be interrupted from Python)."""
+    out: list[Any] = [None, None]
+
+    def run() -> None:
+        try:
+            out[0] = fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            out[1] = e
+
+    t0 = time.monotonic()
+    th = threading.Thread(target=run, daemon=True)
+    th.start()
+    th.join(limit)
+    assert not th.is_alive(), f"still running after {limit} s"
+    return out[0], out[1], time.monotonic() - t0
+
+
+@pytest.mark.parametrize("loop", ["native", "python"])
+def test_a_neighbour_that_takes_no_data_fails_the_op_within_its_timeout(loop: str,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 1 connects and then neither reads nor sends; rank 0's 64 MB allreduce must end in
+    CommTimeout after about its timeout. The op timeout here equals every default a lane
+    starts with, so no slice is left unset on a socket."""
+    if loop == "native" and native._MODULE is None:
+        pytest.skip("the C ring loop is not built")
+    monkeypatch.setenv(native.NATIVE_ENV, "1" if loop == "native" else "0")
+    servers = [DataServer() for _ in range(2)]
+    peers = [s.addr for s in servers]
+    comm = servers[0].communicator(1, 0, 0, peers, timeout=1.0)
+    other = servers[1].communicator(1, 0, 1, peers, timeout=1.0)
+    connecting = threading.Thread(target=other._ensure_connected, daemon=True)
+    connecting.start()
+    try:
+        _, err, took = _in_thread(lambda: comm.allreduce(np.ones(16 << 20, dtype=np.float32)), 10.0)
+        assert isinstance(err, CommTimeout), err
+        assert took < 5.0
+        connecting.join(5)
+    finally:
+        comm.close()
+        other.close()
+        for s in servers:
+            s.close()
+
+
+class _State:
+    failed: object | None = None
+
+
+@needs_native
+def test_a_draining_lane_stops_when_the_communicator_fails_elsewhere() -> None:
+    """Everything received, a frame still queued for a right neighbour that takes nothing: a
+    failure recorded by another thread (another lane, abort) ends the C loop within a slice,
+    not after the op timeout, with the status that says so."""
+    mod = native._MODULE
+    l0, l1 = socket.socketpair()
+    r0, r1 = socket.socketpair()
+    n = 32 << 20
+    state = _State()
+    try:
+        timer = threading.Timer(0.3, lambda: setattr(state, "failed", RuntimeError("another lane")))
+        timer.start()
+        res, err, took = _in_thread(lambda: mod.allreduce_lane(
+            l0.fileno(), r0.fileno(), bytearray(n), bytearray(mod.SCRATCH_BYTES), array("q", [0, 0, 0, n]), 1,
+            array("q"), bytes(48), bytes(48), bytes(72), True, 3, 2, 20.0, 0.05, state), 10.0)
+        timer.join()
+        assert err is None and res[0] == native.Status.FAILED
+        assert took < 3.0
+    finally:
+        for s in (l0, l1, r0, r1):
+            s.close()
+
+
+@needs_native
+def test_the_c_loop_times_out_on_a_socket_the_caller_left_blocking() -> None:
+    """The loop sets its own socket slices: a right neighbour that takes nothing ends the call
+    with SEND_TIMEOUT after the op timeout even if the caller never set a send timeout."""
+    mod = native._MODULE
+    l0, l1 = socket.socketpair()
+    r0, r1 = socket.socketpair()  # blocking, no SO_SNDTIMEO; nobody reads r1
+    n = 32 << 20
+    try:
+        res, err, took = _in_thread(lambda: mod.allreduce_lane(
+            l0.fileno(), r0.fileno(), bytearray(n), bytearray(mod.SCRATCH_BYTES), array("q", [0, 0, 0, n]), 1,
+            array("q"), bytes(48), bytes(48), bytes(72), True, 3, 2, 1.0, 0.05, None), 10.0)
+        assert err is None and res[0] == native.Status.SEND_TIMEOUT
+        assert 0.9 < took < 3.0
+    finally:
+        for s in (l0, l1, r0, r1):
             s.close()

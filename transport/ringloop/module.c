@@ -20,13 +20,17 @@
 #include "ringloop.h"
 
 #include <stdlib.h>
+#include <sys/socket.h>
+#include <sys/time.h>
 
-/* Run pending Python signal handlers (main thread only; a no-op elsewhere), as the Python loop
- * does between its system calls, so Ctrl-C or a SIGTERM handler is not held up for a timeout. */
-int rl_check_signals(Loop *L) {
+/* Between system calls, with the GIL for a moment, as the Python loop does: run pending signal
+ * handlers (main thread only; a no-op elsewhere), so Ctrl-C or a SIGTERM handler is not held up
+ * for a timeout, and read whether the communicator failed elsewhere (another lane, abort): a
+ * lane that has received everything no longer reads the socket that such a failure shuts. */
+int rl_check_python(Loop *L) {
     PyEval_RestoreThread(L->ts);
-    int r = PyErr_CheckSignals();
-    if (r < 0) {
+    int st = ST_OK;
+    if (PyErr_CheckSignals() < 0) {
         PyObject *t, *v, *tb;
         PyErr_Fetch(&t, &v, &tb);
         PyErr_NormalizeException(&t, &v, &tb);
@@ -35,9 +39,55 @@ int rl_check_signals(Loop *L) {
         Py_XDECREF(t);
         Py_XDECREF(tb);
         L->exc = v;
+        st = ST_INTERRUPTED;
+    } else if (L->fstate != Py_None) {
+        PyObject *failed = PyObject_GetAttrString(L->fstate, "failed");
+        if (failed == NULL)
+            PyErr_Clear();  /* checked at entry: cannot happen short of a deleted attribute */
+        else if (failed != Py_None)
+            st = ST_FAILED;
+        Py_XDECREF(failed);
     }
     L->ts = PyEval_SaveThread();
-    return r < 0 ? ST_INTERRUPTED : ST_OK;
+    return st;
+}
+
+/* Socket slices set here, not trusted to the caller: every blocking read and write of the loop
+ * returns within one, so each of its waits sees its timeout, a stop and signal handlers. */
+static int set_slices(int lfd, int rfd, double slice) {
+    struct timeval tv;
+    tv.tv_sec = (time_t)slice;
+    tv.tv_usec = (suseconds_t)((slice - (double)tv.tv_sec) * 1e6);
+    if (tv.tv_sec == 0 && tv.tv_usec == 0)
+        tv.tv_usec = 1000;  /* zero would mean "no timeout" */
+    if (setsockopt(lfd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv) < 0
+        || setsockopt(rfd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv) < 0) {
+        PyErr_SetFromErrno(PyExc_OSError);
+        return -1;
+    }
+    return 0;
+}
+
+/* Every send index is queued at most once (the queue holds them all at most): the first sends,
+ * then those the receives unlock, each after the first sends. */
+static int plan_is_valid(const Loop *L) {
+    if (L->first_sends < 0 || L->first_sends > L->nsends)
+        return 0;
+    unsigned char *seen = calloc((size_t)L->nsends + 1, 1);
+    if (seen == NULL)
+        return 0;
+    int ok = 1;
+    for (Py_ssize_t i = 0; i < L->nrecvs && ok; i++) {
+        int64_t nxt = L->recvs[6 * i + 5];
+        if (nxt < 0)
+            continue;
+        if (nxt < L->first_sends || nxt >= L->nsends || seen[nxt])
+            ok = 0;
+        else
+            seen[nxt] = 1;
+    }
+    free(seen);
+    return ok;
 }
 
 static PyObject *allreduce_lane(PyObject *self, PyObject *args) {
@@ -45,14 +95,16 @@ static PyObject *allreduce_lane(PyObject *self, PyObject *args) {
     Py_buffer buf, scratch, sends, recvs, pout, pin, ka;
     Py_ssize_t first_sends;
     double tmo, slice;
-    if (!PyArg_ParseTuple(args, "iiw*w*y*ny*y*y*y*piidd", &lfd, &rfd, &buf, &scratch, &sends, &first_sends,
-                          &recvs, &pout, &pin, &ka, &contrib, &dtype, &world, &tmo, &slice))
+    PyObject *fstate;
+    if (!PyArg_ParseTuple(args, "iiw*w*y*ny*y*y*y*piiddO", &lfd, &rfd, &buf, &scratch, &sends, &first_sends,
+                          &recvs, &pout, &pin, &ka, &contrib, &dtype, &world, &tmo, &slice, &fstate))
         return NULL;
     PyObject *result = NULL;
     Loop L;
     memset(&L, 0, sizeof L);
     if (pout.len != PREFIX_LEN || pin.len != PREFIX_LEN || ka.len != FRAME_LEN || sends.len % 32 || recvs.len % 48
-        || (dtype != DT_F32 && dtype != DT_F64 && dtype != DT_I32 && dtype != DT_I64)) {
+        || (dtype != DT_F32 && dtype != DT_F64 && dtype != DT_I32 && dtype != DT_I64) || !(slice > 0)
+        || (fstate != Py_None && !PyObject_HasAttrString(fstate, "failed"))) {
         PyErr_SetString(PyExc_ValueError, "allreduce_lane: bad arguments");
         goto out;
     }
@@ -73,10 +125,11 @@ static PyObject *allreduce_lane(PyObject *self, PyObject *args) {
     L.world = world;
     L.tmo = tmo;
     L.slice = slice;
+    L.fstate = fstate;
     /* bounds: every frame lies in the buffer, every scratch receive fits the scratch */
     for (Py_ssize_t i = 0; i < L.nsends; i++) {
         const int64_t *g = L.sends + 4 * i;
-        if (g[2] < 0 || g[3] < 0 || g[2] + g[3] > buf.len) {
+        if (g[2] < 0 || g[3] < 0 || g[2] > buf.len || g[3] > buf.len - g[2]) {
             PyErr_SetString(PyExc_ValueError, "allreduce_lane: send frame outside the buffer");
             goto out;
         }
@@ -84,12 +137,18 @@ static PyObject *allreduce_lane(PyObject *self, PyObject *args) {
     for (Py_ssize_t i = 0; i < L.nrecvs; i++) {
         const int64_t *f = L.recvs + 6 * i;
         Py_ssize_t need = f[3] <= ADD_PIECE ? (Py_ssize_t)f[3] : ADD_PIECE + (Py_ssize_t)rl_itemsize(dtype);
-        if (f[2] < 0 || f[3] < 0 || f[2] + f[3] > buf.len || (f[4] && need > scratch.len) || f[5] >= L.nsends
+        if (f[2] < 0 || f[3] < 0 || f[2] > buf.len || f[3] > buf.len - f[2] || (f[4] && need > scratch.len)
             || (int64_t)(f[3] % rl_itemsize(dtype))) {
             PyErr_SetString(PyExc_ValueError, "allreduce_lane: receive frame outside the buffers");
             goto out;
         }
     }
+    if (!plan_is_valid(&L)) {
+        PyErr_SetString(PyExc_ValueError, "allreduce_lane: a send is queued twice or is not there");
+        goto out;
+    }
+    if (set_slices(lfd, rfd, slice) < 0)
+        goto out;
     /* the queue holds every data frame at once at most, and one keepalive (queued only when empty) */
     L.qcap = L.nsends + 2;
     L.q = malloc(sizeof(Out) * (size_t)L.qcap);

@@ -168,20 +168,22 @@ static int receive_all(Loop *L) {
             int st = rl_sender_failed(L);
             return st != ST_OK ? st : ST_EOF;
         }
-        if (errno == EINTR) {
-            if (rl_check_signals(L) != ST_OK)
-                return ST_INTERRUPTED;
+        int e = errno;
+        if (e == EINTR) {
+            int st = rl_check_python(L);
+            if (st != ST_OK)
+                return st;
             continue;
         }
-        if (errno != EAGAIN && errno != EWOULDBLOCK) {
+        if (e != EAGAIN && e != EWOULDBLOCK) {
             int st = rl_sender_failed(L);
             if (st != ST_OK)
                 return st;
-            L->err = errno;
+            L->err = e;
             return ST_RECV_ERROR;
         }
         /* one SO_RCVTIMEO slice without data */
-        int st = rl_check_signals(L);
+        int st = rl_check_python(L);
         if (st == ST_OK)
             st = rl_sender_failed(L);
         if (st == ST_OK)
@@ -201,12 +203,13 @@ int rl_run(Loop *L) {
     sigset_t all, old;
     sigfillset(&all);
     pthread_t th;
+    L->receiving = 1;
     pthread_sigmask(SIG_BLOCK, &all, &old);
     int rc = pthread_create(&th, NULL, rl_sender_main, L);
     pthread_sigmask(SIG_SETMASK, &old, NULL);
-    if (rc != 0) {
+    if (rc != 0) {  /* a local failure: no neighbour is to blame */
         L->err = rc;
-        return ST_SEND_ERROR;
+        return ST_NO_THREAD;
     }
     for (Py_ssize_t i = 0; i < L->first_sends; i++) {
         if (L->contrib)
@@ -215,6 +218,9 @@ int rl_run(Loop *L) {
             rl_push_frame(L, i, F_EMPTY, 0);
     }
     int st = receive_all(L);
+    pthread_mutex_lock(&L->mu);
+    L->receiving = 0;  /* from here on nobody reads lfd, and Python may close it after a failure */
+    pthread_mutex_unlock(&L->mu);
     if (st != ST_OK) {
         rl_stop_sender(L, th, 0);
         return st;

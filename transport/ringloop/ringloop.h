@@ -34,6 +34,8 @@ enum {
     ST_BAD_SUFFIX = 7,
     ST_COUNT_MISMATCH = 8,
     ST_INTERRUPTED = 9,   /* a Python signal handler raised (Ctrl-C): the exception is handed back */
+    ST_FAILED = 10,       /* the communicator failed elsewhere (another lane, abort) */
+    ST_NO_THREAD = 11,    /* the sender thread could not be started (err: its errno) */
 };
 
 /* dtype codes of transport/buffers.py that this loop adds; others stay on the Python loop. */
@@ -67,6 +69,7 @@ typedef struct {
     Py_ssize_t qcap, qhead, qlen;
     int busy;             /* the sender thread is writing the head frame (outside the lock) */
     int closing, stop, exited;
+    int receiving;        /* the receive loop runs: a failing sender wakes it by shutting lfd */
     int sst, serr;        /* how the sender thread failed */
     double last_tx;       /* time of the last byte written to the right */
     /* receive state */
@@ -85,6 +88,7 @@ typedef struct {
     /* the thread state while the GIL is released, and an exception a signal handler raised */
     PyThreadState *ts;
     PyObject *exc;
+    PyObject *fstate;     /* the communicator's failure state: its `failed` is set on a failure */
 } Loop;
 
 static inline double rl_now(void) {
@@ -108,6 +112,6 @@ int rl_stop_sender(Loop *L, pthread_t th, int drain);
 /* recv.c */
 int rl_run(Loop *L);
 /* module.c */
-int rl_check_signals(Loop *L);
+int rl_check_python(Loop *L);
 
 #endif

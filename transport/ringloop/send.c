@@ -79,10 +79,10 @@ void rl_push_frame(Loop *L, Py_ssize_t si, uint32_t flags, uint32_t count) {
     rl_push(L, h, plen ? L->buf + g[2] : NULL, plen);
 }
 
-/* The sender thread: writes queued frames in order with blocking writes (SO_SNDTIMEO slices).
- * It stops on close (queue empty), on stop (after the frame in flight or a slice without
- * progress), or on its own failure, which it reports by shutting the receive side of the left
- * socket so that the receiving thread wakes up at once. */
+/* The sender thread: writes queued frames in order with blocking writes (SO_SNDTIMEO slices,
+ * set by module.c). It stops on close (queue empty), on stop (after the frame in flight or a
+ * slice without progress), or on its own failure, which it reports by shutting the receive side
+ * of the left socket so that the receiving thread, while it still receives, wakes up at once. */
 void *rl_sender_main(void *arg) {
     Loop *L = arg;
     pthread_mutex_lock(&L->mu);
@@ -138,11 +138,10 @@ void *rl_sender_main(void *arg) {
             break;
     }
     L->exited = 1;
-    int failed = L->sst != ST_OK;
+    if (L->sst != ST_OK && L->receiving)  /* under the lock: lfd is still the loop's socket */
+        shutdown(L->lfd, SHUT_RD);
     pthread_cond_broadcast(&L->cv);
     pthread_mutex_unlock(&L->mu);
-    if (failed)
-        shutdown(L->lfd, SHUT_RD);
     return NULL;
 }
 
@@ -156,7 +155,8 @@ int rl_sender_failed(Loop *L) {
 }
 
 /* Tell the sender thread to stop (`stop`) or to finish the queue and stop (`closing`), and wait
- * for it; running signal handlers every slice while the queue drains. */
+ * for it. While the queue drains, every slice runs signal handlers and reads the communicator's
+ * failure; either turns the drain into a stop. */
 int rl_stop_sender(Loop *L, pthread_t th, int drain) {
     int st = ST_OK;
     pthread_mutex_lock(&L->mu);
@@ -174,7 +174,7 @@ int rl_stop_sender(Loop *L, pthread_t th, int drain) {
         pthread_cond_timedwait(&L->cv, &L->mu, &ts);
         if (!L->exited && drain && st == ST_OK) {
             pthread_mutex_unlock(&L->mu);
-            st = rl_check_signals(L);
+            st = rl_check_python(L);
             pthread_mutex_lock(&L->mu);
             if (st != ST_OK) {  /* interrupted while draining: stop instead */
                 __atomic_store_n(&L->stop, 1, __ATOMIC_RELEASE);
