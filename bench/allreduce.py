@@ -40,7 +40,7 @@ def _free_port() -> int:
 
 # ---------------------------------------------------------------------------- allreduce workers
 def _allreduce_worker(rank: int, n: int, gloo_port: int, sizes: list[int], warmup: int, iters: int,
-                      chunk_bytes: int, lanes: int, bufsize: int, inline: bool, addr_q: Any, peers_q: Any,
+                      chunk_bytes: int, lanes: int, bufsize: int | None, inline: bool, addr_q: Any, peers_q: Any,
                       out_q: Any, pin: bool = False) -> None:
     die_with_parent()
     if pin:  # one core per rank (rank r on core r mod ncpu): the CPU is not shared between ranks
@@ -51,7 +51,7 @@ def _allreduce_worker(rank: int, n: int, gloo_port: int, sizes: list[int], warmu
     from p2pft.transport import DataServer
 
     torch.set_num_threads(1)
-    server = DataServer(chunk_bytes=chunk_bytes, lanes=lanes, sock_bufsize=bufsize or None, inline_send=inline)
+    server = DataServer(chunk_bytes=chunk_bytes, lanes=lanes, sock_bufsize=bufsize, inline_send=inline)
     addr_q.put((rank, server.addr))
     peers = peers_q.get(timeout=60)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{gloo_port}", rank=rank, world_size=n)
@@ -99,7 +99,7 @@ def _allreduce_worker(rank: int, n: int, gloo_port: int, sizes: list[int], warmu
 
 
 def bench_allreduce(ranks: list[int], sizes: list[float], warmup: int, iters: int, chunk_bytes: int,
-                    lanes: int, bufsize: int = 0, inline: bool = True,
+                    lanes: int, bufsize: int | None = None, inline: bool = True,
                     pin: bool = False) -> tuple[list[dict], list[dict]]:
     ctx = mp.get_context("spawn")
     rows: list[dict] = []
@@ -226,7 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-inline", action="store_true", help="p2pft: always hand sends to the sender thread")
     ap.add_argument("--python-loop", action="store_true",
                     help="p2pft: run allreduce on the Python ring loop instead of the C one (P2PFT_NATIVE_RING=0)")
-    ap.add_argument("--bufsize-kb", type=int, default=0, help="p2pft SO_SNDBUF/SO_RCVBUF (0: kernel autotuning)")
+    ap.add_argument("--bufsize-kb", type=int, default=None,
+                    help="p2pft SO_SNDBUF/SO_RCVBUF (0: kernel autotuning; default: chosen per ring)")
     ap.add_argument("--quick", action="store_true", help="small run (< ~60 s)")
     ap.add_argument("--state", action="store_true", help="also time fetch_state of --state-mb")
     ap.add_argument("--state-only", action="store_true", help="only the state-streaming benchmark")
@@ -249,11 +250,14 @@ def main(argv: list[str] | None = None) -> int:
     ranks = [int(x) for x in a.ranks.split(",") if x]
     sizes = [float(x) if "." in x else int(x) for x in a.sizes.split(",") if x]
     chunk = a.chunk_kb * 1024 if a.chunk_kb else DEFAULT_CHUNK_BYTES
+    bufsize = a.bufsize_kb * 1024 if a.bufsize_kb is not None else None
     out: dict[str, Any] = {"config": {"ranks": ranks, "sizes_mb": sizes, "warmup": a.warmup, "iters": a.iters,
-                                      "chunk_bytes": chunk, "lanes": a.lanes, "bufsize": a.bufsize_kb * 1024, "inline_send": not a.no_inline,
+                                      "chunk_bytes": chunk, "lanes": a.lanes,
+                                      "bufsize": bufsize if bufsize is not None else "auto",
+                                      "inline_send": not a.no_inline,
                                       "ring_loop": loop, "cpus": os.cpu_count(), "pinned": a.pin}}
     if not a.state_only:
-        rows, setups = bench_allreduce(ranks, sizes, a.warmup, a.iters, chunk, a.lanes, a.bufsize_kb * 1024,
+        rows, setups = bench_allreduce(ranks, sizes, a.warmup, a.iters, chunk, a.lanes, bufsize,
                                        not a.no_inline, a.pin)
         ratios = []
         print(f"p2pft ring loop: {loop}")

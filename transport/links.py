@@ -62,6 +62,7 @@ class RingLinks:
 
     def attach(self, lane: int, sock: socket.socket) -> None:
         """Take ownership of an accepted, acknowledged connection from the left neighbour."""
+        tune_socket(sock, self.options.sock_bufsize)
         with self.state.cond:
             if self.state.failed is None and self.lefts[lane] is None:
                 self.lefts[lane] = sock

@@ -12,8 +12,11 @@ import os
 from dataclasses import dataclass
 from typing import Callable
 
-__all__ = ["DEFAULT_CHUNK_BYTES", "DEFAULT_STATE_CHUNK_BYTES", "RING_BUFSIZE_ENV", "ChunkHook", "DonorLimits",
-           "RingOptions", "ring_bufsize_from_env"]
+from .wire import split_addr
+
+__all__ = ["DEFAULT_CHUNK_BYTES", "DEFAULT_STATE_CHUNK_BYTES", "RING_BUFSIZE_ENV", "SHARED_CORES_BUFSIZE", "ChunkHook",
+           "DonorLimits", "RingOptions", "checked_bufsize", "configured_bufsize", "ring_bufsize_for",
+           "ring_bufsize_from_env"]
 
 #: Ring chunk size: per-frame overhead is negligible above it, and a chunk still fits the
 #: kernel's socket buffers so consecutive ring steps overlap.
@@ -34,8 +37,8 @@ class RingOptions:
 
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     lanes: int = 1
-    #: SO_SNDBUF/SO_RCVBUF of ring sockets; None keeps kernel autotuning (see
-    #: ring_bufsize_from_env).
+    #: SO_SNDBUF/SO_RCVBUF of this ring's sockets; None keeps kernel autotuning (see
+    #: ring_bufsize_for).
     sock_bufsize: int | None = None
     #: Let the receiving thread write a frame itself when the socket has room (see docs).
     inline_send: bool = True
@@ -59,23 +62,55 @@ class DonorLimits:
 
 
 RING_BUFSIZE_ENV = "P2PFT_RING_BUFSIZE"
+#: Ring socket buffers on a host whose ring members outnumber its cores.
+SHARED_CORES_BUFSIZE = 256 * 1024
+_LOOPBACK = ("127.", "::1", "localhost")
 
 
 def ring_bufsize_from_env() -> int | None:
-    """$P2PFT_RING_BUFSIZE in bytes (None when unset or empty: kernel autotuning).
-
-    Small ring socket buffers (256 KiB) keep the bytes in flight in the CPU caches: less CPU
-    per allreduce when ranks share cores (3 ranks on 2 cores, 64 MB, C loop: 34-35 ms against
-    37-38 with autotuning and Gloo's 39),
-    less throughput when each rank has a core and across hosts, where the window must cover the
-    path's bandwidth-delay product. Hence a setting for oversubscribed hosts, not the default."""
+    """$P2PFT_RING_BUFSIZE: None when unset or empty (chosen per ring, see ring_bufsize_for),
+    0 for the kernel's autotuning always, else a fixed size in bytes."""
     raw = os.environ.get(RING_BUFSIZE_ENV, "").strip()
     if not raw:
         return None
     try:
         n = int(raw)
     except ValueError:
-        raise ValueError(f"{RING_BUFSIZE_ENV}={raw!r}: expected a size in bytes, e.g. 262144") from None
-    if n < 4096:
-        raise ValueError(f"{RING_BUFSIZE_ENV}={n}: needs at least 4096 bytes")
+        raise ValueError(f"{RING_BUFSIZE_ENV}={raw!r}: expected a size in bytes, e.g. 262144, "
+                         "or 0 for the kernel's autotuning") from None
+    return checked_bufsize(n, RING_BUFSIZE_ENV)
+
+
+def configured_bufsize(arg: int | None) -> int | None:
+    """A DataServer's `sock_bufsize`: the argument if given, else $P2PFT_RING_BUFSIZE (None: each
+    ring chooses, see ring_bufsize_for)."""
+    return ring_bufsize_from_env() if arg is None else checked_bufsize(arg, "sock_bufsize")
+
+
+def checked_bufsize(n: int, what: str) -> int:
+    """A ring socket buffer size as given: 0 (the kernel's autotuning) or at least 4096 bytes."""
+    if n != 0 and n < 4096:
+        raise ValueError(f"{what}={n}: needs at least 4096 bytes (or 0: the kernel's autotuning)")
     return n
+
+
+def _same_host(a: str, b: str) -> bool:
+    return a == b or (a.startswith(_LOOPBACK) and b.startswith(_LOOPBACK))
+
+
+def ring_bufsize_for(peers: list[str], rank: int, configured: int | None, cores: int | None = None) -> int | None:
+    """SO_SNDBUF/SO_RCVBUF of one ring's sockets (None: the kernel's autotuning).
+
+    `configured` (the DataServer's `sock_bufsize` or $P2PFT_RING_BUFSIZE) wins: 0 is
+    autotuning, a size is that size. Unset, the ring decides: small buffers (256 KiB) keep the
+    bytes in flight in the CPU caches, which saves CPU per allreduce when ranks share cores
+    (3 ranks on 2 cores, 64 MB, C loop: about 10% less than with autotuning), and costs
+    throughput when each rank has a core or the ring crosses hosts, where the window must
+    cover the path's bandwidth-delay product. So they are used when more members of this ring
+    listen on this host than it has cores (`os.cpu_count()`, not this process's affinity: a
+    rank pinned to a core of its own has one)."""
+    if configured is not None:
+        return configured or None
+    here = split_addr(peers[rank])[0]
+    local = sum(1 for p in peers if _same_host(split_addr(p)[0], here))
+    return SHARED_CORES_BUFSIZE if local > (cores or os.cpu_count() or 1) else None

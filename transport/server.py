@@ -90,7 +90,7 @@ class DataServer:
         self.secret = bytes(secret) if secret is not None else None
         self.chunk_bytes = int(chunk_bytes)
         self.lanes = int(lanes)
-        self.sock_bufsize = sock_bufsize if sock_bufsize is not None else opts.ring_bufsize_from_env()
+        self.sock_bufsize = opts.configured_bufsize(sock_bufsize)
         self.inline_send = inline_send
         self.pending_timeout = pending_timeout
         self.max_pending = max_pending
@@ -180,12 +180,12 @@ class DataServer:
         comm: Any
         if backend is Backend.NCCL:
             comm = NcclCommunicator(key[0], key[1], int(rank), len(peers), None, timeout=float(timeout),
-                                    device=device, peers=list(peers), options=self._ring_options(),
+                                    device=device, peers=list(peers), options=self._ring_options(peers, rank),
                                     connect_timeout=float(connect_timeout), make_uid=self.nccl_uid_factory,
                                     on_dead=self._unregister)
         else:
             comm = StagingTcpCommunicator(key[0], key[1], int(rank), list(peers), timeout=float(timeout),
-                                          connect_timeout=float(connect_timeout), options=self._ring_options(),
+                                          connect_timeout=float(connect_timeout), options=self._ring_options(peers, rank),
                                           on_dead=self._unregister, on_op=self.note_op,
                                           piece_bytes=self.piece_bytes)
         with self._lock:
@@ -246,9 +246,10 @@ class DataServer:
         self.close()
 
     # ------------------------------------------------------------------ settings handed out
-    def _ring_options(self) -> opts.RingOptions:
-        return opts.RingOptions(chunk_bytes=self.chunk_bytes, lanes=self.lanes, sock_bufsize=self.sock_bufsize,
-                           inline_send=self.inline_send, secret=self.secret, source_host=self._host)
+    def _ring_options(self, peers: list[str], rank: int) -> opts.RingOptions:
+        return opts.RingOptions(chunk_bytes=self.chunk_bytes, lanes=self.lanes,
+                                sock_bufsize=opts.ring_bufsize_for(peers, rank, self.sock_bufsize),
+                                inline_send=self.inline_send, secret=self.secret, source_host=self._host)
 
     def _donor_limits(self) -> opts.DonorLimits:
         return opts.DonorLimits(timeout=self.state_timeout, rate_limit=self.state_rate_limit,
@@ -392,7 +393,7 @@ class DataServer:
                 close_quietly(sock)
                 return
             sock.setblocking(True)
-            tune_socket(sock, self.sock_bufsize)
+            tune_socket(sock, None)  # its buffers are the communicator's choice (attach)
             if status == ST_PENDING:
                 self._pending.setdefault(key, []).append((sock, hello, time.monotonic()))
                 self._npending += 1
@@ -414,7 +415,7 @@ class DataServer:
             self._stream_seq += 1
             sid = self._stream_seq
             sock.setblocking(True)
-            tune_socket(sock, self.sock_bufsize)
+            tune_socket(sock, self.sock_bufsize or None)
             th = threading.Thread(target=self._run_stream, args=(sid, sock, provider, self._donor_limits()),
                                   daemon=True, name=f"p2pft-state-donor-{sid}")
             self._streams[sid] = (th, sock)

@@ -159,8 +159,8 @@ def test_server_close_releases_everything() -> None:
 
 
 def test_ring_socket_buffers_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    """$P2PFT_RING_BUFSIZE fixes the ring sockets' kernel buffers (the setting for ranks that
-    share cores); unset, the kernel autotunes; a bad value is one clear error."""
+    """$P2PFT_RING_BUFSIZE fixes the ring sockets' kernel buffers; unset, the server leaves the
+    choice to each ring; a bad value is one clear error."""
     monkeypatch.setenv("P2PFT_RING_BUFSIZE", "262144")
     servers = [DataServer() for _ in range(3)]
     try:
@@ -184,3 +184,46 @@ def test_ring_socket_buffers_from_the_environment(monkeypatch: pytest.MonkeyPatc
     s = DataServer()
     assert s.sock_bufsize is None
     s.close()
+
+
+def test_ring_socket_buffers_chosen_per_ring() -> None:
+    """Unset, small buffers exactly when more members of the ring listen on this host than it
+    has cores; a configured size (0: autotuning) wins."""
+    from p2pft.transport.options import SHARED_CORES_BUFSIZE, ring_bufsize_for
+
+    local3 = ["127.0.0.1:7000", "127.0.0.1:7001", "localhost:7002"]
+    assert ring_bufsize_for(local3, 1, None, cores=2) == SHARED_CORES_BUFSIZE
+    assert ring_bufsize_for(local3, 1, None, cores=3) is None
+    two_hosts = ["10.0.0.1:7000", "10.0.0.2:7000", "10.0.0.1:7001", "10.0.0.2:7001"]
+    assert ring_bufsize_for(two_hosts, 0, None, cores=1) == SHARED_CORES_BUFSIZE   # 2 here, 1 core
+    assert ring_bufsize_for(two_hosts, 0, None, cores=2) is None                   # a core each
+    assert ring_bufsize_for(local3, 0, 0, cores=1) is None
+    assert ring_bufsize_for(local3, 0, 65536, cores=64) == 65536
+    with pytest.raises(ValueError, match="sock_bufsize=100"):
+        DataServer(sock_bufsize=100)
+
+
+@pytest.mark.parametrize("cores,setting,small", [(2, None, True), (8, None, False), (2, "0", False)])
+def test_ring_sockets_follow_the_per_ring_choice(cores: int, setting: str | None, small: bool,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both ends of every link carry the choice: the connecting side when it connects, the
+    accepting side when its communicator takes the connection."""
+    from p2pft.transport import options
+
+    monkeypatch.setattr(options.os, "cpu_count", lambda: cores)
+    if setting is None:
+        monkeypatch.delenv("P2PFT_RING_BUFSIZE", raising=False)
+    else:
+        monkeypatch.setenv("P2PFT_RING_BUFSIZE", setting)
+    servers = [DataServer() for _ in range(3)]
+    try:
+        peers = [x.addr for x in servers]
+        comms = [x.communicator(1, 0, r, peers) for r, x in enumerate(servers)]
+        xs = [np.full(1 << 20, r + 1, dtype=np.float32) for r in range(3)]
+        assert run_ranks([lambda r=r: comms[r].allreduce(xs[r]) for r in range(3)]) == [3, 3, 3]
+        for sock in comms[0]._links.rights + comms[1]._links.lefts:
+            for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+                assert (sock.getsockopt(socket.SOL_SOCKET, opt) == 2 * options.SHARED_CORES_BUFSIZE) == small
+    finally:
+        for x in servers:
+            x.close()
