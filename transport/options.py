@@ -7,6 +7,7 @@ ring and the stream code never look into the server itself.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 
 from dataclasses import dataclass
@@ -64,7 +65,6 @@ class DonorLimits:
 RING_BUFSIZE_ENV = "P2PFT_RING_BUFSIZE"
 #: Ring socket buffers on a host whose ring members outnumber its cores.
 SHARED_CORES_BUFSIZE = 256 * 1024
-_LOOPBACK = ("127.", "::1", "localhost")
 
 
 def ring_bufsize_from_env() -> int | None:
@@ -94,8 +94,15 @@ def checked_bufsize(n: int, what: str) -> int:
     return n
 
 
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host.lower() == "localhost"
+
+
 def _same_host(a: str, b: str) -> bool:
-    return a == b or (a.startswith(_LOOPBACK) and b.startswith(_LOOPBACK))
+    return a == b or (_is_loopback(a) and _is_loopback(b))
 
 
 def ring_bufsize_for(peers: list[str], rank: int, configured: int | None, cores: int | None = None) -> int | None:

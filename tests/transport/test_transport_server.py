@@ -198,6 +198,9 @@ def test_ring_socket_buffers_chosen_per_ring() -> None:
     assert ring_bufsize_for(two_hosts, 0, None, cores=1) == SHARED_CORES_BUFSIZE   # 2 here, 1 core
     assert ring_bufsize_for(two_hosts, 0, None, cores=2) is None                   # a core each
     assert ring_bufsize_for(local3, 0, 0, cores=1) is None
+    v6 = ["[::1]:7000", "[::1234]:7001", "[::1234]:7002"]                            # ::1234 is not loopback
+    assert ring_bufsize_for(v6, 0, None, cores=1) is None
+    assert ring_bufsize_for(v6, 1, None, cores=1) == SHARED_CORES_BUFSIZE
     assert ring_bufsize_for(local3, 0, 65536, cores=64) == 65536
     with pytest.raises(ValueError, match="sock_bufsize=100"):
         DataServer(sock_bufsize=100)

@@ -69,13 +69,13 @@ static int set_slices(int lfd, int rfd, double slice) {
 }
 
 /* Every send index is queued at most once (the queue holds them all at most): the first sends,
- * then those the receives unlock, each after the first sends. */
+ * then those the receives unlock, each after the first sends. 1: valid, 0: not, -1: no memory. */
 static int plan_is_valid(const Loop *L) {
     if (L->first_sends < 0 || L->first_sends > L->nsends)
         return 0;
     unsigned char *seen = calloc((size_t)L->nsends + 1, 1);
     if (seen == NULL)
-        return 0;
+        return -1;
     int ok = 1;
     for (Py_ssize_t i = 0; i < L->nrecvs && ok; i++) {
         int64_t nxt = L->recvs[6 * i + 5];
@@ -143,8 +143,12 @@ static PyObject *allreduce_lane(PyObject *self, PyObject *args) {
             goto out;
         }
     }
-    if (!plan_is_valid(&L)) {
-        PyErr_SetString(PyExc_ValueError, "allreduce_lane: a send is queued twice or is not there");
+    int valid = plan_is_valid(&L);
+    if (valid <= 0) {
+        if (valid < 0)
+            PyErr_NoMemory();
+        else
+            PyErr_SetString(PyExc_ValueError, "allreduce_lane: a send is queued twice or is not there");
         goto out;
     }
     if (set_slices(lfd, rfd, slice) < 0)
