@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import pathlib
 import re
 import shutil
@@ -11,7 +12,7 @@ import sysconfig
 import threading
 import time
 from array import array
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import pytest
@@ -172,41 +173,49 @@ class _Alarm(Exception):
     pass
 
 
-@pytest.mark.parametrize("loop", ["native", "python"])
-def test_a_signal_handler_that_raises_interrupts_a_waiting_allreduce(loop: str,
-                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    """Ctrl-C (or any handler that raises) reaches the caller within a slice, not after the op
-    timeout, and leaves the communicator failed; the C loop runs handlers between its calls."""
+@contextlib.contextmanager
+def _idle_neighbour(loop: str, monkeypatch: pytest.MonkeyPatch, *, timeout: float) -> Iterator[Any]:
+    """Rank 0's communicator of a 2-rank ring on the chosen loop, whose rank 1 connects its side
+    and then neither sends nor reads."""
     if loop == "native" and native._MODULE is None:
         pytest.skip("the C ring loop is not built")
     monkeypatch.setenv(native.NATIVE_ENV, "1" if loop == "native" else "0")
     servers = [DataServer() for _ in range(2)]
     peers = [s.addr for s in servers]
-    comm = servers[0].communicator(1, 0, 0, peers, timeout=20.0)
-    other = servers[1].communicator(1, 0, 1, peers, timeout=20.0)
-    # rank 1 connects its side of the ring and then sends nothing: rank 0 waits in the data loop
+    comm = servers[0].communicator(1, 0, 0, peers, timeout=timeout)
+    other = servers[1].communicator(1, 0, 1, peers, timeout=timeout)
     connecting = threading.Thread(target=other._ensure_connected, daemon=True)
     connecting.start()
-
-    def alarm(signum: int, frame: object) -> None:
-        raise _Alarm()
-
-    old = signal.signal(signal.SIGALRM, alarm)
     try:
-        signal.setitimer(signal.ITIMER_REAL, 0.3)
-        t0 = time.monotonic()
-        with pytest.raises(_Alarm):
-            comm.allreduce(np.ones(1 << 16, dtype=np.float32))
-        assert time.monotonic() - t0 < 2.0
-        assert comm.failed is not None and "interrupted" in str(comm.failed)
+        yield comm
         connecting.join(5)
     finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old)
         comm.close()
         other.close()
         for s in servers:
             s.close()
+
+
+@pytest.mark.parametrize("loop", ["native", "python"])
+def test_a_signal_handler_that_raises_interrupts_a_waiting_allreduce(loop: str,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C (or any handler that raises) reaches the caller within a slice, not after the op
+    timeout, and leaves the communicator failed; the C loop runs handlers between its calls."""
+    def alarm(signum: int, frame: object) -> None:
+        raise _Alarm()
+
+    with _idle_neighbour(loop, monkeypatch, timeout=20.0) as comm:
+        old = signal.signal(signal.SIGALRM, alarm)
+        try:
+            signal.setitimer(signal.ITIMER_REAL, 0.3)
+            t0 = time.monotonic()
+            with pytest.raises(_Alarm):
+                comm.allreduce(np.ones(1 << 16, dtype=np.float32))
+            assert time.monotonic() - t0 < 2.0
+            assert comm.failed is not None and "interrupted" in str(comm.failed)
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, old)
 
 
 def _in_thread(fn: Any, limit: float) -> tuple[Any, BaseException | None, float]:
@@ -234,29 +243,32 @@ def test_a_neighbour_that_takes_no_data_fails_the_op_within_its_timeout(loop: st
     """Rank 1 connects and then neither reads nor sends; rank 0's 64 MB allreduce must end in
     CommTimeout after about its timeout. The op timeout here equals every default a lane
     starts with, so no slice is left unset on a socket."""
-    if loop == "native" and native._MODULE is None:
-        pytest.skip("the C ring loop is not built")
-    monkeypatch.setenv(native.NATIVE_ENV, "1" if loop == "native" else "0")
-    servers = [DataServer() for _ in range(2)]
-    peers = [s.addr for s in servers]
-    comm = servers[0].communicator(1, 0, 0, peers, timeout=1.0)
-    other = servers[1].communicator(1, 0, 1, peers, timeout=1.0)
-    connecting = threading.Thread(target=other._ensure_connected, daemon=True)
-    connecting.start()
-    try:
+    with _idle_neighbour(loop, monkeypatch, timeout=1.0) as comm:
         _, err, took = _in_thread(lambda: comm.allreduce(np.ones(16 << 20, dtype=np.float32)), 10.0)
         assert isinstance(err, CommTimeout), err
         assert took < 5.0
-        connecting.join(5)
-    finally:
-        comm.close()
-        other.close()
-        for s in servers:
-            s.close()
 
 
 class _State:
     failed: object | None = None
+
+
+def _send_to_a_stalled_right(*, tmo: float, state: Any) -> tuple[int, float]:
+    """One C lane with nothing to receive and 32 MB to send to a right neighbour that takes
+    nothing, on sockets the caller left blocking (no SO_SNDTIMEO); returns (status, seconds)."""
+    mod = native._MODULE
+    l0, l1 = socket.socketpair()
+    r0, r1 = socket.socketpair()
+    n = 32 << 20
+    try:
+        res, err, took = _in_thread(lambda: mod.allreduce_lane(
+            l0.fileno(), r0.fileno(), bytearray(n), bytearray(mod.SCRATCH_BYTES), array("q", [0, 0, 0, n]), 1,
+            array("q"), bytes(48), bytes(48), bytes(72), True, 3, 2, tmo, 0.05, state), 10.0)
+        assert err is None, err
+        return res[0], took
+    finally:
+        for s in (l0, l1, r0, r1):
+            s.close()
 
 
 @needs_native
@@ -264,39 +276,19 @@ def test_a_draining_lane_stops_when_the_communicator_fails_elsewhere() -> None:
     """Everything received, a frame still queued for a right neighbour that takes nothing: a
     failure recorded by another thread (another lane, abort) ends the C loop within a slice,
     not after the op timeout, with the status that says so."""
-    mod = native._MODULE
-    l0, l1 = socket.socketpair()
-    r0, r1 = socket.socketpair()
-    n = 32 << 20
     state = _State()
-    try:
-        timer = threading.Timer(0.3, lambda: setattr(state, "failed", RuntimeError("another lane")))
-        timer.start()
-        res, err, took = _in_thread(lambda: mod.allreduce_lane(
-            l0.fileno(), r0.fileno(), bytearray(n), bytearray(mod.SCRATCH_BYTES), array("q", [0, 0, 0, n]), 1,
-            array("q"), bytes(48), bytes(48), bytes(72), True, 3, 2, 20.0, 0.05, state), 10.0)
-        timer.join()
-        assert err is None and res[0] == native.Status.FAILED
-        assert took < 3.0
-    finally:
-        for s in (l0, l1, r0, r1):
-            s.close()
+    timer = threading.Timer(0.3, lambda: setattr(state, "failed", RuntimeError("another lane")))
+    timer.start()
+    status, took = _send_to_a_stalled_right(tmo=20.0, state=state)
+    timer.join()
+    assert status == native.Status.FAILED
+    assert took < 3.0
 
 
 @needs_native
 def test_the_c_loop_times_out_on_a_socket_the_caller_left_blocking() -> None:
     """The loop sets its own socket slices: a right neighbour that takes nothing ends the call
     with SEND_TIMEOUT after the op timeout even if the caller never set a send timeout."""
-    mod = native._MODULE
-    l0, l1 = socket.socketpair()
-    r0, r1 = socket.socketpair()  # blocking, no SO_SNDTIMEO; nobody reads r1
-    n = 32 << 20
-    try:
-        res, err, took = _in_thread(lambda: mod.allreduce_lane(
-            l0.fileno(), r0.fileno(), bytearray(n), bytearray(mod.SCRATCH_BYTES), array("q", [0, 0, 0, n]), 1,
-            array("q"), bytes(48), bytes(48), bytes(72), True, 3, 2, 1.0, 0.05, None), 10.0)
-        assert err is None and res[0] == native.Status.SEND_TIMEOUT
-        assert 0.9 < took < 3.0
-    finally:
-        for s in (l0, l1, r0, r1):
-            s.close()
+    status, took = _send_to_a_stalled_right(tmo=1.0, state=None)
+    assert status == native.Status.SEND_TIMEOUT
+    assert 0.9 < took < 3.0
