@@ -7,7 +7,7 @@ Python's own documentation (``pydoc_data.topics``, ~466 KB of English, no downlo
 tokenized once into a token file read through a memory map.
 
 The same script trains with or without p2pft; ``train_plain`` and ``train_ft`` differ only in
-the lines that make the loop fault tolerant (the README shows the diff)::
+the lines that make the loop fault tolerant (docs/recipes.md shows the diff)::
 
     python -m p2pft.trainer.examples.gpt --no-p2pft --steps 200          # plain PyTorch
     python -m p2pft.trainer.examples.gpt --replica-id r0 --listen 127.0.0.1:7100 &
