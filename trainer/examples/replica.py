@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from p2pft import Runtime
     from p2pft.log import setup_logging
-    from p2pft.metrics import StepMetrics
+    from p2pft.trainer.metrics import StepMetrics
     from p2pft.trainer import FaultTolerant
     from p2pft.trainer.ft import Stopped
     from p2pft.trainer.progress import Progress
