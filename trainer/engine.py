@@ -38,7 +38,7 @@ from .donor import SnapshotRequests
 from .group import ReplicaGroup
 from .optstep import GradHook, OptimizerStep
 from .recent import RecentSteps, fetch_recent
-from .shardstate import ShardStepBuffer
+from .stepbuf import StepBuffer
 from .userstate import Stateful, UserState
 
 log = logging.getLogger(__name__)
@@ -92,7 +92,7 @@ class StepEngine:
         self.opt = optimizer
         self.ds = data_server
         self.state_io = state_io
-        self.buf = ShardStepBuffer([p for p in model.parameters() if p.requires_grad], max_slots=max_slots)
+        self.buf = StepBuffer([p for p in model.parameters() if p.requires_grad], max_slots=max_slots)
         self.cursor = DataCursor(batch_per_replica, max_slots)
         self.optimizer_step = OptimizerStep(optimizer, lr_policy=lr_policy, nominal_replicas=nominal_replicas,
                                             lr_scheduler=lr_scheduler, grad_scaler=grad_scaler, grad_hook=grad_hook,
@@ -198,7 +198,7 @@ class StepEngine:
         """Collective. Allreduce this rank's shard, agree in-replica, retry across views, apply."""
         slot = self._slot
         self._slot = None
-        self.buf.pack_step(slot if self.synced else None, self.step)
+        self.buf.pack(slot if self.synced else None, self.step)
         self.buf.save()
         self._deadline = time.monotonic() + self.step_timeout
         retries = 0
@@ -217,7 +217,7 @@ class StepEngine:
                 self.catchup.start("excluded")
             if att.demote and slot is not None:
                 slot = None  # demoted or re-slotted while computing: these gradients must not count
-                self.buf.pack_step(None, self.step)
+                self.buf.pack(None, self.step)
                 self.buf.save()
             self.catchup.donor = att.donor
             verdicts = self.group.agree(self._verdict(self._allreduce(att)))
