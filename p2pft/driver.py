@@ -127,8 +127,7 @@ class _Peer:
                     eof.cancel()
                     writer.close()
         finally:
-            if self.server._peers.get(self.addr) is self:
-                del self.server._peers[self.addr]
+            self.server.peer_gone(self)
 
 
     async def _check_refused(self, host: str, port: int) -> None:
@@ -226,6 +225,11 @@ class NodeServer:
         log.info("listening on %s%s as %s (seeds: %s)", self.bound_addr,
                  f" (advertised as {self.advertise})" if self.advertise else "", self.node.id,
                  ",".join(self.seeds) or "none", extra={"node": self.node.id})
+
+    def peer_gone(self, peer: "_Peer") -> None:
+        """A peer's connection task ended: forget it (a newer one for the address stays)."""
+        if self._peers.get(peer.addr) is peer:
+            del self._peers[peer.addr]
 
     async def stop(self, leave: bool = True, timeout: float = 1.0) -> None:
         if self.closing:
