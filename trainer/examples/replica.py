@@ -145,11 +145,13 @@ def main(argv: list[str] | None = None) -> int:
                 return float(model.loss(held_out))
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.99))
     seeds = [s for s in args.seeds.split(",") if s]
+    t_model = time.time()
     rt = Runtime(replica_id=args.replica_id, listen=args.listen, seeds=seeds,
                  secret=load_secret(args.secret_file), advertise=args.advertise, data_listen=args.data_listen,
                  advertise_data=args.advertise_data, comm_timeout=args.comm_timeout,
                  metrics_port=args.metrics_port, data_plane=args.data_plane,
                  max_participants=args.max_participants).start()
+    t_runtime = time.time()
     stop = {"flag": False}
 
     ft_box: list[FaultTolerant] = []
@@ -166,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
                        checkpoint_every=args.checkpoint_every, state_rate_limit=args.state_rate_limit or None,
                        loop_timeout=args.loop_timeout or None, step_timeout=args.step_timeout)
     ft_box.append(ft)
+    t_engine = time.time()
     steps = StepMetrics.attach(rt, ft)   # per-step metrics; a no-op without --metrics-port
     progress = Progress(args.replica_id, mode=args.progress)
     if args.min_replicas > 1 and ft.step == 0:
@@ -176,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         rt.wait_view(lambda v: len(v.participants) >= args.min_replicas
                      or v.role_of(rt.node_id) == "joiner", timeout=30.0)
     stats.write({"t": time.time(), "kind": "start", "t_process": T_START, "t_imported": t_imported,
+                 "t_model": t_model, "t_runtime": t_runtime, "t_engine": t_engine,
                  "node": rt.node_id, "step": ft.step, "pid": os.getpid()})
     stats.flush()
     if args.go_file:
@@ -185,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     deadline = time.monotonic() + args.duration if args.duration else float("inf")
     last_epoch = -1
     paused = False
+    first_view_written = False
 
     def write_events() -> None:
         while ft.events:  # popleft: the catch-up worker appends concurrently
@@ -233,6 +238,9 @@ def main(argv: list[str] | None = None) -> int:
             rt.close(leave=True)
             return 3
         steps.observe_step(res)
+        if rt.view_log and not first_view_written:  # start-up phases (bench/startup.py)
+            first_view_written = True
+            stats.write({"t": time.time(), "kind": "first_view", "t_view": rt.view_log[0][0]})
         view = rt.view
         progress.step(res, view.epoch if view else None, loss_val)
         rec = {"t": time.time(), "step": res.step, "c": int(res.committed), "role": res.role,
