@@ -123,7 +123,7 @@ class Pauses:
         e._beat()
         rt: Runtime | None = e.rt
         ok = True
-        if rt is not None and e.synced and e.step > 0:
+        if rt is not None and e.synced and e.step > 0 and not e.stopping:
             ok = last_step_agreed(rt, e.recent.signature(e.step - 1), e.step - 1, e.secret)
         ok = bool(e.group.broadcast(ok if rt is not None else None))
         e.rejoined_after_pause()
