@@ -36,7 +36,7 @@ class Runtime(Protocol):
 
 log = logging.getLogger(__name__)
 
-ROLES = ("participant", "joiner", "witness")
+ROLES = ("participant", "joiner", "witness", "paused")
 STATES = ("alive", "suspect", "dead", "left")
 STEP_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 STALL_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)

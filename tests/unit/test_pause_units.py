@@ -114,3 +114,20 @@ def test_donor_refusal_is_none_not_a_wait() -> None:
     t0 = time.monotonic()
     assert _ask(req, {"min_step": 9}) is None
     assert time.monotonic() - t0 < 1.0
+
+
+def test_top_shows_a_paused_replica_with_its_step() -> None:
+    from p2pft.top import build_frame, render_plain
+
+    def member(node: str, role: str, step: int) -> dict:
+        return {"node": node, "replica_id": node.split(".")[0], "addr": "127.0.0.1:7000", "data_addr": "",
+                "role": role, "slot": None, "shards": 1, "since": 1, "state": "alive", "step": step, "voter": False}
+    report = {"now": 10.0, "node": "w.1", "epoch": 5, "leader": "w.1",
+              "events": [{"t": 9.0, "kind": "role", "text": "e5: b participant -> paused"}],
+              "members": [member("w.1", "witness", 0), member("b.1", "paused", 40), member("a.1", "participant", 52)]}
+    f = build_frame("127.0.0.1:7000", report, None)
+    assert [r.role for r in f.members] == ["participant", "paused", "witness"]
+    text = render_plain(f)
+    row = next(ln for ln in text.splitlines() if ln.startswith("b "))
+    assert row.split()[1:4] == ["paused", "alive", "40"]
+    assert "b participant -> paused" in text
