@@ -264,8 +264,8 @@ class Catchup:
         node, addrs = self.donor
         addr = addrs[min(e.shard, len(addrs) - 1)]
         replica = node.rsplit(".", 1)[0]  # node ids are "<replica id>.<incarnation>"
-        self._say(log, logging.INFO, f"fetching from {node}", "fetching a snapshot of step >= %d from %s (%s, shard %d)",
-                  min_step, replica, node, e.shard)
+        self._say(log, logging.INFO, f"fetching from {node}",
+                  "fetching a snapshot of step >= %d from %s (%s, shard %d)", min_step, replica, node, e.shard)
         e.events.append({"t": time.time(), "kind": "catchup_fetch", "donor": replica, "min_step": min_step})
         t0 = time.monotonic()
         snap = fetch_state(addr, {"kind": "snapshot", "min_step": min_step, "shard": e.shard}, secret=e.secret,

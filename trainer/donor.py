@@ -136,7 +136,10 @@ class Donor:
 
     def idle(self) -> None:
         """Training thread: the state is a committed one until the next ``busy``."""
-        self.requests.idle(self._can_serve, self._take)
+        if self.e.state_io.copy_between_steps:
+            self.requests.idle(self._can_serve, self._take)
+        else:  # answered here, at this step boundary, and at the next ones
+            self.requests.serve(self._can_serve, self._take)
 
     def serve_queued(self) -> None:
         """Training thread, right after a commit: answer the requests queued during the step."""

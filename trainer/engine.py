@@ -66,6 +66,9 @@ class StateIO:
     restore: Callable[[torch.nn.Module, torch.optim.Optimizer, dict[str, Any], dict[str, torch.Tensor]], None]
     digest: Callable[[torch.nn.Module, torch.optim.Optimizer], str]
     receive_into: Callable[[torch.nn.Module, torch.optim.Optimizer], dict[str, torch.Tensor]] | None = None
+    # The state may be copied on a transport thread while the loop is outside a step. Not for
+    # FSDP shards: a forward pass (an evaluation between steps) swaps the module's parameters.
+    copy_between_steps: bool = True
 
 
 class StepEngine:
