@@ -1,7 +1,8 @@
 """Where a restarted replica's seconds go, from the kill to its first step as a participant.
 
-Two replicas of the example job (``trainer/examples/replica.py``) train; one is SIGKILLed and
-started again (as a launcher would), ``--restarts`` times. From the restarted process's own
+Two replicas of the example job (``trainer/examples/replica.py``) and two witnesses (``p2pft
+peer``, the voters that outlive a replica) run; one replica is SIGKILLed and started again (as a
+launcher would), ``--restarts`` times. From the restarted process's own
 records (its start record, its first view, the catch-up events, its first commit as a
 participant) each restart is split into phases:
 
@@ -71,11 +72,22 @@ def main() -> int:
     ap.add_argument("--keep", action="store_true", help="keep the run's directory (logs, stats)")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="p2pft-startup-"))
-    addrs = [f"127.0.0.1:{p}" for p in free_ports(2)]
+    ports = free_ports(4)
+    addrs = [f"127.0.0.1:{p}" for p in ports[:2]]
+    witnesses = [f"127.0.0.1:{p}" for p in ports[2:]]
     procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    def spawn_witness(k: int) -> None:
+        seeds = ",".join(a for a in addrs + witnesses if a != witnesses[k])
+        log = open(tmp / f"w{k}.log", "wb")
+        procs[f"w{k}"] = spawn_child([sys.executable, "-m", "p2pft", "--log-level", "INFO", "peer", "--listen",
+                                      witnesses[k], "--seeds", seeds, "--replica-id", f"w{k}"],
+                                     stdout=subprocess.DEVNULL, stderr=log)
+        log.close()
 
     def spawn(i: int, name: str) -> float:
         seeds = ",".join(a for j, a in enumerate(addrs) if j != i)
+        seeds = ",".join([seeds] + witnesses)
         cmd = [sys.executable, "-m", "p2pft.trainer.examples.replica", "--replica-id", f"r{i}", "--listen",
                addrs[i], "--seeds", seeds, "--batch", "4", "--step-delay", str(args.step_delay),
                "--stats", str(tmp / f"{name}.jsonl"), "--digest-every", "0", "--log-level", "INFO",
@@ -104,6 +116,8 @@ def main() -> int:
 
     runs: list[dict[str, float]] = []
     try:
+        spawn_witness(0)
+        spawn_witness(1)
         t_cold = [spawn(0, "r0-0"), spawn(1, "r1-0")]
         wait(lambda: min(last("r0-0"), last("r1-0")) >= 1, "the first step of a cold start")
         cold = max(float(commits(tmp / f"r{i}-0.jsonl")[0]["t"]) for i in range(2)) - min(t_cold)

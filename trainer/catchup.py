@@ -67,6 +67,9 @@ class Catchup:
         self.e = engine
         self.lock = threading.Lock()
         self._cond = threading.Condition(self.lock)
+        # Held by a worker while it writes the replica's state: a worker stopped by a pause may
+        # still be restoring when the next one starts; they never write at once.
+        self._writing = threading.Lock()
         self.log: ReplayLog[Entry] = ReplayLog(replay_cap_bytes)
         self._gen = 0             # bumped by every start and hand-over: a stale worker stops
         self._worker_gen: int | None = None  # generation of the running worker, if any
@@ -197,7 +200,10 @@ class Catchup:
                              entry.step, self.e.step)
                     restored = False
                     continue
-                self.e.apply(entry)
+                with self._writing:
+                    if not self._alive(gen, deadline):
+                        return
+                    self.e.apply(entry)
                 self._replayed += 1
         finally:
             with self.lock:
@@ -234,7 +240,10 @@ class Catchup:
             if not self._alive(gen, deadline):
                 return False
             time.sleep(0.01)
-        self.e.restore_snapshot(snap)
+        with self._writing:
+            if not self._alive(gen, deadline):
+                return False
+            self.e.restore_snapshot(snap)
         self._held_done, self._donor_done = s0, snap.meta.get("_donor")
         self._fetch_s, self._replayed = snap.meta.get("_fetch_s"), 0
         return True

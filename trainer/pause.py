@@ -117,6 +117,12 @@ class Pauses:
         log.info("pausing (%s) at step %d: the others commit without this replica meanwhile", why, e.step)
 
     def leave(self) -> None:
+        try:
+            self._leave()
+        finally:
+            self.why = None
+
+    def _leave(self) -> None:
         e = self.e
         if self._beat is not None:
             self._beat.stop()
@@ -141,7 +147,6 @@ class Pauses:
         e.events.append({"t": time.time(), "kind": "resume", "why": self.why, "step": e.step,
                          "seconds": round(seconds, 3)})
         log.info("back from a pause (%s) of %.1f s at step %d", self.why, seconds, e.step)
-        self.why = None
 
 
 __all__ = ["PauseBeat", "Pauses", "SIG_PEERS", "SIG_TIMEOUT_S", "last_step_agreed"]
