@@ -146,10 +146,11 @@ class StepEngine:
         self._ranks = [tuple(a) for a in group.agree(side)[1:]]
         self.rank_timeout = rank_timeout
         self._on_rank_lost = on_rank_lost
-        self.serving.idle()
 
     def _start_control(self) -> None:
-        """Rank 0, once the replica's state is final (after a resume): announce it, follow views."""
+        """Every rank, once the replica's state is final (after a resume): donors may copy it from
+        now on. Rank 0 also announces it and follows views."""
+        self.serving.idle()
         if self.rt is None:
             return
         self.rt.set_status("fresh", self.step)  # 'ready' once it commits, or catches up
@@ -170,8 +171,6 @@ class StepEngine:
         if self.pause.why is not None:
             raise RuntimeError(f"begin() inside a pause ({self.pause.why!r})")
         self._beat()
-        self.serving.busy()  # from here on forward passes and the update mutate the state
-        self.in_step = True
         slot = None
         if self.rt is not None:
             me = self.rt.me()
@@ -180,6 +179,8 @@ class StepEngine:
         got = self.group.agree((bool(stop or self._stop.is_set()), slot))
         if any(g[0] for g in got):
             raise Stopped("stop requested")
+        self.serving.busy()  # from here on forward passes and the update mutate the state
+        self.in_step = True
         self._slot = got[0][1]
         if self._slot is None:
             self._ranges = []
