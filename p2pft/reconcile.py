@@ -62,6 +62,7 @@ class ViewPlanner:
         self._stalled: set[str] = set()        # trainers left out for a stalled loop (logged once)
         self._lt_seen: dict[str, float] = {}   # when it first saw a trainer's declared loop timeout
         self._headless_since: float | None = None
+        self._resume_said: tuple[int, int] | None = None
 
     def stop_leading(self) -> None:
         """No longer leader: drop the voter change in progress."""
@@ -99,7 +100,8 @@ class ViewPlanner:
             best = max(ready, default=None)
             if best is not None and (best >= self.high_water or now - self._headless_since >= RESUME_GRACE_S):
                 resume_at = best
-                if best < self.high_water:
+                if best < self.high_water and self._resume_said != (self.high_water, best):
+                    self._resume_said = (self.high_water, best)  # once, not at every tick while headless
                     self.stats["resumed_below_high_water"] += 1
                     log.warning("no replica holds step %d any more: resuming from step %d", self.high_water, best,
                                 extra={"node": self.me})

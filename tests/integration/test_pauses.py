@@ -6,7 +6,8 @@
 - A joiner starts while every participant sits in a pause: it catches up from a paused donor
   and is ready before they come back.
 - A lone joiner that can make no progress (its only peer's loop is wedged and out of the view)
-  backs off and raises ``StepTimeout`` after its bound instead of spinning.
+  backs off and raises ``StepTimeout`` after its bound instead of spinning, and the leader says
+  once, not at every tick, that it would resume below the high-water step.
 """
 from __future__ import annotations
 
@@ -122,5 +123,7 @@ def test_lone_joiner_backs_off_and_raises_step_timeout(tmp_path: Path) -> None:
     log = (tmp_path / "r1.log").read_text()
     assert "no view to commit step" in log
     assert log.count("nobody contributes") <= 2, log[-3000:]
+    leaders = "".join((tmp_path / f"w{k}.log").read_text() for k in range(2))
+    assert leaders.count("no replica holds step") <= 2, "the leader repeated its resume warning at every tick"
     print(f"\nlone joiner: StepTimeout after {alive:.1f} s, {calls} commit() returns, "
           f"{log.count('nobody contributes')} 'nobody contributes' line(s)")
