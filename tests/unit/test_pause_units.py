@@ -131,3 +131,37 @@ def test_top_shows_a_paused_replica_with_its_step() -> None:
     row = next(ln for ln in text.splitlines() if ln.startswith("b "))
     assert row.split()[1:4] == ["paused", "alive", "40"]
     assert "b participant -> paused" in text
+
+
+def test_back_from_a_pause_compares_its_last_step_with_a_peer_over_the_data_port() -> None:
+    """``last_step_agreed`` asks the peers' data servers (real sockets) for their signature
+    of the step: the first that knows it decides; nobody knowing it is no divergence."""
+    from types import SimpleNamespace
+
+    from p2pft.trainer.pause import last_step_agreed
+    from p2pft.transport import DataServer
+    from p2pft.view import Member, Role, View
+
+    mine = step_signature(41, 3, [True, True, True])
+    servers = [DataServer(), DataServer()]
+    try:
+        def member(node: str, role: Role, addr: str) -> Member:
+            return Member(node=node, replica_id=node.split(".")[0], addr="127.0.0.1:1", data_addrs=(addr,),
+                          role=role, slot=None)
+        view = View(epoch=3, members=(member("a.1", Role.PAUSED, "127.0.0.1:9"),
+                                      member("b.1", Role.PARTICIPANT, servers[0].addr),
+                                      member("c.1", Role.PARTICIPANT, servers[1].addr)))
+        rt = SimpleNamespace(view=view, node_id="a.1")
+        sigs: dict[str, str | None] = {servers[0].addr: None, servers[1].addr: mine}
+        for s in servers:
+            s.serve_state(lambda req, a=s.addr: StateSnapshot(meta={"sig": sigs[a]}, tensors={})
+                          if sigs[a] is not None and req.get("step") == 41 else None)
+        assert last_step_agreed(rt, mine, 41, None) is True          # b does not know it, c agrees
+        sigs[servers[1].addr] = step_signature(41, 2, [True, False, True])  # redone without us
+        assert last_step_agreed(rt, mine, 41, None) is False
+        sigs[servers[1].addr] = None
+        assert last_step_agreed(rt, mine, 41, None) is True          # nobody redid it
+        assert last_step_agreed(rt, None, 41, None) is True          # our state came from a snapshot
+    finally:
+        for s in servers:
+            s.close()
