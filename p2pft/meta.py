@@ -36,6 +36,8 @@ class Status(str, enum.Enum):
     FRESH = "fresh"         # just started, with its own state at ``step`` (a checkpoint or a new
                             # model): current only if that is exactly the cluster's step
     LEAVING = "leaving"     # on its way out: left out of the next view
+    PAUSED = "paused"       # stepped out for a while (evaluation, a checkpoint): off the data plane,
+                            # holding the committed state of ``step``
 
     def __str__(self) -> str:
         return self.value

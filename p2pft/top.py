@@ -64,7 +64,7 @@ def build_frame(peer: str, report: dict[str, Any], prev: dict[str, Any] | None) 
             rate = max(0.0, (int(m["step"]) - prev_steps[m["node"]]) / dt)
         rows.append(MemberRow(str(m["replica_id"]), m["node"], m["role"], m["state"], int(m["step"]), rate,
                               bool(m.get("voter")), m["addr"]))
-    rows.sort(key=lambda r: ({"participant": 0, "joiner": 1, "witness": 2}.get(r.role, 3), r.replica_id))
+    rows.sort(key=lambda r: ({"participant": 0, "joiner": 1, "paused": 2, "witness": 3}.get(r.role, 4), r.replica_id))
     head = max((r.step for r in rows if r.role == "participant"), default=0)
     since = report.get("joiner_since", {})
     catchups = [(r.replica_id, max(0.0, now - float(since.get(r.node, now))), r.step, head)
@@ -136,7 +136,7 @@ def render_rich(f: Frame) -> Any:
     table = Table(title=_header(f), title_justify="left", expand=False)
     for c in COLUMNS:
         table.add_column(c, justify="right" if c in ("step", "steps/s") else "left")
-    colors = {"participant": "green", "joiner": "yellow", "witness": "cyan"}
+    colors = {"participant": "green", "joiner": "yellow", "paused": "magenta", "witness": "cyan"}
     for r in f.members:
         cells = list(_cells(r))
         style = "red" if r.state != "alive" else colors.get(r.role, "")

@@ -26,7 +26,7 @@ from .shardstate import capture_shard, restore_shard, shard_digest
 
 __all__ = ["HSDP", "StepResult", "StepTimeout", "Stopped", "agree"]
 
-SHARD_STATE = StateIO(capture=capture_shard, restore=restore_shard, digest=shard_digest)
+SHARD_STATE = StateIO(capture=capture_shard, restore=restore_shard, digest=shard_digest, copy_between_steps=False)
 
 
 def agree(obj: Any, group: Any = None) -> list[Any]:
