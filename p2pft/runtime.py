@@ -18,6 +18,7 @@ from .config import DEFAULT, Profile
 from .driver import NodeServer
 from .log import set_context
 from .node import TRAINER_KIND
+from .transport.addr import advertised, data_bind_host, parse_hostport
 from .view import Member, Role, View
 
 log = logging.getLogger(__name__)
@@ -38,7 +39,7 @@ class Runtime:
     """
 
     def __init__(self, *, replica_id: str, listen: str = "127.0.0.1:0", seeds: list[str] | tuple[str, ...] = (),
-                 data_host: str = "127.0.0.1", data_addrs: list[str] | None = None, shards: int = 1,
+                 data_host: str | None = None, data_addrs: list[str] | None = None, shards: int = 1,
                  secret: bytes | None = None, profile: Profile = DEFAULT, comm_timeout: float = 10.0,
                  kind: str = TRAINER_KIND, status: str = "fresh", step: int = 0, advertise: str | None = None,
                  data_listen: str | None = None, advertise_data: str | None = None,
@@ -93,9 +94,13 @@ class Runtime:
         from .transport.server import DataServer
         check_data_plane(self.data_plane)
         if self._extra_data_addrs is None:
-            host, port = (self.data_listen.rsplit(":", 1) if self.data_listen else (self.data_host, 0))
-            self.data = DataServer(host.strip("[]"), int(port), secret=self.secret)
-            data_addrs = [self.advertise_data or self.data.addr]
+            # The data port follows the control address's host unless told otherwise; a wildcard
+            # bind is advertised as the address peers can reach (never 0.0.0.0).
+            host, port = (parse_hostport(self.data_listen, "data listen address") if self.data_listen
+                          else (data_bind_host(self.listen, self.data_host), 0))
+            self.data = DataServer(host, port, secret=self.secret)
+            data_addrs = [self.advertise_data or advertised(self.data.addr, advertise=self.advertise,
+                                                            toward=self.seeds)]
         else:
             data_addrs = list(self._extra_data_addrs)
         self._thread = threading.Thread(target=self._run_loop, args=(",".join(data_addrs),),

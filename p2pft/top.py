@@ -196,12 +196,13 @@ def _with_error(f: Frame, error: str) -> Frame:
 
 
 def run_top(args: argparse.Namespace, secret: bytes | None, fail: Callable[[str], Exception]) -> int:
-    from .driver import admin_error, admin_request, parse_hostport
+    from .driver import admin_error, admin_request
+    from .transport.addr import parse_hostport
     from .wire import WireError
     try:
-        parse_hostport(args.peer)
+        parse_hostport(args.peer, "--peer")
     except ValueError as exc:
-        raise fail(f"bad --peer: {exc}") from None
+        raise fail(f"bad {exc}") from None
     if args.interval <= 0:
         raise fail("--interval must be positive")
     if args.count < 0:

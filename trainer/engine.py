@@ -132,7 +132,8 @@ class StepEngine:
         self._attempt_view: Any = None
         self._deadline = 0.0
         data_server.serve_state(self._provide)
-        host = data_server.addr.rsplit(":", 1)[0].strip("[]")
+        from ..transport.addr import parse_hostport
+        host = parse_hostport(data_server.addr, "data address").host
         side = self.comms.listen(host) if self.rank != 0 else (host, 0)
         self._ranks = [tuple(a) for a in group.agree(side)[1:]]
         self.rank_timeout = rank_timeout
