@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 from . import aio
 from .config import DEFAULT, Profile
+from .dataprobe import DataProbe
 from .driver import NodeServer
 from .log import set_context
 from .node import TRAINER_KIND
@@ -85,6 +86,8 @@ class Runtime:
         self.view_log: list[tuple[float, int, int]] = []   # (wall time, epoch, data_epoch), bounded
         self.metrics_port = metrics_port                   # PORT or HOST:PORT for /metrics (None: off)
         self.metrics: Any = None                           # p2pft.metrics.MetricsEndpoint once served
+        self.probe: DataProbe | None = None                # data-port reachability of failed peers
+        self._addr_warned: set[str] = set()                # address problems already logged
 
     # ------------------------------------------------------------------ lifecycle
     def start(self, timeout: float = 10.0) -> "Runtime":
@@ -129,6 +132,7 @@ class Runtime:
                             max_participants=self.max_participants)
         server.on_view.append(self._on_view)
         self.server = server
+        self.probe = DataProbe(server, parse_hostport(data_addr.split(",")[0], "data address").host)
         try:
             loop.run_until_complete(server.start())
         except BaseException as exc:  # bind errors and the like: reported to start()
@@ -153,6 +157,8 @@ class Runtime:
         self._closed = True
         loop, server = self._loop, self.server
         if loop is not None and server is not None and loop.is_running():
+            if self.probe is not None:
+                loop.call_soon_threadsafe(self.probe.close)
             fut = asyncio.run_coroutine_threadsafe(server.stop(leave=leave), loop)
             try:
                 fut.result(timeout)
@@ -218,6 +224,8 @@ class Runtime:
                     del self._comms[k]
             for _, c in stale:
                 c.abort(f"superseded by view e{view.epoch} (data epoch {d})")
+        if self.probe is not None:
+            self.probe.check_view(view, self._addr_warned)
         with self._view_cv:
             self._view_cv.notify_all()
 
@@ -307,6 +315,8 @@ class Runtime:
             n.report_failure(node, now, certain)
             if not certain:
                 n.touch(node, now)
+                if self.probe is not None:   # alive on gossip but not on the data plane?
+                    self.probe.suspect(node)
         self._call(fn)
 
     def loop_beat(self, timeout: float) -> None:
