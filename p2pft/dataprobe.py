@@ -51,6 +51,7 @@ class DataProbe:
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._since: dict[str, float] = {}
         self.named: dict[str, str] = {}      # node -> the address that failed (what we told the leader)
+        self.warned: set[str] = set()        # "<node>@<addr>" already named at ERROR (one line each)
 
     def suspect(self, node: str) -> None:
         """Loop thread: data-plane evidence against `node`; probe it unless already probing."""
@@ -81,7 +82,10 @@ class DataProbe:
                 since = self._since.setdefault(node, started)   # failing since the first failed attempt began
                 if now - since >= self.bound and g.state == ALIVE and node not in self.named:
                     self.named[node] = bad[0]
-                    log.error("member %s is alive but its data address %s cannot be reached from here (%s) for "
+                    key = f"{node}@{bad[0]}"
+                    level = logging.WARNING if key in self.warned else logging.ERROR   # one ERROR line each
+                    self.warned.add(key)
+                    log.log(level, "member %s is alive but its data address %s cannot be reached from here (%s) for "
                               "%.1f s: leaving it out of the view until it can; check its --data-listen/"
                               "--advertise-data and firewalls", node, bad[0], bad[1], now - since,
                               extra={"node": self.server.node.id})
@@ -113,27 +117,30 @@ class DataProbe:
         writer.close()
         return None
 
-    def check_view(self, view: "View", warned: set[str]) -> None:
+    def check_view(self, view: "View") -> None:
         """Loop thread, per committed view: name at ERROR, once each, a loopback address among
         members on other hosts (ours or a peer's), and peers naming this replica unreachable."""
         node = self.server.node
         if node is None:
             return
         me = node.id
-        own_loop = is_loopback(self.own_host) and is_loopback(parse_hostport(self.server.addr).host)
+
+        def loop(a: str) -> bool:
+            return is_loopback(parse_hostport(a, "address").host)
+        own = [self.server.addr, *node.gossip.meta.data_addrs]
         lines: list[tuple[str, str]] = []
         for m in view.members:
             if m.node == me:
                 continue
-            for a in (m.addr, *m.data_addrs):
-                host = parse_hostport(a, "address").host
-                if is_loopback(host) != own_loop:
-                    key = f"{m.node}@{a}" if not own_loop else f"self@{a}"
-                    who = (f"member {m.node} advertises the loopback address {a}" if not own_loop else
-                           f"this replica advertises loopback addresses ({self.server.addr}) but member {m.node} "
-                           f"is at {a}")
-                    lines.append((key, f"{who} among members on other hosts: peers there cannot reach it; "
-                                       "give --listen/--advertise an address they can reach"))
+            if not loop(m.addr):     # m is on another host: none of our addresses may be loopback
+                lines += [(f"self@{a}", f"this replica advertises the loopback address {a} among members on other "
+                                        f"hosts ({m.replica_id} at {m.addr}): they cannot reach it; give --listen/"
+                                        "--advertise (and --data-listen/--advertise-data) an address they can reach")
+                          for a in own if loop(a)]
+            if not loop(self.server.addr):   # we are on the network: none of m's may be loopback
+                lines += [(f"{m.node}@{a}", f"member {m.node} advertises the loopback address {a} among members "
+                                            "on other hosts: peers here cannot reach it")
+                          for a in (m.addr, *m.data_addrs) if loop(a)]
         naming = sorted(g.meta.replica_id or g.node for g in node.gossip.members.values()
                         if me in g.meta.data_unreachable and g.state == ALIVE)
         if naming:
@@ -141,8 +148,8 @@ class DataProbe:
                           f"data address ({','.join(node.gossip.meta.data_addrs)}): it is left out of the view "
                           "until they can; check --data-listen/--advertise-data and firewalls"))
         for key, text in lines:
-            if key not in warned and len(warned) < 4096:
-                warned.add(key)
+            if key not in self.warned and len(self.warned) < 4096:
+                self.warned.add(key)
                 log.error("%s", text, extra={"node": me})
 
     def _publish(self) -> None:

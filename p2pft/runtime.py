@@ -87,7 +87,6 @@ class Runtime:
         self.metrics_port = metrics_port                   # PORT or HOST:PORT for /metrics (None: off)
         self.metrics: Any = None                           # p2pft.metrics.MetricsEndpoint once served
         self.probe: DataProbe | None = None                # data-port reachability of failed peers
-        self._addr_warned: set[str] = set()                # address problems already logged
 
     # ------------------------------------------------------------------ lifecycle
     def start(self, timeout: float = 10.0) -> "Runtime":
@@ -225,7 +224,7 @@ class Runtime:
             for _, c in stale:
                 c.abort(f"superseded by view e{view.epoch} (data epoch {d})")
         if self.probe is not None:
-            self.probe.check_view(view, self._addr_warned)
+            self.probe.check_view(view)
         with self._view_cv:
             self._view_cv.notify_all()
 

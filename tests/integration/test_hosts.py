@@ -260,3 +260,55 @@ def test_unreachable_data_port_is_named_and_left_out(tmp_path: Path) -> None:
     assert "data port unreachable, left out: r2 " + addr in top.stdout, top.stdout + top.stderr
     check_invariants(ps.stats)
     print(f"stall before r0/r1 trained without r2: {stall:.1f} s")
+
+
+RUNTIME_ONLY = '''
+import sys, time
+from p2pft import Runtime
+from p2pft.log import setup_logging
+setup_logging("INFO")
+rid, listen, seed, data_listen = sys.argv[1:5]
+rt = Runtime(replica_id=rid, listen=listen, seeds=[seed], data_listen=data_listen or None).start()
+v = rt.wait_view(lambda v: len([m for m in v.members if m.role.value != "witness"]) == 2, 20)
+assert v is not None, "no view with both trainers"
+other = next(m.node for m in v.members if m.role.value != "witness" and m.node != rt.node_id)
+t0 = time.monotonic()
+while rid == "a" and time.monotonic() - t0 < 20:
+    if rt.view.member(other) is None:
+        print(f"left out after {time.monotonic() - t0:.1f} s", flush=True)
+        break
+    rt.report_failure(other)      # what the engine reports after a failed ring connect
+    time.sleep(0.5)
+while rid == "b" and time.monotonic() - t0 < 20:
+    time.sleep(0.2)
+rt.close()
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_loopback_data_address_among_remote_peers(tmp_path: Path) -> None:
+    """Runtime b on its own host binds its data port on 127.0.0.1: both sides name it at ERROR,
+    and the data-plane evidence against it leaves it out of the view after the bound."""
+    script = tmp_path / "rt.py"
+    script.write_text(RUNTIME_ONLY)
+    with Hosts(3) as hs:
+        ps = HostSet(tmp_path, hs)
+        seed = f"{hs[0].ip}:{CTL}"
+        ps.start(0, "w0", [sys.executable, "-m", "p2pft", "--log-level", "INFO", "peer", "--listen", seed,
+                           "--replica-id", "w0"])
+        ps.start(1, "a", [sys.executable, str(script), "a", f"{hs[1].ip}:{REPLICA_PORT}", seed, ""])
+        ps.start(2, "b", [sys.executable, str(script), "b", f"{hs[2].ip}:{REPLICA_PORT}", seed, "127.0.0.1:7300"])
+        try:
+            ps.wait(lambda: ps.procs["a"].poll() is not None, 45, "a to finish", allow_exit=("a", "b"))
+        finally:
+            ps.stop_all()
+        a, b = ps.log("a"), ps.log("b")
+    assert "left out after" in a, a[-3000:]
+    assert any("ERROR" in ln and "advertises the loopback address 127.0.0.1:7300" in ln and "member b." in ln
+               for ln in a.splitlines()), a[-3000:]
+    assert any("ERROR" in ln and "this replica advertises the loopback address 127.0.0.1:7300" in ln
+               for ln in b.splitlines()), b[-3000:]
+    # the evidence names it too, at WARNING: one ERROR line per member and address
+    assert any("WARNING" in ln and "member b." in ln and "cannot be reached" in ln for ln in a.splitlines())
+    assert sum("ERROR" in ln and "member b." in ln for ln in a.splitlines()) == 1
