@@ -201,5 +201,8 @@ def _inject(cfg: ChaosConfig, clusters: dict[str, Cluster], schedule: Schedule, 
                     c.procs[i].paused = True
                 pending_resumes.append((now + cfg.pause_for, name, i))
             elif i in c.live():
-                c.signal(i, signal.SIGKILL, "kill")
+                if cfg.fault == "host":
+                    c.lose_host(i)
+                else:
+                    c.signal(i, signal.SIGKILL, "kill")
                 pending_restarts.append((now + cfg.restart_after, name, i))
