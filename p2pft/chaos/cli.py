@@ -35,8 +35,9 @@ def register(sub: Any) -> None:
                    "Raft leader's replica; two: kill two replicas at once; host: the replica's host disappears "
                    "(its link goes down, no reset), then its processes die (needs --hosts netns)")
     p.add_argument("--hosts", choices=["loopback", "netns"], default="loopback",
-                   help="loopback: every process on 127.0.0.1; netns: each p2pft replica and witness on a host "
-                   "of its own (a Linux network namespace; needs root and iproute2)")
+                   help="loopback: every process on 127.0.0.1; netns: each replica of every system on a host of "
+                   "its own (a Linux network namespace; needs root and iproute2), p2pft's witnesses and "
+                   "torchft's lighthouse on hosts of their own")
     p.add_argument("--link-mbit", type=float, default=None,
                    help="with --hosts netns: limit each host's link to this many Mbit/s (tc tbf)")
     p.add_argument("--pause-for", type=float, default=3.0)

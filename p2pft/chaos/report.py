@@ -52,7 +52,7 @@ def title(config: dict[str, Any], failures: int) -> str:
     head = "p2pft chaos: {replicas} replicas, {duration:g} s".format(**config)
     if config.get("hosts") == "netns":
         mbit = config.get("link_mbit")
-        head += ", p2pft on a network namespace per host" + (f" ({mbit:g} Mbit/s links)" if mbit else "")
+        head += ", a network namespace per host" + (f" ({mbit:g} Mbit/s links)" if mbit else "")
     if not failures:
         return head + ", no failures scheduled"
     what = {"kill": "SIGKILL", "pause": "SIGSTOP ({pause_for:g} s)", "leader": "SIGKILL of the leader's replica",
