@@ -131,7 +131,8 @@ class Runtime:
                             max_participants=self.max_participants)
         server.on_view.append(self._on_view)
         self.server = server
-        self.probe = DataProbe(server, parse_hostport(data_addr.split(",")[0], "data address").host)
+        if data_addr:
+            self.probe = DataProbe(server, parse_hostport(data_addr.split(",")[0], "data address").host)
         try:
             loop.run_until_complete(server.start())
         except BaseException as exc:  # bind errors and the like: reported to start()
