@@ -187,7 +187,7 @@ def test_readme_api_loop_trains_across_hosts(tmp_path: Path) -> None:
     witnesses on two more): one replica is SIGKILLed and restarted, and every replica prints the
     same digest at the final step."""
     script = tmp_path / "train.py"
-    script.write_text(README_LOOP.replace("STEPS", "200"))
+    script.write_text(README_LOOP.replace("STEPS", "150"))
     with Hosts(5) as hs:
         ps = HostSet(tmp_path, hs)
         ps.witnesses()
@@ -207,14 +207,14 @@ def test_readme_api_loop_trains_across_hosts(tmp_path: Path) -> None:
             ps.procs["r1-0"].wait(timeout=5)
             run(1, "r1-1")
             ps.wait(lambda: all(ps.procs[n].poll() is not None for n in ("r0-0", "r2-0", "r1-1")), 60,
-                    "every replica to reach step 200 and exit", allow_exit=("r0-0", "r2-0", "r1-1"))
+                    "every replica to reach step 150 and exit", allow_exit=("r0-0", "r2-0", "r1-1"))
         finally:
             rcs = ps.stop_all()
         out = {n: ps.log(n) for n in ("r0-0", "r2-0", "r1-1")}
     assert rcs["r0-0"] == 0 and rcs["r2-0"] == 0 and rcs["r1-1"] == 0, f"exit statuses {rcs}"
     finals = {n: [ln for ln in text.splitlines() if " digest " in ln] for n, text in out.items()}
     assert all(len(f) == 1 for f in finals.values()), finals
-    assert {f[0].split()[2] for f in finals.values()} == {"200"}, finals
+    assert {f[0].split()[2] for f in finals.values()} == {"150"}, finals
     assert len({f[0].split()[-1] for f in finals.values()}) == 1, f"digests differ: {finals}"
 
 
