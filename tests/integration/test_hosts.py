@@ -95,6 +95,8 @@ class HostSet(ProcessSet):
         return (self.tmp / f"{name}.log").read_text(errors="replace")
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(60)
 def test_hosts_library_links_ports_and_cleanup(tmp_path: Path) -> None:
     """Addresses are distinct and reachable across hosts; a link down loses packets without a
     reset; a blocked port drops silently; everything is gone after close, and what a SIGKILLed
