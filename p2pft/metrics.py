@@ -44,17 +44,17 @@ CONNECTION_REJECTS = ("inbound_evicted", "idle_closed", "slow_reader_closed")
 def parse_metrics_addr(text: str | int, listen_host: str) -> tuple[str, int]:
     """'9100' or 'HOST:9100' -> (host, port). A bare port binds the host of --listen, so a
     peer on loopback serves its metrics on loopback and one on 0.0.0.0 everywhere."""
+    from .transport.addr import parse_hostport
     raw = str(text).strip()
-    host, sep, port_s = raw.rpartition(":")
-    if not sep:
-        host, port_s = listen_host, raw
-    try:
-        port = int(port_s)
-    except ValueError:
-        raise ValueError(f"metrics port {raw!r} is not a number (PORT or HOST:PORT)") from None
-    if not 0 <= port <= 65535:
+    if ":" in raw:
+        host, port = parse_hostport(raw, "metrics address")
+    else:
+        if not raw.isdigit():
+            raise ValueError(f"metrics port {raw!r} is not a number (PORT or HOST:PORT)")
+        host, port = listen_host, int(raw)
+    if port > 65535:
         raise ValueError(f"metrics port {port} is out of range")
-    return host.strip("[]") or "0.0.0.0", port
+    return host or "0.0.0.0", port
 
 
 class MetricsEndpoint:

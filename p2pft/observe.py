@@ -192,7 +192,24 @@ class Observer:
         out["joiner_since"] = dict(self.joiner_since)
         out["events"] = [e.to_wire() for e in list(self.events)[-TOP_EVENTS:]]
         out["rejected"] = rejected_counts(server.counters)
+        out["unreachable"] = data_unreachable_report(node) if node is not None else []
         return out
+
+
+def data_unreachable_report(node: Any) -> list[dict[str, Any]]:
+    """Members that trainers alive on gossip name as unreachable on the data plane (they are
+    left out of the view meanwhile: see p2pft/reach.py), each with who names it."""
+    named: dict[str, list[str]] = {}
+    for g in node.gossip.members.values():
+        if g.state == "alive":
+            for n in g.meta.data_unreachable:
+                named.setdefault(n, []).append(g.meta.replica_id or g.node)
+    out = []
+    for n, by in sorted(named.items()):
+        g = node.gossip.members.get(n)
+        out.append({"node": n, "replica_id": (g.meta.replica_id if g else "") or _short(n),
+                    "data_addr": ",".join(g.meta.data_addrs) if g else "", "named_by": sorted(by)})
+    return out
 
 
 REJECT_KEYS = ("bad_message", "inbound_evicted", "idle_closed", "slow_reader_closed")

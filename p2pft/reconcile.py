@@ -16,6 +16,7 @@ from .gossip import Gossip, GossipMember
 from .messages import ALIVE, SUSPECT
 from .meta import Kind, Status
 from .raft import Raft
+from .reach import data_unreachable
 from .view import Member, Role, View
 
 log = logging.getLogger("p2pft.node")
@@ -60,6 +61,7 @@ class ViewPlanner:
         self.high_water = high_water
         self.voter_change: tuple[tuple[str, ...], float] | None = None  # (voter set, decided at)
         self._stalled: set[str] = set()        # trainers left out for a stalled loop (logged once)
+        self._unreachable: set[str] = set()    # trainers left out for an unreachable data port (logged)
         self._lt_seen: dict[str, float] = {}   # when it first saw a trainer's declared loop timeout
         self._headless_since: float | None = None
         self._resume_said: tuple[int, int] | None = None
@@ -112,8 +114,9 @@ class ViewPlanner:
         left = set(left_list)
         target = head if head is not None else resume_at   # the step a trainer must hold to train now
         chosen: list[tuple[GossipMember, Role]] = []
+        unreachable = data_unreachable(self.me, [m for _, m in newest.values()], self._unreachable)
         for _, m in newest.values():
-            if self._loop_stalled(m, now):
+            if self._loop_stalled(m, now) or m.node in unreachable:
                 continue
             prev = cur.member(m.node)
             status = m.meta.status

@@ -47,6 +47,7 @@ class Frame:
     catchups: list[tuple[str, float, int, int]]   # replica id, seconds as a joiner, its step, head step
     events: list[tuple[float, str]]               # (wall time, text), oldest first
     rejected: dict[str, int] = field(default_factory=dict)
+    unreachable: list[str] = field(default_factory=list)   # "r2 10.0.0.5:7300 (named by r0)"
     error: str | None = None                      # the last poll failed (the frame shows the one before)
 
 
@@ -77,7 +78,9 @@ def build_frame(peer: str, report: dict[str, Any], prev: dict[str, Any] | None) 
                  term=int(report.get("term", 0)), leader_changes=int(report.get("leader_changes", 0)),
                  members=rows, catchups=catchups,
                  events=[(float(e["t"]), str(e["text"])) for e in report.get("events", [])][-EVENTS_SHOWN:],
-                 rejected={k: int(v) for k, v in report.get("rejected", {}).items() if v})
+                 rejected={k: int(v) for k, v in report.get("rejected", {}).items() if v},
+                 unreachable=[f"{u.get('replica_id')} {u.get('data_addr')} (named by {', '.join(u.get('named_by', []))})"
+                              for u in report.get("unreachable", [])])
 
 
 def _short(node: str) -> str:
@@ -120,6 +123,8 @@ def render_plain(f: Frame) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
     lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
     lines.append("catch-ups: " + ("; ".join(_catchup_text(c) for c in f.catchups) if f.catchups else "none"))
+    if f.unreachable:
+        lines.append("data port unreachable, left out: " + "; ".join(f.unreachable))
     if f.rejected:
         lines.append("rejected: " + ", ".join(f"{k}={v}" for k, v in sorted(f.rejected.items())))
     lines.append("recent events:")
@@ -147,6 +152,8 @@ def render_rich(f: Frame) -> Any:
     parts.append(table)
     parts.append(Text("catch-ups: " + ("; ".join(_catchup_text(c) for c in f.catchups) if f.catchups else "none"),
                       style="yellow" if f.catchups else ""))
+    if f.unreachable:
+        parts.append(Text("data port unreachable, left out: " + "; ".join(f.unreachable), style="bold red"))
     if f.rejected:
         parts.append(Text("rejected: " + ", ".join(f"{k}={v}" for k, v in sorted(f.rejected.items())), style="red"))
     parts.append(Text("recent events:", style="bold"))
@@ -196,12 +203,13 @@ def _with_error(f: Frame, error: str) -> Frame:
 
 
 def run_top(args: argparse.Namespace, secret: bytes | None, fail: Callable[[str], Exception]) -> int:
-    from .driver import admin_error, admin_request, parse_hostport
+    from .driver import admin_error, admin_request
+    from .transport.addr import parse_hostport
     from .wire import WireError
     try:
-        parse_hostport(args.peer)
+        parse_hostport(args.peer, "--peer")
     except ValueError as exc:
-        raise fail(f"bad --peer: {exc}") from None
+        raise fail(f"bad {exc}") from None
     if args.interval <= 0:
         raise fail("--interval must be positive")
     if args.count < 0:

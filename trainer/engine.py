@@ -27,6 +27,7 @@ import torch
 from ..runtime import Runtime
 from ..step import RETRY_PAUSE_S, Action, Reduced, decide, idle_backoff
 from ..transport import CommAborted, CommError, DataServer
+from ..transport.addr import parse_hostport
 from ..transport.backend import choose_backend, data_plane_from
 from ..transport.stream import StateSnapshot
 from ..view import Role
@@ -141,7 +142,7 @@ class StepEngine:
         self._attempt_view: Any = None
         self._deadline = 0.0
         data_server.serve_state(self.serving.provide)
-        host = data_server.addr.rsplit(":", 1)[0].strip("[]")
+        host = parse_hostport(data_server.addr, "data address").host
         side = self.comms.listen(host) if self.rank != 0 else (host, 0)
         self._ranks = [tuple(a) for a in group.agree(side)[1:]]
         self.rank_timeout = rank_timeout

@@ -30,7 +30,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--advertise", default=os.environ.get("P2PFT_ADVERTISE"),
                    help="HOST:PORT peers use for the control port, if not --listen (env P2PFT_ADVERTISE)")
     p.add_argument("--data-listen", default=os.environ.get("P2PFT_DATA_LISTEN"),
-                   help="HOST:PORT of the data port (default: 127.0.0.1, any port; env P2PFT_DATA_LISTEN)")
+                   help="HOST:PORT of the data port (default: the --listen host, any port; env P2PFT_DATA_LISTEN)")
     p.add_argument("--advertise-data", default=os.environ.get("P2PFT_ADVERTISE_DATA"),
                    help="HOST:PORT peers use for the data port, if not its own (env P2PFT_ADVERTISE_DATA)")
     p.add_argument("--mlp-params", type=int, default=0, help="use a plain MLP of about this many parameters")
