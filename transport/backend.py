@@ -3,8 +3,10 @@
 The choice is made once, at start-up, from the requested data plane (``auto``, ``nccl`` or
 ``tcp``; argument, else the ``P2PFT_DATA_PLANE`` environment variable, else ``auto``) and the
 device of the step buffer. ``auto`` takes NCCL when the buffer is on a CUDA device and CuPy with
-NCCL imports and sees a device; ``nccl`` where that cannot work is one ``DataPlaneError`` before
-anything is bound. Every rank of a communicator must end up with the same backend: a mismatch is
+NCCL imports and sees a device (`Backend.NCCL_AUTO`: a communicator whose ranks turn out to share
+one device, which NCCL refuses, uses the TCP ring instead; the ranks learn it from the device
+identities they exchange when the NCCL id is handed out); ``nccl`` where that cannot work is one
+``DataPlaneError`` before anything is bound. Every rank of a communicator must end up with the same backend: a mismatch is
 refused at connection time (``ProtocolMismatch``), not silently mixed.
 
 Imports neither torch nor cupy at module level.
@@ -35,6 +37,12 @@ class Backend(str, enum.Enum):
 
     TCP = "tcp"
     NCCL = "nccl"
+    #: NCCL, except for a communicator whose ranks share a device: the TCP ring (what auto picks)
+    NCCL_AUTO = "nccl-auto"
+
+    @property
+    def nccl(self) -> bool:
+        return self is not Backend.TCP
 
 
 class DataPlaneError(ValueError):
@@ -118,4 +126,4 @@ def choose_backend(plane: DataPlane, device_type: str, support: NcclSupport | No
     if device_type != accel:
         return Backend.TCP
     support = support if support is not None else probe_nccl()
-    return Backend.NCCL if support.ok else Backend.TCP
+    return Backend.NCCL_AUTO if support.ok else Backend.TCP

@@ -51,6 +51,8 @@ UNIQUE_ID_BYTES = 128
 _POLL_S = 0.0005
 #: compute queued ahead of a collective may delay its start by this many timeouts before it counts as stuck
 _START_FACTOR = 10.0
+#: shard number of the TCP ring used instead when the ranks share a device (u32 on the wire)
+FALLBACK_SHARD = 1 << 31
 _META = 4   # tag, contribute, count, dtype: what every rank all-gathers before the sum
 
 # NCCL data type enum values (nccl.h; the same numbers as cupy.cuda.nccl.NCCL_*).
@@ -123,6 +125,9 @@ class NcclCommunicator(Communicator):
     Either every rank passes the same 128-byte `uid`, or (`uid=None`, as the DataServer builds
     it) rank 0 makes one with `make_uid` and hands it to the others over `peers`' data servers
     within `connect_timeout`. `on_dead(comm)` runs once the communicator failed or closed.
+    With `fallback` (data plane ``auto``: the DataServer's ``communicator``), ranks that turn out
+    to share a device use the TCP ring it builds for (epoch, shard + FALLBACK_SHARD) instead;
+    without it that is `SharedDevice`.
     """
 
     hello_kind = KIND_NCCL_ID  # the DataServer routes id connections of this kind to it
@@ -131,7 +136,8 @@ class NcclCommunicator(Communicator):
                  timeout: float = 30.0, device: int | None = None, peers: list[str] | None = None,
                  options: RingOptions | None = None, connect_timeout: float = 5.0,
                  make_uid: Callable[[], bytes] | None = None,
-                 on_dead: Callable[["NcclCommunicator"], None] | None = None) -> None:
+                 on_dead: Callable[["NcclCommunicator"], None] | None = None,
+                 fallback: Callable[..., Communicator] | None = None) -> None:
         if not 0 <= rank < world:
             raise ValueError(f"rank {rank} out of range for world {world}")
         if not timeout > 0 or not connect_timeout > 0:
@@ -149,6 +155,9 @@ class NcclCommunicator(Communicator):
         self._uid = bytes(uid) if uid is not None else None
         self._make_uid = make_uid or nccl_unique_id
         self._on_dead = on_dead
+        self._fallback = fallback
+        #: the TCP ring used instead of NCCL when the ranks share a device (data plane auto)
+        self.tcp: Communicator | None = None
         #: the unique id once known (set by the init thread before ncclCommInitRank)
         self.unique_id: bytes | None = self._uid
         self.uid_known = threading.Event()
@@ -194,29 +203,42 @@ class NcclCommunicator(Communicator):
                                     peer_rank=h.src if h.src < self.world else None))
 
     # ------------------------------------------------------------------ init thread
-    def _obtain_uid(self, identity: str) -> bytes:
+    def _obtain_uid(self, identity: str) -> tuple[bytes, bool]:
+        """The unique id, and whether rank 0 said to use the TCP ring instead (shared device)."""
         if self._uid is not None:
-            return self._uid
+            return self._uid, False
         deadline = time.monotonic() + self.connect_timeout
+        use_tcp = False
         if self.rank == 0:
             uid = self._make_uid()
             if len(uid) != UNIQUE_ID_BYTES:
                 raise CommError(f"NCCL unique id of {len(uid)} bytes, expected {UNIQUE_ID_BYTES}")
             if self._star is not None:
-                self._star.push(uid, deadline, identity)
+                use_tcp = self._star.push(uid, deadline, identity, fallback=self._fallback is not None)
         else:
             assert self._star is not None
-            uid = self._star.receive(deadline, deadline + self.connect_timeout, identity)
+            uid, use_tcp = self._star.receive(deadline, deadline + self.connect_timeout, identity)
         if self._star is not None:
             self._star.watch()
-        return uid
+        return uid, use_tcp
 
     def _init(self) -> None:
         try:
             api = self._api = device_api()
             if self._device is None:
                 self._device = api.current_device()
-            uid = self._obtain_uid(api.identity(self._device) if self._star is not None else "")
+            uid, use_tcp = self._obtain_uid(self._identity(api) if self._star is not None else "")
+            if use_tcp:
+                if self._fallback is None:
+                    raise CommError("rank 0 chose the TCP ring (shared device) but this rank has no fallback "
+                                    "(set the same data_plane on every replica)")
+                with self._lock:
+                    if self._failed is None:
+                        self.tcp = self._fallback(self.epoch, self.shard + FALLBACK_SHARD, self.rank,
+                                                  list(self._star.peers) if self._star else [],
+                                                  timeout=self.timeout, connect_timeout=self.connect_timeout)
+                self._init_done.set()
+                return
         except CommError as e:
             self._fail(e)
             self._init_done.set()
@@ -250,6 +272,13 @@ class NcclCommunicator(Communicator):
                     logger.exception("ncclCommAbort failed")
             self._init_done.set()
 
+    def _identity(self, api: DeviceApi) -> str:
+        """This rank's device identity, or "" when there is no device (init then reports it)."""
+        try:
+            return api.identity(self._device)
+        except Exception:  # noqa: BLE001 - no CUDA here: nothing to compare
+            return ""
+
     def _connect(self, api: DeviceApi, comm: Any) -> None:
         """A one-element allreduce, so that any lazy connect happens here, on the init thread,
         before the communicator is published (the caller's wait for init bounds it)."""
@@ -274,13 +303,17 @@ class NcclCommunicator(Communicator):
 
     @property
     def failed(self) -> CommError | None:
-        return self._failed
+        tcp = self.tcp
+        return self._failed or (tcp.failed if tcp is not None else None)
 
     def _fail(self, err: CommError) -> CommError:
         with self._lock:
             if self._failed is not None:
                 return self._failed
             self._failed = err
+            tcp = self.tcp
+        if tcp is not None:
+            tcp.abort(str(err))
         if self._star is not None:  # tell the others first, then drop the links
             self._star.tell(err)
             self._star.close()
@@ -365,6 +398,8 @@ class NcclCommunicator(Communicator):
         if self._failed is not None:
             raise self._failed
         self._ready(time.monotonic() + tmo)
+        if self.tcp is not None:
+            return self.tcp.allreduce(tensor, contribute=contribute, tag=tag, timeout=timeout)
         stream = api.current_stream(tensor)
         meta = _int64([tag, 1 if contribute else 0, buf.count, buf.dtype], tensor)
         rows_t = _int64([0] * (_META * self.world), tensor)
@@ -407,6 +442,8 @@ class NcclCommunicator(Communicator):
         if self._failed is not None:
             raise self._failed
         self._ready(time.monotonic() + tmo)
+        if self.tcp is not None:
+            return self.tcp.broadcast(tensor, root, timeout=timeout)
         stream = api.current_stream(tensor)
         with self._lock:
             self._inflight += 1
@@ -431,6 +468,9 @@ class NcclCommunicator(Communicator):
             if first:
                 self._failed = CommAborted("communicator closed")
             idle = self._inflight == 0
+            tcp = self.tcp
+        if tcp is not None:
+            tcp.close()
         if self._star is not None:
             if first:
                 self._star.tell(CommAborted("closed its communicator"))

@@ -1,8 +1,9 @@
 """One rank of a defect scenario on the NCCL stand-in (run with tests/fakes first on PYTHONPATH).
 
-argv: scenario rank world. Prints its data address, reads the peers' addresses (one line, space
-separated) from stdin, runs the scenario and prints one JSON line: {"ok": ..., "err": class,
-"msg": ..., "s": seconds, ...}.
+argv: rank world. Prints its data address, reads the peers' addresses (one line, space
+separated) from stdin, then runs one scenario per stdin line (JSON: scenario, epoch, env to set)
+and prints one JSON line for each: {"ok": ..., "err": class, "msg": ..., "s": seconds, ...}.
+One process serves many scenarios, so the suite pays for starting Python and torch once.
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ def result(t0: float, **kw: Any) -> None:
     print(json.dumps({"s": round(time.monotonic() - t0, 3), **kw}), flush=True)
 
 
-def run(scenario: str, rank: int, world: int, ds: DataServer, peers: list[str]) -> None:
-    comm = ds.communicator(1, 0, rank, peers, timeout=2.0, connect_timeout=5.0, backend="nccl")
+def run(scenario: str, epoch: int, rank: int, ds: DataServer, peers: list[str]) -> None:
+    backend = "nccl-auto" if scenario.endswith("_auto") else "nccl"
+    comm = ds.communicator(epoch, 0, rank, peers, timeout=2.0, connect_timeout=5.0, backend=backend)
     t0 = time.monotonic()
     try:
         if scenario == "kill_after_init":
@@ -38,7 +40,7 @@ def run(scenario: str, rank: int, world: int, ds: DataServer, peers: list[str]) 
         elif scenario in ("abort_during", "close_during"):
             if rank == 1:
                 comm.wait_init(20)
-                time.sleep(3)       # takes no part: rank 0's collective is stuck on it
+                time.sleep(2)       # takes no part: rank 0's collective is stuck on it
                 return result(t0, ok=True)
             errs: list[BaseException] = []
 
@@ -49,7 +51,7 @@ def run(scenario: str, rank: int, world: int, ds: DataServer, peers: list[str]) 
                     errs.append(e)
             th = threading.Thread(target=op)
             th.start()
-            time.sleep(1.0)
+            time.sleep(0.7)
             t0 = time.monotonic()
             if scenario == "abort_during":
                 comm.abort("test")
@@ -66,11 +68,11 @@ def run(scenario: str, rank: int, world: int, ds: DataServer, peers: list[str]) 
             return result(t0, ok=True, n=n, x=x[0].item())
         elif scenario == "mismatch_count":
             comm.allreduce(torch.ones(10 + 2 * rank), timeout=2.0)
-        elif scenario == "sum":
+        elif scenario in ("sum", "sum_auto"):
             x = torch.arange(16, dtype=torch.float32) * (rank + 1)
             n = comm.allreduce(x, tag=7)
             m = comm.allreduce(x, contribute=rank == 0, tag=8)
-            return result(t0, ok=True, n=n, m=m, x=x.tolist())
+            return result(t0, ok=True, n=n, m=m, x=x.tolist(), tcp=getattr(comm, "tcp", None) is not None)
         else:
             raise SystemExit(f"unknown scenario {scenario}")
         result(t0, ok=True)
@@ -83,12 +85,19 @@ def run(scenario: str, rank: int, world: int, ds: DataServer, peers: list[str]) 
 
 
 def main() -> None:
-    scenario, rank, world = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    import os
+
+    rank, world = int(sys.argv[1]), int(sys.argv[2])
     ds = DataServer("127.0.0.1", 0, secret=b"s")
     print(ds.addr, flush=True)
     peers = sys.stdin.readline().split()
     assert len(peers) == world
-    run(scenario, rank, world, ds, peers)
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        os.environ.update(cmd.get("env") or {})
+        run(cmd["scenario"], int(cmd["epoch"]), rank, ds, peers)
+        for k in cmd.get("env") or {}:
+            os.environ.pop(k, None)
     ds.close()
 
 

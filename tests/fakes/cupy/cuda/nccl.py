@@ -40,7 +40,11 @@ import torch
 
 import fakedevice
 
-CUPY_MAJOR = int(os.environ.get("FAKE_CUPY_VERSION", "14"))
+CUPY_MAJOR = int(os.environ.get("FAKE_CUPY_VERSION", "14"))   # at import; _major() reads it again per call
+
+
+def _major() -> int:
+    return int(os.environ.get("FAKE_CUPY_VERSION", "14"))
 NCCL_UNIQUE_ID_BYTES = 128
 available = True
 
@@ -151,7 +155,7 @@ def get_unique_id() -> Any:
     port = listener.getsockname()[1]
     threading.Thread(target=_serve_root, args=(listener,), daemon=True, name="fake-nccl-root").start()
     raw = _MAGIC + struct.pack("<H", port) + os.urandom(NCCL_UNIQUE_ID_BYTES - len(_MAGIC) - 2)
-    if CUPY_MAJOR >= 14:
+    if _major() >= 14:
         return raw
     signed = _char_signed()
     return tuple((b - 256 if signed and b > 127 else b) for b in raw)
@@ -179,7 +183,7 @@ class NcclCommunicator:
     """ncclComm_t of one rank (see the module docstring for the semantics kept)."""
 
     def __init__(self, ndev: int, commId: Any, rank: int, config: Any = None) -> None:  # noqa: N803
-        if CUPY_MAJOR >= 14:
+        if _major() >= 14:
             if not isinstance(commId, bytes):
                 raise TypeError(f"Argument 'commId' has incorrect type (expected bytes, got {type(commId).__name__})")
             if len(commId) != NCCL_UNIQUE_ID_BYTES:
