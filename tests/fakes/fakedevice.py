@@ -111,7 +111,7 @@ class FakeDevice:
 
     def __init__(self) -> None:
         self._default: FakeStream | None = None
-        self._current: FakeStream | None = None
+        self._current = threading.local()   # like torch's: the current stream is per thread
         self._lock = threading.Lock()
 
     def probe(self) -> tuple[bool, bool, int, str]:
@@ -144,12 +144,12 @@ class FakeDevice:
             return self._default
 
     def current_stream(self, t: Any = None) -> FakeStream:
-        return self._current or self.default_stream()
+        return getattr(self._current, "stream", None) or self.default_stream()
 
     def set_current_stream(self, stream: FakeStream | None) -> None:
-        """Train on a side stream (None: the default one), as torch.cuda.stream(s) would: then a
-        wait on the current stream no longer blocks the host."""
-        self._current = stream
+        """This thread trains on a side stream (None: the default one), as torch.cuda.set_stream
+        would: then a wait on the current stream no longer blocks the host."""
+        self._current.stream = stream
 
     def new_stream(self, t: Any = None) -> FakeStream:
         return FakeStream()

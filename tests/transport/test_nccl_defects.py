@@ -113,20 +113,24 @@ def test_sum_and_joiner_on_the_stand_in(ranks: Ranks) -> None:
         assert r["x"] == [3.0 * i for i in range(16)], r
 
 
-def test_rank_killed_between_init_and_first_collective() -> None:
-    """Defect 1: with lazy connect the first collective blocked the caller for ever; now the
-    connect happens inside the bounded init and the survivor gets a CommError in time."""
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["kill", "stop"])
+def test_rank_lost_between_init_and_first_collective(sig: int, violations: Path) -> None:
+    """Defect 1: with lazy connect the first collective connected inside the host call, blocking
+    the caller with no timeout (a stopped peer: for ever; a killed one: until an abort from
+    another thread freed the communicator under it). Now the connect happens inside the bounded
+    init and the survivor gets a CommError within its timeout, without a concurrent call."""
     pair = Ranks()
     try:
-        pair.start("kill_after_init")
+        pair.start("kill_after_init", {"FAKE_NCCL_VIOLATIONS": str(violations)})
         for r in range(2):
             assert pair.line(r, 30) == "inited"
-        pair.procs[1].send_signal(signal.SIGKILL)
+        pair.procs[1].send_signal(sig)
         res = pair.result(0, 15)
     finally:
         pair.close()
     assert not res["ok"] and res["err"] in ("PeerFailed", "CommError", "CommTimeout"), res
     assert res["s"] < 4.0, res
+    assert not violations.exists() or violations.read_text() == "", violations.read_text()
 
 
 def test_abort_from_another_thread_during_a_collective(ranks: Ranks, violations: Path) -> None:
@@ -203,17 +207,17 @@ N = 256                                  # 4 pieces of 64 floats
 out = {}
 
 if case == "receive_first":
-    fakedevice.DEVICE.set_current_stream(fakedevice.DEVICE.new_stream())   # training on a side stream
     def rank(r):
+        fakedevice.DEVICE.set_current_stream(fakedevice.DEVICE.new_stream())   # training on a side stream
         a = torch.full((N,), float(r + 1))
         comms[r].allreduce(a)                    # contributes: ends with uploads queued
         b = torch.full((N,), 100.0 * (r + 1))
-        comms[r].allreduce(b, contribute=r == 0) # rank 1 starts by receiving into slot 0
+        comms[r].allreduce(b, contribute=False)  # a joiner: starts by receiving into slot 0
         fakedevice.DEVICE.current_stream().synchronize()
         out[r] = (a.tolist(), b.tolist())
     ths = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
     [t.start() for t in ths]; [t.join(30) for t in ths]
-    ok = all(out[r][0] == [3.0] * N and out[r][1] == [100.0] * N for r in range(2))
+    ok = all(out[r][0] == [3.0] * N and out[r][1] == [0.0] * N for r in range(2))
     print("OK" if ok else f"CORRUPT {[(sorted(set(out[r][0])), sorted(set(out[r][1]))) for r in out]}")
 elif case == "retry":
     class Failing(DeviceStager):

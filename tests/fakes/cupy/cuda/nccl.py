@@ -21,7 +21,9 @@ NCCL that p2pft's failure handling depends on:
 * ``abort()`` wakes stuck kernels and host calls and sets the handle to 0; later calls raise
   ``ncclInvalidArgument``. ``destroy()`` waits for the queued kernels first (it never returns
   while one is stuck).
-* A guard records every call made while another call on the same communicator is in progress,
+* A guard records every call made while another call on the same communicator is in progress
+  (``abort`` takes 50 ms and ``check_async_error`` 5 ms: race windows widened so that
+  unsynchronised calls do overlap),
   or after abort/destroy, in `VIOLATIONS` (and in the file ``$FAKE_NCCL_VIOLATIONS``): NCCL
   forbids both (a use after free in the real library).
 """
@@ -59,6 +61,8 @@ ncclInvalidArgument, ncclInvalidUsage, ncclRemoteError = 4, 5, 6
 _NAMES = {1: "NCCL_ERROR_UNHANDLED_CUDA_ERROR", 2: "NCCL_ERROR_SYSTEM_ERROR", 3: "NCCL_ERROR_INTERNAL_ERROR",
           4: "NCCL_ERROR_INVALID_ARGUMENT", 5: "NCCL_ERROR_INVALID_USAGE", 6: "NCCL_ERROR_REMOTE_ERROR"}
 
+ABORT_S = 0.05
+CHECK_S = 0.005   # check_async_error and abort take this long, so races between threads show
 _MAGIC = b"FAKENCCL"
 _SLICE = 0.05
 _HDR = struct.Struct("<4sBqqqiq")   # magic, op, seq, count, dtype/root, rank, payload bytes
@@ -444,6 +448,7 @@ class NcclCommunicator:
     def check_async_error(self) -> None:
         self._enter("check_async_error")
         try:
+            time.sleep(CHECK_S)   # widened: an unsynchronised abort from another thread overlaps it
             if self._async_error != ncclSuccess:
                 raise NcclError(self._async_error, "remote process exited or there was a network error")
         finally:
@@ -456,6 +461,7 @@ class NcclCommunicator:
         try:
             self._aborted.set()
             self._close_sockets()
+            time.sleep(ABORT_S)   # ncclCommAbort tears down proxies and frees memory: it takes a while
         finally:
             self._leave("abort")
             self._comm = 0
