@@ -113,6 +113,13 @@ class _Buffer:
         self.index = api.device_index(tensor)
 
 
+def _caller_device() -> int | None:
+    try:
+        return device_api().current_device()
+    except Exception:  # noqa: BLE001 - no device backend: the first operation reports it
+        return None
+
+
 def _int64(values: list[int], like: Any) -> Any:
     import torch
 
@@ -166,7 +173,7 @@ class NcclCommunicator(Communicator):
         self._api: DeviceApi | None = None
         # NCCL binds the communicator to the calling thread's current CUDA device, which is
         # per thread: remember the caller's so the init thread can select it.
-        self._device = device
+        self._device = device if device is not None else _caller_device()
         self._lock = threading.Lock()          # this object's state: failed, closed
         self._nccl_lock = threading.Lock()     # every call into the NCCL communicator (NCCL forbids concurrent ones)
         self._failed: CommError | None = None
@@ -225,8 +232,6 @@ class NcclCommunicator(Communicator):
     def _init(self) -> None:
         try:
             api = self._api = device_api()
-            if self._device is None:
-                self._device = api.current_device()
             uid, use_tcp = self._obtain_uid(self._identity(api) if self._star is not None else "")
             if use_tcp:
                 if self._fallback is None:
@@ -284,7 +289,8 @@ class NcclCommunicator(Communicator):
         before the communicator is published (the caller's wait for init bounds it)."""
         import torch
 
-        dev = torch.device(api.accelerator_type, self._device) if api.accelerator_type != "cpu" else torch.device("cpu")
+        kind = api.accelerator_type
+        dev = torch.device(kind, self._device) if kind != "cpu" and self._device is not None else torch.device(kind)
         one = torch.empty(1, dtype=torch.int64, device=dev)   # no kernel: nothing to wait for on the caller's stream
         stream = api.new_stream(one)
         api.copy_async(one, torch.ones(1, dtype=torch.int64), stream)   # not behind the caller's compute

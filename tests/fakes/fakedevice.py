@@ -25,6 +25,7 @@ import random
 import socket
 import threading
 import time
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -47,6 +48,30 @@ class FakeEvent:
         return self._done.wait(timeout)
 
 
+class _Queue:
+    """A stream's queue and its worker's state (the worker holds this, not the stream, so a stream
+    nobody references any more is collected and its worker exits)."""
+
+    def __init__(self) -> None:
+        self.q: queue.Queue[Callable[[], None] | None] = queue.Queue(_QUEUE_CAP)
+        self.pending = 0
+        self.cv = threading.Condition()
+
+    def run(self) -> None:
+        while True:
+            fn = self.q.get()
+            if fn is None:
+                return
+            try:
+                fn()
+            except BaseException as e:  # noqa: BLE001 - a failing kernel is a device error, kept
+                ERRORS.append(e)
+            finally:
+                with self.cv:
+                    self.pending -= 1
+                    self.cv.notify_all()
+
+
 class FakeStream:
     """A queue of work run in order by a worker thread."""
 
@@ -55,29 +80,20 @@ class FakeStream:
     def __init__(self, default: bool = False) -> None:
         self.handle = next(self._ids)
         self.default = default
-        self._q: queue.Queue[Callable[[], None]] = queue.Queue(_QUEUE_CAP)
-        self._pending = 0
-        self._lock = threading.Lock()
-        self._idle = threading.Condition(self._lock)
+        self._w = _Queue()
         STREAMS[self.handle] = self
-        threading.Thread(target=self._run, daemon=True, name=f"fake-stream-{self.handle}").start()
+        threading.Thread(target=self._w.run, daemon=True, name=f"fake-stream-{self.handle}").start()
+
+    def __del__(self) -> None:
+        try:
+            self._w.q.put_nowait(None)
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
 
     def enqueue(self, fn: Callable[[], None]) -> None:
-        with self._lock:
-            self._pending += 1
-        self._q.put(fn, timeout=60)
-
-    def _run(self) -> None:
-        while True:
-            fn = self._q.get()
-            try:
-                fn()
-            except BaseException as e:  # noqa: BLE001 - a failing kernel is a device error, kept
-                ERRORS.append(e)
-            finally:
-                with self._lock:
-                    self._pending -= 1
-                    self._idle.notify_all()
+        with self._w.cv:
+            self._w.pending += 1
+        self._w.q.put(fn, timeout=60)
 
     def record(self) -> FakeEvent:
         ev = FakeEvent()
@@ -90,16 +106,16 @@ class FakeStream:
             event.synchronize()   # the host thread is the compute stream
 
     def query(self) -> bool:
-        with self._lock:
-            return self._pending == 0
+        with self._w.cv:
+            return self._w.pending == 0
 
     def synchronize(self) -> None:
-        with self._lock:
-            while self._pending:
-                self._idle.wait(0.05)
+        with self._w.cv:
+            while self._w.pending:
+                self._w.cv.wait(0.05)
 
 
-STREAMS: dict[int, FakeStream] = {}
+STREAMS: "weakref.WeakValueDictionary[int, FakeStream]" = weakref.WeakValueDictionary()   # by NCCL handle
 ERRORS: list[BaseException] = []
 
 
