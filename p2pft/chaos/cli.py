@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import sys
 import time
 from pathlib import Path
@@ -59,10 +60,14 @@ def register(sub: Any) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="results/chaos", help="folder for chaos.json, timeline.png and logs")
     p.add_argument("--no-live", action="store_true", help="no live progress display")
+    p.add_argument("--data-plane", choices=["auto", "nccl", "tcp"], default=None,
+                   help="p2pft replicas' data plane ($P2PFT_DATA_PLANE for every replica; default: theirs)")
     p.set_defaults(fn=cmd_chaos)
 
 
 def cmd_chaos(args: argparse.Namespace) -> int:
+    if getattr(args, "data_plane", None):
+        os.environ["P2PFT_DATA_PLANE"] = args.data_plane   # the replicas inherit it
     try:
         return _chaos(args)
     except UsageError as exc:
