@@ -7,7 +7,8 @@ wire keys exist only in ``to_wire``/``from_wire``: they keep frames small at 1,0
 ``r`` replica id, ``d`` data addresses (comma-joined), ``k`` kind, ``sh`` shard count, ``s`` status,
 ``t0`` process start stamp, ``st`` committed step when the status was set, ``lt`` loop timeout,
 ``rb`` a failed data epoch for which a fresh one is requested, ``mp`` the most participants the
-job plans for (more trainers than that are hot spares).
+job plans for (more trainers than that are hot spares), ``tg`` the job target it declares
+(``[kind, n]``), ``ar`` 1 when it may restart the job below the cluster's high-water step.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from .view import split_addrs
+from .view import JobTarget, split_addrs
 
 
 class Kind(str, enum.Enum):
@@ -36,6 +37,7 @@ class Status(str, enum.Enum):
     FRESH = "fresh"         # just started, with its own state at ``step`` (a checkpoint or a new
                             # model): current only if that is exactly the cluster's step
     LEAVING = "leaving"     # on its way out: left out of the next view
+    DONE = "done"           # reached the job's end at ``step``: waits at the end barrier
 
     def __str__(self) -> str:
         return self.value
@@ -55,6 +57,8 @@ class MemberMeta:
     loop_timeout: float | None = None         # longest the training loop may go without a beat
     data_epoch_request: int | None = None     # a failed data epoch: asks the leader for a fresh one
     max_participants: int | None = None       # planned participants; trainers beyond it are spares
+    target: JobTarget | None = None           # the job's end as this trainer declares it
+    allow_scratch: bool = False               # may restart below the high-water step (state lost)
     _wire: dict[str, Any] | None = field(default=None, init=False, repr=False, compare=False)
 
     def to_wire(self) -> dict[str, Any]:
@@ -73,6 +77,10 @@ class MemberMeta:
                 w["rb"] = self.data_epoch_request
             if self.max_participants is not None:
                 w["mp"] = self.max_participants
+            if self.target is not None:
+                w["tg"] = self.target.to_wire()
+            if self.allow_scratch:
+                w["ar"] = 1
             object.__setattr__(self, "_wire", w)
         return w
 
@@ -88,7 +96,7 @@ class MemberMeta:
         if not isinstance(d, dict):
             raise TypeError(f"member metadata is a {type(d).__name__}, not a map")
         try:
-            key: tuple[Any, ...] | None = tuple(d.items())
+            key: tuple[Any, ...] | None = tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in d.items())
             hit = _decoded.get(key)  # type: ignore[arg-type]
         except TypeError:  # an unhashable value: decode (and fail) without the memo
             key, hit = None, None
@@ -100,7 +108,8 @@ class MemberMeta:
                    status=None if s is None else _enum(Status, s), start=float(d.get("t0", 0.0)),
                    step=int(d.get("st", -1)), loop_timeout=None if lt is None else float(lt),
                    data_epoch_request=None if rb is None else int(rb),
-                   max_participants=None if mp is None else int(mp))
+                   max_participants=None if mp is None else int(mp), target=JobTarget.from_wire(d.get("tg")),
+                   allow_scratch=bool(d.get("ar", 0)))
         if key is not None:
             if len(_decoded) >= _DECODED_MAX:
                 _decoded.clear()

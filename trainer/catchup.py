@@ -124,6 +124,22 @@ class Catchup:
                      e.step, self._held_done, self._donor_done, self._fetch_s or 0.0, self._replayed)
         return done
 
+    def settle(self, step: int) -> bool:
+        """The job ended at `step`, so no reduced step will come to hand over at: a worker at
+        the head of the log there hands over now. True when the replica is synced."""
+        e = self.e
+        with self.lock:
+            if e.synced:
+                return True
+            if not (self._at_head and not self.log and e.step == step):
+                return False
+            e.synced = True
+            self._gen += 1
+            self._at_head = False
+            self._cond.notify_all()
+        log.info("caught up at the end of the job, step %d", step)
+        return True
+
     def stop(self) -> None:
         with self.lock:
             self._gen += 1
