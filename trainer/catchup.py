@@ -201,7 +201,9 @@ class Catchup:
                 if not self.log or self.log.predates(s0):
                     log.info("snapshot of step %d predates the replay log; pulling a newer one", s0)
                     return False
-                if self.log.last is not None and self.log.last >= s0:
+                # The log reaches the snapshot when it holds the step just before it: the next
+                # reduced step is then the snapshot's own (at the end of a job none follows).
+                if self.log.last is not None and self.log.last >= s0 - 1:
                     self.log.drop_before(s0)
                     self._held = s0
                     break

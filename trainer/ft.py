@@ -60,12 +60,13 @@ class FaultTolerant(JobLife, StepEngine):
                  grad_hook: GradHook | None = None, after_step: GradHook | None = None,
                  state: dict[str, Stateful] | None = None, data_plane: str | None = None,
                  total_steps: int | None = None, total_samples: int | None = None, min_replicas: int = 1,
-                 start_timeout: float = 120.0, allow_restart_from_scratch: bool = False,
+                 start_timeout: float = 120.0, resume_grace: float = 15.0, allow_restart_from_scratch: bool = False,
                  on_finished: str = "exit", initial_state: str = "broadcast",
                  finish_timeout: float = 300.0) -> None:
         # Checked first: a bad option is one error before anything is served.
         self.job = JobOptions.make(total_steps=total_steps, total_samples=total_samples, min_replicas=min_replicas,
-                                   start_timeout=start_timeout, allow_restart_from_scratch=allow_restart_from_scratch,
+                                   start_timeout=start_timeout, resume_grace=resume_grace,
+                                   allow_restart_from_scratch=allow_restart_from_scratch,
                                    on_finished=on_finished, initial_state=initial_state,
                                    finish_timeout=finish_timeout)
         super().__init__(model, optimizer, group=LocalGroup(), runtime=runtime, data_server=runtime.data,

@@ -363,6 +363,10 @@ class JobLife:
             self._ended = view.finished
             raise JobFinished(view.finished, view.target)
         self._check_target(view)
+        if not view.participants and view.high_water > self.step:
+            # Every participant died since we joined (as a joiner, behind them): the same check
+            # as at the start, so that nobody trains on from an older state without being told.
+            self._check_high_water(view, time.monotonic() + self.job.start_timeout)
 
     def _stop_plan(self, view: View | None) -> Attempt | None:
         """A step in flight when the job finished stops (every rank raises Stopped)."""

@@ -61,6 +61,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--allow-restart-from-scratch", action="store_true",
                    help="when no peer and no checkpoint holds the job's furthest step, train again from this "
                         "replica's state instead of refusing to start")
+    p.add_argument("--resume-grace", type=float, default=15.0,
+                   help="with no replica training and the job further than this replica's state, wait this "
+                        "long (s) for one that holds it before refusing (or, allowed, restarting)")
     p.add_argument("--on-finished", choices=["exit", "wait"], default="exit",
                    help="a replica that starts after the job finished exits 0 (exit) or waits for a further "
                         "target (wait)")
@@ -177,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
                        lr_policy=args.lr_policy, checkpoint_dir=args.checkpoint_dir,
                        checkpoint_every=args.checkpoint_every, state_rate_limit=args.state_rate_limit or None,
                        loop_timeout=args.loop_timeout or None, total_steps=args.steps or None,
-                       min_replicas=args.min_replicas, start_timeout=30.0,
+                       min_replicas=args.min_replicas, start_timeout=30.0, resume_grace=args.resume_grace,
                        allow_restart_from_scratch=args.allow_restart_from_scratch, on_finished=args.on_finished,
                        initial_state=args.initial_state)
     ft_box.append(ft)
@@ -212,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
         pass
     except JobConfigError:  # logged as one ERROR
         return _close(ft, rt, stats, 2)
+    except MissingStateError:  # every participant died while this one was behind them
+        return _close(ft, rt, stats, 3)
     progress.summary(ft.step)
     # Mid catch-up the weights are neither the old step's nor the snapshot's: no digest then.
     stats.write({"t": time.time(), "kind": "exit", "step": ft.step, "cursor": ft.cursor.state_dict(),
