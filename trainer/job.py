@@ -186,8 +186,10 @@ class JobLife:
         rt, o = self.rt, self.job
         rt.declare_job(o.target, o.allow_restart_from_scratch)
         deadline = time.monotonic() + o.start_timeout
-        view = self._wait(lambda v: v.role_of(rt.node_id) in (Role.PARTICIPANT, Role.JOINER), deadline,
-                          "a view with this replica in it")
+        # A committed view that says the job finished is enough, whoever it lists: the replicas
+        # that finished may have left with the quorum, and a witness still hands that view out.
+        view = self._wait(lambda v: v.role_of(rt.node_id) in (Role.PARTICIPANT, Role.JOINER) or v.finished is not None,
+                          deadline, "this replica in it")
         view = self._check_finished(view, deadline)
         self._check_target(view)
         view = self._check_high_water(view, deadline)
@@ -195,6 +197,9 @@ class JobLife:
             view = self._wait(lambda v: len(v.participants) >= o.min_replicas or v.role_of(rt.node_id) is Role.JOINER
                               or v.finished is not None, deadline, f"{o.min_replicas} participants", fail=False)
             self._check_finished(view, deadline)
+            if len(view.participants) < o.min_replicas and view.role_of(rt.node_id) is Role.PARTICIPANT:
+                log.warning("no view with %d participants within %g s: starting with %d", o.min_replicas,
+                            o.start_timeout, len(view.participants))
         self._started = True
         if o.initial_state is not InitialState.OFF:
             self._agree_initial(deadline)
@@ -213,8 +218,6 @@ class JobLife:
             if time.monotonic() >= deadline:
                 if fail or rt.view is None:
                     raise StepTimeout(f"no view with {what} within {self.job.start_timeout} s")
-                log.warning("no view with %s within %g s: starting with %d participant(s)", what,
-                            self.job.start_timeout, len(rt.view.participants))
                 return rt.view
 
     def _check_finished(self, view: View, deadline: float) -> View:
