@@ -200,9 +200,9 @@ class JobLife:
             if len(view.participants) < o.min_replicas and view.role_of(rt.node_id) is Role.PARTICIPANT:
                 log.warning("no view with %d participants within %g s: starting with %d", o.min_replicas,
                             o.start_timeout, len(view.participants))
-        self._started = True
         if o.initial_state is not InitialState.OFF:
             self._agree_initial(deadline)
+        self._started = True
         log.info("in the group at step %d: %d participant(s), leader %s", self.step,
                  len(view.participants), self.leader)
 
@@ -224,7 +224,8 @@ class JobLife:
         if view.finished is None:
             return view
         mine = self.job.target
-        further = mine is not None and view.target is not None and mine.kind is view.target.kind and mine.n > view.target.n
+        further = (mine is not None and view.target is not None and mine.kind is view.target.kind
+                   and mine.n > view.target.n)
         if further or self.job.on_finished is OnFinished.WAIT:
             log.info("the job finished at step %d; waiting for a further target", view.finished)
             return self._wait(lambda v: v.finished is None, deadline, "a further target")

@@ -149,3 +149,53 @@ def test_end_barrier_waits_for_a_straggler_catching_up(tmp_path: Path) -> None:
         check_invariants(rs.stats)
     finally:
         rs.stop_all()
+
+
+def test_readme_loop_runs_as_written_with_two_replicas(tmp_path: Path) -> None:
+    """trainer/examples/loop.py is the README's loop: no common seed, group formation, the
+    leader's evaluation, the end barrier."""
+    import os
+    import subprocess
+    import sys
+
+    from p2pft.ports import free_ports
+
+    a, b = (f"127.0.0.1:{p}" for p in free_ports(2))
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, "-m", "p2pft.trainer.examples.loop", rid, me, peer],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
+             for rid, me, peer in (("r0", a, b), ("r1", b, a))]
+    try:
+        outs = [p.communicate(timeout=55)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert [p.returncode for p in procs] == [0, 0], outs
+    digests = {ln.split("digest ")[1] for out in outs for ln in out.splitlines() if " digest " in ln}
+    assert len(digests) == 1, outs
+    assert all(f"step 60 digest" in out for out in outs), outs
+    evals = [ln for out in outs for ln in out.splitlines() if "eval loss" in ln]
+    assert [ln.split()[2] for ln in evals] == ["20", "40", "60"], evals   # one leader evaluates
+
+
+def test_sigterm_while_forming_and_while_training_exits_0(tmp_path: Path) -> None:
+    rs = Replicas(tmp_path, 2, ["--min-replicas", "2", "--duration", "50"])
+    try:
+        rs.spawn(0, "r0")    # alone: waits in the group formation (the first begin / start)
+        rs.wait(lambda: "listening on" in _log(tmp_path, "r0"), 40, "r0's runtime")
+        time.sleep(0.5)
+        rs.procs["r0"].send_signal(signal.SIGTERM)
+        assert _exit(rs, "r0", 15) == 0
+        assert "Traceback" not in _log(tmp_path, "r0")
+        rs.spawn(0, "r0b")
+        rs.spawn(1, "r1")
+        rs.wait(lambda: min(rs.last_step("r0b"), rs.last_step("r1")) >= 3, 45, "3 steps", allow_exit=("r0",))
+        for n in ("r0b", "r1"):
+            rs.procs[n].send_signal(signal.SIGTERM)
+        assert _exit(rs, "r0b", 20) == 0 and _exit(rs, "r1", 20) == 0
+        for n in ("r0b", "r1"):
+            assert "Traceback" not in _log(tmp_path, n), _log(tmp_path, n)[-2000:]
+            assert _exit_record(rs, n)["step"] >= 3
+    finally:
+        rs.stop_all()
