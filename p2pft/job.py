@@ -104,9 +104,10 @@ class JobPlanner:
 
     def _resume(self, trainers: list[Trainer], high_water: int, now: float) -> tuple[int | None, int]:
         """Every participant is gone. Resume from a trainer at the high-water step; below it
-        only after a grace period for one to come back, and only when a trainer was started
-        with ``allow_restart_from_scratch`` (the high water then starts again from there).
-        Never silently from an older step: the trainers refuse, naming the step (trainer/job.py)."""
+        only after a grace period for one to come back: from the best checkpoint, loudly, and
+        from step 0 (a new model: every step of the job lost) only when a trainer was started
+        with ``allow_restart_from_scratch``. The high water then starts again from there.
+        Otherwise nobody trains, and the trainers refuse, naming the step (trainer/job.py)."""
         if self._headless_since is None:
             self._headless_since = now
         held = [t for t in trainers if t.status in HOLDS_STATE]
@@ -117,16 +118,17 @@ class JobPlanner:
             return best, high_water
         if now - self._headless_since < RESUME_GRACE_S:
             return None, high_water
-        if any(t.allow_scratch for t in held):
+        if best > 0 or any(t.allow_scratch for t in held):
             self.stats["resumed_below_high_water"] += 1
-            log.warning("no replica holds step %d any more: resuming from step %d, as a replica started with "
-                        "allow_restart_from_scratch asks", high_water, best, extra={"node": self.me})
+            log.warning("no replica holds step %d any more: resuming from step %d (%s)", high_water, best,
+                        "a checkpoint" if best > 0 else "allow_restart_from_scratch", extra={"node": self.me})
             return best, best
         if self._refused_at != high_water:
             self._refused_at = high_water
             self.stats["resume_refused"] += 1
-            log.warning("no replica holds step %d any more, and none may restart below it: no participant until "
-                        "one does (allow_restart_from_scratch)", high_water, extra={"node": self.me})
+            log.warning("no replica holds step %d any more, and none has a checkpoint: no participant until one "
+                        "does, or one may start from scratch (allow_restart_from_scratch)", high_water,
+                        extra={"node": self.me})
         return None, high_water
 
 

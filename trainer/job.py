@@ -47,16 +47,15 @@ class JobFinished(Stopped):
 
 
 class MissingStateError(RuntimeError):
-    """The cluster reached ``high_water`` but no live peer and no local checkpoint holds that
-    step: starting from ``have_step`` would silently train a different model."""
+    """The cluster reached ``high_water`` but no live peer holds any of its state and this
+    replica has no checkpoint: starting from step 0 would silently train a new model."""
 
     def __init__(self, high_water: int, have_step: int) -> None:
         self.high_water, self.have_step = high_water, have_step
         super().__init__(
-            f"the job reached step {high_water}, but no running replica holds it and this replica's state is "
-            f"at step {have_step} (no checkpoint at least that recent): refusing to train from step {have_step}; "
-            "start a replica with its checkpoint, or pass allow_restart_from_scratch=True "
-            "(--allow-restart-from-scratch) to train again from here")
+            f"the job reached step {high_water}, but no running replica holds it and this replica has no checkpoint: "
+            "refusing to train from step 0; start a replica with its checkpoint, or pass "
+            "allow_restart_from_scratch=True (--allow-restart-from-scratch) to train a new model")
 
 
 class JobConfigError(ValueError):
@@ -241,11 +240,18 @@ class JobLife:
             raise JobConfigError(f"this replica declares the job's end as {mine}, but the group runs to {theirs}")
 
     def _check_high_water(self, view: View, deadline: float) -> View:
-        """No participant, and the cluster got further than our state: wait `resume_grace` for
-        a replica holding that step; then refuse (or, allowed, let the leader resume here)."""
-        rt, o = self.rt, self.job
+        """No participant, and the cluster got further than our state. With a checkpoint, the
+        leader resumes from the best one after its grace (loudly). Without one (step 0), wait
+        `resume_grace` for a replica holding some state, then refuse to train a new model
+        under the job's name (or, allowed, let the leader resume from here)."""
+        o = self.job
         if view.participants or view.high_water <= self.step:
             return view
+        if self.step > 0:
+            log.info("the job reached step %d and no replica trains now; offering this replica's step %d",
+                     view.high_water, self.step)
+            return self._check_finished(self._wait(lambda v: bool(v.participants) or v.finished is not None,
+                                                   deadline, "a participant"), deadline)
         log.info("the job reached step %d and no replica trains now; waiting up to %g s for one that holds it",
                  view.high_water, o.resume_grace)
         grace = min(deadline, time.monotonic() + o.resume_grace)
@@ -253,13 +259,12 @@ class JobLife:
         if v.participants or v.finished is not None:
             return self._check_finished(v, deadline)
         if not o.allow_restart_from_scratch:
-            log.error("the job reached step %d, but no running replica holds it and no checkpoint here is that "
-                      "recent (this replica is at step %d): refusing to train from step %d "
-                      "(allow_restart_from_scratch / --allow-restart-from-scratch to do it anyway)",
-                      v.high_water, self.step, self.step)
+            log.error("the job reached step %d, but no running replica holds it and this replica has no checkpoint: "
+                      "refusing to train from step 0 (allow_restart_from_scratch / --allow-restart-from-scratch to "
+                      "do it anyway)", v.high_water)
             raise MissingStateError(v.high_water, self.step)
-        log.warning("the job reached step %d, but no replica holds it: training again from step %d, as allowed",
-                    v.high_water, self.step)
+        log.warning("the job reached step %d, but no replica holds it: training again from step 0, as allowed",
+                    v.high_water)
         return self._wait(lambda v: bool(v.participants), deadline, "a participant after the allowed restart")
 
     # ------------------------------------------------------------------ same start everywhere

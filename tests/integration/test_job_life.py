@@ -70,7 +70,8 @@ def test_every_replica_dead_without_checkpoint_refuses_to_train_from_step_0(tmp_
         errors = [ln for ln in log.splitlines() if " ERROR " in ln]
         assert len(errors) == 1, errors
         assert not [ln for ln in log.splitlines() if " WARNING " in ln], log[-2000:]
-        m = re.search(r"the job reached step (\d+), but no running replica holds it", errors[0])
+        m = re.search(r"the job reached step (\d+), but no running replica holds it and this replica has no "
+                      r"checkpoint", errors[0])
         # The witnesses' high water trails the replicas by at most a loop beat (the step rides on it).
         assert m and 0 < int(m.group(1)) <= reached, (errors[0], reached)
         assert "refusing to train from step 0" in errors[0]

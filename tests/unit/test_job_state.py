@@ -109,6 +109,10 @@ def test_headless_resume_only_at_high_water_unless_allowed() -> None:
     assert stats["resume_refused"] == 1                                  # logged once, not per reconcile
     from_disk = _trainer("b.2", Status.FRESH, 20)
     assert jp.next_state(cur, [fresh, from_disk], 20, True, 101.0).resume_at == 20
+    older = JobPlanner("w.0", Counter())          # a checkpoint below the high water: after the grace
+    assert older.next_state(cur, [fresh, _trainer("b.2", Status.FRESH, 12)], 20, True, 0.0).resume_at is None
+    st = older.next_state(cur, [fresh, _trainer("b.2", Status.FRESH, 12)], 20, True, RESUME_GRACE_S)
+    assert st.resume_at == 12 and st.high_water == 12
     allowed = _trainer("a.2", Status.FRESH, 0, allow=True)
     jp3 = JobPlanner("w.0", Counter())
     assert jp3.next_state(cur, [allowed], 20, True, 0.0).resume_at is None   # a replica at 20 may still come
