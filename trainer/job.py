@@ -192,7 +192,9 @@ class JobLife:
         view = self._check_finished(view, deadline)
         self._check_target(view)
         view = self._check_high_water(view, deadline)
-        if o.min_replicas > 1 and view.role_of(rt.node_id) is Role.PARTICIPANT:
+        # Only a job's first participants wait for each other: a participant that others already
+        # train with (a restart from a checkpoint at their step) would hold up their allreduces.
+        if o.min_replicas > 1 and self.step == 0 and view.role_of(rt.node_id) is Role.PARTICIPANT:
             view = self._wait(lambda v: len(v.participants) >= o.min_replicas or v.role_of(rt.node_id) is Role.JOINER
                               or v.finished is not None, deadline, f"{o.min_replicas} participants", fail=False)
             self._check_finished(view, deadline)
