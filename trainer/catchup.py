@@ -72,6 +72,7 @@ class Catchup:
         self._at_head = False     # restored and replayed everything logged so far
         self._held: int | None = None   # step of the snapshot restored by the worker
         self.donor: tuple[str, tuple[str, ...]] | None = None  # latest plan's choice
+        self.end_step: int | None = None   # the job's last step, when known (a steps target)
 
     # ------------------------------------------------------------------ training thread
     def start(self, why: str) -> None:
@@ -201,9 +202,10 @@ class Catchup:
                 if not self.log or self.log.predates(s0):
                     log.info("snapshot of step %d predates the replay log; pulling a newer one", s0)
                     return False
-                # The log reaches the snapshot when it holds the step just before it: the next
-                # reduced step is then the snapshot's own (at the end of a job none follows).
-                if self.log.last is not None and self.log.last >= s0 - 1:
+                # At the job's last step no further step is reduced: the step just before it is
+                # the log's last, and the snapshot then holds everything.
+                reach = s0 - 1 if s0 == self.end_step else s0
+                if self.log.last is not None and self.log.last >= reach:
                     self.log.drop_before(s0)
                     self._held = s0
                     break

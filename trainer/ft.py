@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from ..runtime import Runtime
+from ..view import TargetKind
 from .attempt import StepResult, StepTimeout, Stopped
 from .checkpoint import AsyncCheckpointer
 from .engine import StateIO, StepEngine
@@ -77,6 +78,8 @@ class FaultTolerant(JobLife, StepEngine):
                          state_rate_limit=state_rate_limit, loop_timeout=loop_timeout,
                          lr_scheduler=lr_scheduler, grad_scaler=grad_scaler, grad_hook=grad_hook,
                          after_step=after_step, state=state, data_plane=data_plane)
+        if self.job.target is not None and self.job.target.kind is TargetKind.STEPS:
+            self.catchup.end_step = self.job.target.n
         self.ckpt = AsyncCheckpointer(checkpoint_dir) if checkpoint_dir else None
         self.checkpoint_every = checkpoint_every
         if self.ckpt is not None and resume:
