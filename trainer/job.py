@@ -424,10 +424,9 @@ class JobLife:
                                       f"of reaching step {self.step}")
                 self._serve_donor_requests()
                 if view is not None and view.joiners and self._all_done(view):
-                    self._idle_round()
-                else:
-                    rt.wait_view(lambda v: v.finished is not None or self.stopping, POLL_S,
-                                 loop_timeout=self.loop_timeout)
+                    self._idle_round()   # then the pause below: a round moves the whole buffer
+                rt.wait_view(lambda v: v.finished is not None or self.stopping, POLL_S,
+                             loop_timeout=self.loop_timeout)
         finally:
             self._finishing = False
         self._ended = view.finished
