@@ -18,7 +18,7 @@ from .messages import (ALIVE, DEAD, LEFT, SUSPECT, Ack, Append, AppendResp, Enve
                        Nack, Ping, PreVote, PreVoteResp, ProbeRequest, PushPull, RaftMessage, Row, Snapshot,
                        Unknown, Update, Updates, ViewDelta, ViewFull, ViewRequest, Vote, VoteResp, Who)
 from .meta import MemberMeta
-from .view import Member, View
+from .view import Member, View, job_from_wire, job_to_wire
 
 _VIEW_CACHE_MAX = 16
 _view_cache: dict[int, tuple[View, dict[str, Any]]] = {}
@@ -239,7 +239,7 @@ def _enc_delta(m: ViewDelta) -> dict[str, Any]:
     d = _envelope(m)
     d["base"] = m.base
     d["hdr"] = {"epoch": m.epoch, "voters": list(m.voters), "data_epoch": m.data_epoch, "hw": m.high_water,
-                "left": list(m.left), "term": m.term}
+                "left": list(m.left), "term": m.term, **job_to_wire(m.target, m.finished)}
     d["set"] = [x.to_wire() for x in m.changed]
     d["del"] = list(m.removed)
     d["leader"], d["laddr"] = m.leader, m.leader_addr
@@ -383,7 +383,7 @@ def _dec_delta(d: dict[str, Any]) -> ViewDelta:
     return ViewDelta(frm=_str(d, "from"), src=_str(d, "src"), base=int(d["base"]), epoch=epoch,
                      term=int(hdr.get("term", 0)), voters=tuple(str(v) for v in hdr.get("voters", ())),
                      data_epoch=int(hdr.get("data_epoch", epoch)), high_water=int(hdr.get("hw", 0)),
-                     left=tuple(str(n) for n in hdr.get("left", ())),
+                     left=tuple(str(n) for n in hdr.get("left", ())), **job_from_wire(hdr),
                      changed=[member_from_wire(m) for m in d["set"]], removed=[str(n) for n in d["del"]],
                      leader=str(leader) if leader else None, leader_addr=str(d.get("laddr") or ""))
 

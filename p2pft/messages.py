@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Union
 
 from .meta import MemberMeta
-from .view import Member, View
+from .view import JobTarget, Member, View
 
 # Member states as gossip knows them (a piggybacked update names the state it announces).
 ALIVE, SUSPECT, DEAD, LEFT = "alive", "suspect", "dead", "left"
@@ -212,6 +212,8 @@ class ViewDelta(Envelope):
     data_epoch: int = 0
     high_water: int = 0
     left: tuple[str, ...] = ()
+    target: JobTarget | None = None
+    finished: int | None = None
     changed: list[Member] = field(default_factory=list)   # new or changed members
     removed: list[str] = field(default_factory=list)      # node ids no longer in the view
     leader: str | None = None

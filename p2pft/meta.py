@@ -8,7 +8,8 @@ wire keys exist only in ``to_wire``/``from_wire``: they keep frames small at 1,0
 ``t0`` process start stamp, ``st`` committed step when the status was set, ``lt`` loop timeout,
 ``rb`` a failed data epoch for which a fresh one is requested, ``mp`` the most participants the
 job plans for (more trainers than that are hot spares), ``du`` the members whose data address
-this trainer has not reached for longer than the bound (see p2pft/reach.py).
+this trainer has not reached for longer than the bound (see p2pft/reach.py), ``tg`` the job
+target it declares (``[kind, n]``), ``ar`` 1 when it may restart the job from scratch.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from .view import split_addrs
+from .view import JobTarget, split_addrs
 
 
 class Kind(str, enum.Enum):
@@ -39,6 +40,7 @@ class Status(str, enum.Enum):
     LEAVING = "leaving"     # on its way out: left out of the next view
     PAUSED = "paused"       # stepped out for a while (evaluation, a checkpoint): off the data plane,
                             # holding the committed state of ``step``
+    DONE = "done"           # reached the job's end at ``step``: waits at the end barrier
 
     def __str__(self) -> str:
         return self.value
@@ -59,6 +61,8 @@ class MemberMeta:
     data_epoch_request: int | None = None     # a failed data epoch: asks the leader for a fresh one
     max_participants: int | None = None       # planned participants; trainers beyond it are spares
     data_unreachable: tuple[str, ...] = ()    # members alive on gossip whose data port we cannot reach
+    target: JobTarget | None = None           # the job's end as this trainer declares it
+    allow_scratch: bool = False               # may restart below the high-water step (state lost)
     _wire: dict[str, Any] | None = field(default=None, init=False, repr=False, compare=False)
 
     def to_wire(self) -> dict[str, Any]:
@@ -79,6 +83,10 @@ class MemberMeta:
                 w["mp"] = self.max_participants
             if self.data_unreachable:
                 w["du"] = list(self.data_unreachable)
+            if self.target is not None:
+                w["tg"] = self.target.to_wire()
+            if self.allow_scratch:
+                w["ar"] = 1
             object.__setattr__(self, "_wire", w)
         return w
 
@@ -94,7 +102,7 @@ class MemberMeta:
         if not isinstance(d, dict):
             raise TypeError(f"member metadata is a {type(d).__name__}, not a map")
         try:
-            key: tuple[Any, ...] | None = tuple(d.items())
+            key: tuple[Any, ...] | None = tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in d.items())
             hit = _decoded.get(key)  # type: ignore[arg-type]
         except TypeError:  # an unhashable value: decode (and fail) without the memo
             key, hit = None, None
@@ -109,7 +117,8 @@ class MemberMeta:
                    step=int(d.get("st", -1)), loop_timeout=None if lt is None else float(lt),
                    data_epoch_request=None if rb is None else int(rb),
                    max_participants=None if mp is None else int(mp),
-                   data_unreachable=tuple(du or ())[:64])
+                   data_unreachable=tuple(du or ())[:64], target=JobTarget.from_wire(d.get("tg")),
+                   allow_scratch=bool(d.get("ar", 0)))
         if key is not None:
             if len(_decoded) >= _DECODED_MAX:
                 _decoded.clear()

@@ -25,7 +25,7 @@ from .meta import Kind, MemberMeta, Status
 from .raft import LEADER, Raft
 from .ready import Ready
 from .reconcile import ViewPlanner, canonical, member_entry
-from .view import Member, Role, View, split_addrs
+from .view import JobTarget, Member, Role, View, split_addrs
 
 log = logging.getLogger(__name__)
 
@@ -192,6 +192,13 @@ class Node:
             self._hello(now)
             self._pump(now)
 
+    def declare_job(self, target: JobTarget | None, allow_scratch: bool, now: float) -> None:
+        """Trainer: the job's end as it was configured, and whether it may restart the job below
+        the cluster's high-water step (both ride in its metadata; the leader reads them)."""
+        self.gossip.update_meta(now, target=target, allow_scratch=bool(allow_scratch))
+        self._hello(now)
+        self._pump(now)
+
     def _check_own_loop(self, now: float) -> None:
         """A leader cannot leave itself out of the view: when its own training loop has stalled
         past the timeout it declared, it steps down and stops campaigning, so that another
@@ -325,7 +332,7 @@ class Node:
         for m in changed.values():
             bisect.insort(members, m, key=_node_key)
         view = View(epoch=msg.epoch, members=tuple(members), voters=msg.voters, data_epoch=msg.data_epoch,
-                    high_water=msg.high_water, left=msg.left)
+                    high_water=msg.high_water, left=msg.left, target=msg.target, finished=msg.finished)
         self.raft.learn(view, msg.term)
 
     def _send_view(self, addr: str) -> None:
@@ -340,7 +347,8 @@ class Node:
         changed = [m for m in view.members if prev.member(m.node) != m]
         removed = [m.node for m in prev.members if view.member(m.node) is None]
         return ViewDelta(base=prev.epoch, epoch=view.epoch, term=self.view_term, voters=view.voters,
-                         data_epoch=view.data_epoch, high_water=view.high_water, left=view.left, changed=changed,
+                         data_epoch=view.data_epoch, high_water=view.high_water, left=view.left,
+                         target=view.target, finished=view.finished, changed=changed,
                          removed=removed, leader=self.leader, leader_addr=self.leader_addr)
 
     def _hello(self, now: float) -> None:

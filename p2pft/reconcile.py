@@ -13,6 +13,7 @@ from typing import Any
 
 from .config import Profile
 from .gossip import Gossip, GossipMember
+from .job import HOLDS_STATE, RESUME_GRACE_S, JobPlanner, Trainer
 from .messages import ALIVE, SUSPECT
 from .meta import Kind, Status
 from .raft import Raft
@@ -21,11 +22,6 @@ from .view import Member, Role, View
 
 log = logging.getLogger("p2pft.node")
 
-RESUME_GRACE_S = 5.0       # with no participant left, wait this long for one at the high-water step
-#: statuses of a trainer that holds a state it can train from (at its meta step)
-HOLDS_STATE = (Status.READY, Status.FRESH)
-#: ... and of one that holds the cluster's committed state while it steps out (a pause)
-HOLDS_COMMITTED = (Status.READY, Status.FRESH, Status.PAUSED)
 PROMOTE_SLACK_STEPS = 8    # a 'ready' joiner this close to the head is current (see desired)
 LEFT_KEEP = 128            # trainers recently left out of a view, carried in the view ("left")
 
@@ -39,7 +35,7 @@ def member_entry(node: str, addr: str, meta: Any, role: Role, slot: int | None, 
 def canonical(view: View) -> tuple[Any, ...]:
     """What makes two views the same proposal (epoch and high water aside)."""
     members = tuple(sorted((m.node, m.role, m.slot, m.addr, m.data_addrs) for m in view.members))
-    return members, tuple(view.voters), view.data_epoch
+    return members, tuple(view.voters), view.data_epoch, view.target, view.finished
 
 
 def voter_preference(m: Member) -> tuple[int, int, str]:
@@ -63,8 +59,7 @@ class ViewPlanner:
         self._stalled: set[str] = set()        # trainers left out for a stalled loop (logged once)
         self._unreachable: set[str] = set()    # trainers left out for an unreachable data port (logged)
         self._lt_seen: dict[str, float] = {}   # when it first saw a trainer's declared loop timeout
-        self._headless_since: float | None = None
-        self._resume_said: tuple[int, int] | None = None
+        self.job = JobPlanner(me, stats)
 
     def stop_leading(self) -> None:
         """No longer leader: drop the voter change in progress."""
@@ -85,30 +80,17 @@ class ViewPlanner:
                       if n.role is Role.PARTICIPANT and n.node in g.members
                       and g.members[n.node].state in (ALIVE, SUSPECT)]
         head = max(part_steps) if part_steps else None
-        # High water: the furthest committed step this cluster is known to have reached. Dead
-        # members' last steps stay in gossip tombstones for a while, and the view carries it.
-        observed = [m.step for m in g.members.values() if m.meta.kind is Kind.TRAINER]
-        self.high_water = max([self.high_water, cur.high_water, head or 0, step] + observed)
-        resume_at = None
-        if head is None:
-            # Every participant is gone (or paused: a paused trainer holds the committed state of
-            # its step, so it counts here). Resume only from a replica at the high-water step, or,
-            # after a grace period for one to come back, from the best state anyone has (a disk
-            # checkpoint), loudly: never silently from an older step.
-            ready = [m.meta.step for _, m in newest.values()
-                     if m.meta.kind is Kind.TRAINER and m.meta.status in HOLDS_COMMITTED and m.meta.step >= 0]
-            if self._headless_since is None:
-                self._headless_since = now
-            best = max(ready, default=None)
-            if best is not None and (best >= self.high_water or now - self._headless_since >= RESUME_GRACE_S):
-                resume_at = best
-                if best < self.high_water and self._resume_said != (self.high_water, best):
-                    self._resume_said = (self.high_water, best)  # once, not at every tick while headless
-                    self.stats["resumed_below_high_water"] += 1
-                    log.warning("no replica holds step %d any more: resuming from step %d", self.high_water, best,
-                                extra={"node": self.me})
-        else:
-            self._headless_since = None
+        # High water: the furthest committed step this cluster is known to have reached. A
+        # member that just died counts by its last gossiped step until a view removes it; the
+        # view then carries the mark (members gone before an allowed restart no longer count).
+        observed = [m.step for m in g.members.values() if m.meta.kind is Kind.TRAINER
+                    and (m.state in (ALIVE, SUSPECT) or cur.member(m.node) is not None)]
+        hw = max([self.high_water, cur.high_water, head or 0, step] + observed)
+        trainers = [Trainer(m.node, m.meta.start, m.meta.status, m.meta.step, m.meta.target, m.meta.allow_scratch)
+                    for _, m in newest.values() if m.meta.kind is Kind.TRAINER]
+        job = self.job.next_state(cur, trainers, hw, head is None, now)
+        self.high_water = job.high_water
+        resume_at = job.resume_at
         epoch = self.raft.last_index + 1
         left_list = list(cur.left)
         left = set(left_list)
@@ -183,7 +165,7 @@ class ViewPlanner:
                          and m.node not in left)
         left_list = (left_list + dropped)[-LEFT_KEEP:]
         return View(epoch=epoch, members=tuple(members), voters=voters, data_epoch=data_epoch,
-                    high_water=self.high_water, left=tuple(left_list))
+                    high_water=self.high_water, left=tuple(left_list), target=job.target, finished=job.finished)
 
     @staticmethod
     def _cap_participants(chosen: list[tuple[GossipMember, Role]], cur: View,

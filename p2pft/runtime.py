@@ -19,8 +19,9 @@ from .dataprobe import DataProbe
 from .driver import NodeServer
 from .log import set_context
 from .node import TRAINER_KIND
+from .meta import MemberMeta
 from .transport.addr import advertised, data_bind_host, parse_hostport
-from .view import Member, Role, View
+from .view import JobTarget, Member, Role, View
 
 log = logging.getLogger(__name__)
 
@@ -335,6 +336,18 @@ class Runtime:
         state) or 'joining' (needs catch-up)."""
         self._status = status
         self._call(lambda now: self.server.node.set_status(status, now, step))  # type: ignore[union-attr]
+
+    def declare_job(self, target: JobTarget | None, allow_scratch: bool = False) -> None:
+        """The job's end as this replica is configured (None: until told), and whether it may
+        restart the job below the cluster's high-water step; the leader writes the first
+        declaration into the views (``View.target``)."""
+        self._call(lambda now: self.server.node.declare_job(target, allow_scratch, now))  # type: ignore[union-attr]
+
+    def member_meta(self, node: str) -> MemberMeta | None:
+        """What gossip last said about `node` (immutable; None when unknown)."""
+        n = self.server.node if self.server else None
+        m = n.gossip.members.get(node) if n is not None else None
+        return m.meta if m is not None else None
 
     def request_new_data_epoch(self, failed_data_epoch: int) -> None:
         """Ask the leader for a fresh data epoch: the communicator of `failed_data_epoch` broke

@@ -12,6 +12,42 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+class TargetKind(str, enum.Enum):
+    """What a job's target counts: committed steps, or samples trained (every contributor's batch)."""
+
+    STEPS = "steps"
+    SAMPLES = "samples"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True, slots=True)
+class JobTarget:
+    """Where the job ends. No target at all means "until told" (``finish()`` at any step)."""
+
+    kind: TargetKind
+    n: int
+
+    def __post_init__(self) -> None:
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"a job target is a positive int, got {self.n!r}")
+
+    def __str__(self) -> str:
+        return f"{self.n} {self.kind.value}"
+
+    def to_wire(self) -> list[Any]:
+        return [self.kind.value, self.n]
+
+    @classmethod
+    def from_wire(cls, w: Any) -> "JobTarget | None":
+        """None for no target; ValueError/TypeError on a malformed one (the frame is dropped)."""
+        if w is None:
+            return None
+        kind, n = w
+        return cls(TargetKind(kind), int(n))
+
+
 class Role(str, enum.Enum):
     """A member's part in a view. ``str`` values so logs and JSON read as before."""
 
@@ -88,6 +124,8 @@ class View:
     data_epoch: int = 0
     high_water: int = 0             # highest committed step the leader has seen
     left: tuple[str, ...] = ()      # trainers recently left out (they catch up before contributing)
+    target: JobTarget | None = None  # the job's declared end (the first trainer's declaration)
+    finished: int | None = None     # the step the job finished at (every participant reached its end)
     _by_node: dict[str, Member] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -136,6 +174,12 @@ class View:
             return None
         return next((m for m in self.members if addr in m.data_addrs), None)
 
+    def lead(self) -> Member | None:
+        """The participant that does the job's side work (evaluation, logging, checkpoints): the
+        lowest slot. Slots stay with their participant from view to view, so the choice moves
+        only when that participant leaves, to a survivor, the same at every member."""
+        return self.donor()
+
     def donor(self, exclude: str | None = None) -> Member | None:
         """The participant a catch-up pulls from: the lowest slot (the same choice everywhere)."""
         cands = [m for m in self.participants if m.node != exclude]
@@ -143,7 +187,8 @@ class View:
 
     def to_wire(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "members": [m.to_wire() for m in self.members], "voters": list(self.voters),
-                "data_epoch": self.data_epoch, "hw": self.high_water, "left": list(self.left)}
+                "data_epoch": self.data_epoch, "hw": self.high_water, "left": list(self.left),
+                **job_to_wire(self.target, self.finished)}
 
     @classmethod
     def from_wire(cls, d: dict[str, Any]) -> "View":
@@ -152,7 +197,23 @@ class View:
         return cls(epoch=epoch, members=tuple(Member.from_wire(m) for m in d["members"]),
                    voters=tuple(str(v) for v in d.get("voters", ())),
                    data_epoch=int(d.get("data_epoch", epoch)), high_water=int(d.get("hw", 0)),
-                   left=tuple(str(n) for n in d.get("left", ())))
+                   left=tuple(str(n) for n in d.get("left", ())), **job_from_wire(d))
 
 
-__all__ = ["Member", "Role", "View", "split_addrs"]
+def job_to_wire(target: JobTarget | None, finished: int | None) -> dict[str, Any]:
+    """The job-state keys of a view header (absent when unset: old frames read as no target)."""
+    d: dict[str, Any] = {}
+    if target is not None:
+        d["tg"] = target.to_wire()
+    if finished is not None:
+        d["fin"] = finished
+    return d
+
+
+def job_from_wire(d: dict[str, Any]) -> dict[str, Any]:
+    """``target`` and ``finished`` from a view header's wire dict."""
+    fin = d.get("fin")
+    return {"target": JobTarget.from_wire(d.get("tg")), "finished": None if fin is None else int(fin)}
+
+
+__all__ = ["JobTarget", "Member", "Role", "TargetKind", "View", "job_from_wire", "job_to_wire", "split_addrs"]

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 from .cursor import DataCursor
 from .ft import FaultTolerant, StepResult, StepTimeout, Stopped
+from .job import InitialStateMismatch, JobConfigError, JobFinished, MissingStateError
 from .loader import StepLoader
 from .lr import LRPolicy, lr_scale
 from .state import capture, restore, state_digest
 
-__all__ = ["FaultTolerant", "StepResult", "StepTimeout", "Stopped", "StepLoader", "DataCursor", "LRPolicy", "lr_scale",
+__all__ = ["FaultTolerant", "StepResult", "StepTimeout", "Stopped", "JobFinished", "MissingStateError",
+           "JobConfigError", "InitialStateMismatch", "StepLoader", "DataCursor", "LRPolicy", "lr_scale",
            "capture", "restore", "state_digest"]

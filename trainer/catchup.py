@@ -77,6 +77,7 @@ class Catchup:
         self._held: int | None = None   # step of the snapshot restored by the worker
         self.donor: tuple[str, tuple[str, ...]] | None = None  # latest plan's choice
         self._say = LogLimiter()  # a donor that keeps refusing must not fill the log
+        self.end_step: int | None = None   # the job's last step, when known (a steps target)
 
     # ------------------------------------------------------------------ training thread
     def start(self, why: str, again: bool = False) -> None:
@@ -164,6 +165,22 @@ class Catchup:
                      self._donor_done, self._fetch_s or 0.0)
         return done
 
+    def settle(self, step: int) -> bool:
+        """The job ended at `step`, so no reduced step will come to hand over at: a worker at
+        the head of the log there hands over now. True when the replica is synced."""
+        e = self.e
+        with self.lock:
+            if e.synced:
+                return True
+            if not (self._at_head and not self.log and e.step == step):
+                return False
+            e.synced = True
+            self._gen += 1
+            self._at_head = False
+            self._cond.notify_all()
+        log.info("caught up at the end of the job, step %d", step)
+        return True
+
     def stop(self) -> None:
         with self.lock:
             self._gen += 1
@@ -233,7 +250,10 @@ class Catchup:
                 if not self.log or self.log.predates(s0):
                     log.info("snapshot of step %d predates the replay log; pulling a newer one", s0)
                     return False
-                if self.log.last is not None and self.log.last >= s0:
+                # At the job's last step no further step is reduced: the step just before it is
+                # the log's last, and the snapshot then holds everything.
+                reach = s0 - 1 if s0 == self.end_step else s0
+                if self.log.last is not None and self.log.last >= reach:
                     self.log.drop_before(s0)
                     self._held = s0
                     break

@@ -108,6 +108,11 @@ class Donor:
     def __init__(self, engine: Any) -> None:
         self.e = engine
         self.requests = SnapshotRequests()
+        self._kinds: dict[str, Callable[[dict[str, Any]], StateSnapshot | None]] = {}
+
+    def register(self, kind: str, provider: Callable[[dict[str, Any]], StateSnapshot | None]) -> None:
+        """Serve requests of another kind too (the job's initial state at group formation)."""
+        self._kinds[kind] = provider
 
     def provide(self, request: dict[str, Any]) -> StateSnapshot | None:
         e = self.e
@@ -121,7 +126,8 @@ class Donor:
         if kind == "sig":
             sig = e.recent.signature(int(request["step"]))
             return StateSnapshot(meta={"sig": sig}, tensors={}) if sig is not None else None
-        return None
+        extra = self._kinds.get(str(kind))
+        return extra(request) if extra is not None else None
 
     def _take(self) -> StateSnapshot:
         meta, tensors = self.e.capture_state()

@@ -14,9 +14,11 @@ from typing import Any
 import torch
 
 from ..runtime import Runtime
+from ..view import TargetKind
 from .attempt import StepResult, StepTimeout, Stopped
 from .checkpoint import AsyncCheckpointer
 from .engine import StateIO, StepEngine
+from .job import InitialStateMismatch, JobConfigError, JobFinished, JobLife, JobOptions, MissingStateError
 from .optstep import GradHook
 from .userstate import Stateful
 from .group import LocalGroup
@@ -42,8 +44,13 @@ def receive_into(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str
 WHOLE_STATE = StateIO(capture=capture, restore=restore, digest=state_digest, receive_into=receive_into)
 
 
-class FaultTolerant(StepEngine):
-    """Wraps a model and optimizer of one replica (``p2pft.trainer.FaultTolerant``)."""
+class FaultTolerant(JobLife, StepEngine):
+    """Wraps a model and optimizer of one replica (``p2pft.trainer.FaultTolerant``).
+
+    The job's life around the loop (``trainer/job.py``): the first ``begin()`` joins the group
+    (``min_replicas``, the same initial state everywhere, a job that already finished or lost
+    its progress is refused), ``done`` says the target is reached, ``finish()`` is the end
+    barrier, ``is_leader`` picks one participant for side work."""
 
     def __init__(self, runtime: Runtime, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
                  batch_per_replica: int, nominal_replicas: int | None = None, lr_policy: str = "sqrt",
@@ -52,7 +59,17 @@ class FaultTolerant(StepEngine):
                  resume: bool = True, state_rate_limit: float | None = None,
                  loop_timeout: float | None = 60.0, lr_scheduler: Any = None, grad_scaler: Any = None,
                  grad_hook: GradHook | None = None, after_step: GradHook | None = None,
-                 state: dict[str, Stateful] | None = None, data_plane: str | None = None) -> None:
+                 state: dict[str, Stateful] | None = None, data_plane: str | None = None,
+                 total_steps: int | None = None, total_samples: int | None = None, min_replicas: int = 1,
+                 start_timeout: float = 120.0, resume_grace: float = 15.0, allow_restart_from_scratch: bool = False,
+                 on_finished: str = "exit", initial_state: str = "broadcast",
+                 finish_timeout: float = 300.0) -> None:
+        # Checked first: a bad option is one error before anything is served.
+        self.job = JobOptions.make(total_steps=total_steps, total_samples=total_samples, min_replicas=min_replicas,
+                                   start_timeout=start_timeout, resume_grace=resume_grace,
+                                   allow_restart_from_scratch=allow_restart_from_scratch,
+                                   on_finished=on_finished, initial_state=initial_state,
+                                   finish_timeout=finish_timeout)
         super().__init__(model, optimizer, group=LocalGroup(), runtime=runtime, data_server=runtime.data,
                          state_io=WHOLE_STATE, batch_per_replica=batch_per_replica,
                          nominal_replicas=nominal_replicas, lr_policy=lr_policy, max_slots=max_slots,
@@ -61,6 +78,9 @@ class FaultTolerant(StepEngine):
                          state_rate_limit=state_rate_limit, loop_timeout=loop_timeout,
                          lr_scheduler=lr_scheduler, grad_scaler=grad_scaler, grad_hook=grad_hook,
                          after_step=after_step, state=state, data_plane=data_plane)
+        self.serving.register("initial", self._initial_state)   # the job's step-0 state (job.py)
+        if self.job.target is not None and self.job.target.kind is TargetKind.STEPS:
+            self.catchup.end_step = self.job.target.n
         self.ckpt = AsyncCheckpointer(checkpoint_dir) if checkpoint_dir else None
         self.checkpoint_every = checkpoint_every
         if self.ckpt is not None and resume:
@@ -90,4 +110,5 @@ class FaultTolerant(StepEngine):
             self.ckpt.close(timeout=10.0)
 
 
-__all__ = ["FaultTolerant", "StepResult", "StepTimeout", "Stopped"]
+__all__ = ["FaultTolerant", "InitialStateMismatch", "JobConfigError", "JobFinished", "MissingStateError", "StepResult",
+           "StepTimeout", "Stopped"]

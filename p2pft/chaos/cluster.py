@@ -173,8 +173,10 @@ class Cluster:
         if cfg.workload == "gpt":  # a survivor's final weights, for the replay oracle
             cmd += ["--final-weights", str(self.workdir / f"r{i}-{inc}.pt"), "--progress", "off"]
         if self.system == "sync":
+            # It restarts every replica from its last checkpoint, older than the high-water step
+            # the witnesses keep: say so, or the replicas refuse to lose those steps.
             cmd += ["--checkpoint-dir", str(self.workdir / f"ckpt-r{i}"), "--checkpoint-every",
-                    str(cfg.checkpoint_every)]
+                    str(cfg.checkpoint_every), "--allow-restart-from-scratch"]
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         err = open(self.workdir / f"r{i}-{inc}.log", "wb")
         p = self.group.spawn(self.on_host(i, cmd), stdout=subprocess.DEVNULL, stderr=err, env=env)

@@ -90,6 +90,7 @@ def main() -> int:
     p.add_argument("--loader-workers", type=int, default=0)
     p.add_argument("--step-delay", type=float, default=0.03)
     p.add_argument("--log-level", default="INFO")
+    p.add_argument("--min-replicas", type=int, default=1, help="participants the first begin() waits for")
     a = p.parse_args()
     setup_logging(a.log_level)
     torch.manual_seed(0)
@@ -109,7 +110,8 @@ def main() -> int:
 
     rt = Runtime(replica_id=a.replica_id, listen=a.listen, seeds=[s for s in a.seeds.split(",") if s]).start()
     ft = FaultTolerant(rt, model, opt, batch_per_replica=a.batch, lr_scheduler=sched, grad_scaler=scaler,
-                       grad_hook=clip, after_step=ema.update, state={"ema": ema}, loop_timeout=None)
+                       grad_hook=clip, after_step=ema.update, state={"ema": ema}, loop_timeout=None,
+                       min_replicas=a.min_replicas)
     data = Samples()
     loader = StepLoader(ft, data, num_workers=a.loader_workers) if a.loader_workers else None
     stop = {"flag": False}

@@ -43,8 +43,10 @@ def run(tmp: Path, extra: list[str], after_rejoin: int = 15) -> RecipeReplicas:
     try:
         for k in range(2):
             rs.spawn_witness(k)
+        rs.extra = extra + ["--min-replicas", "3"]   # the first three start together (group formation)
         for i in range(3):
             rs.spawn(i, f"r{i}-0")
+        rs.extra = extra
         rs.wait(lambda: all(rs.last_step(f"r{i}-0") >= 10 for i in range(3)), 120, "10 steps on every replica")
         rs.procs["r1-0"].send_signal(signal.SIGKILL)
         rs.procs["r1-0"].wait(timeout=5)

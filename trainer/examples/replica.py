@@ -9,6 +9,12 @@ Run it as it is, e.g. three replicas on one machine::
 Each commit is appended to ``--stats`` as one JSON line (time, step, role, contributors,
 epoch), plus a state digest every ``--digest-every`` steps, so a harness can check that
 replicas at the same step hold bitwise-identical weights.
+
+``--steps N`` declares the job's end (``total_steps``): the replicas meet at the end barrier
+and exit together, and a replica started after that exits 0 at once, saying so. Exit codes: 0
+done (or stopped by SIGTERM/SIGINT), 2 a bad option or a job declared otherwise, 3 the job's
+progress is lost (no peer and no checkpoint holds its high-water step; see
+``--allow-restart-from-scratch``).
 """
 from __future__ import annotations
 
@@ -18,6 +24,7 @@ import os
 import signal
 import sys
 import time
+from typing import Any
 
 from p2pft.replica_args import add_replica_args, require_replica_id
 
@@ -56,6 +63,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--pause-at-step", type=int, default=0,
                    help="at this committed step, step out for --pause-s seconds (ft.pause): the others go on")
     p.add_argument("--pause-s", type=float, default=0.0, help="length of the pause of --pause-at-step (s)")
+    p.add_argument("--allow-restart-from-scratch", action="store_true",
+                   help="when no peer and no checkpoint holds the job's furthest step, train again from this "
+                        "replica's state instead of refusing to start")
+    p.add_argument("--resume-grace", type=float, default=15.0,
+                   help="with no replica training and the job further than this replica's state, wait this "
+                        "long (s) for one that holds it before refusing (or, allowed, restarting)")
+    p.add_argument("--on-finished", choices=["exit", "wait"], default="exit",
+                   help="a replica that starts after the job finished exits 0 (exit) or waits for a further "
+                        "target (wait)")
+    p.add_argument("--initial-state", choices=["broadcast", "check", "off"], default="broadcast",
+                   help="at step 0 the participants take the leader's state (broadcast), or compare digests "
+                        "and fail on a difference (check)")
     p.add_argument("--hang-at-step", type=int, default=0,
                    help="fault injection: at this committed step the training loop hangs (the process "
                         "keeps gossiping) until SIGTERM")
@@ -102,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     from p2pft.log import setup_logging
     from p2pft.trainer.metrics import StepMetrics
     from p2pft.trainer import FaultTolerant
-    from p2pft.trainer.ft import StepTimeout, Stopped
+    from p2pft.trainer.ft import InitialStateMismatch, JobConfigError, MissingStateError, StepTimeout, Stopped
     from p2pft.trainer.progress import Progress
     from p2pft.trainer.data import TextDataset
     from p2pft.trainer.model import build_mlp_for_params, model_config_for
@@ -122,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(args.seed)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    eval_loss = None
     if args.mlp_params:
         model = build_mlp_for_params(args.mlp_params).to(device)
         width = model[0].in_features
@@ -140,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
 
         held_out = data.batch(list(range(len(data) - 32, len(data)))).to(device)
 
-        def eval_loss() -> float:
+        def eval_loss() -> float:  # type: ignore[misc]
             with torch.no_grad():
                 return float(model.loss(held_out))
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.99))
@@ -166,27 +186,60 @@ def main(argv: list[str] | None = None) -> int:
     ft = FaultTolerant(rt, model, opt, batch_per_replica=args.batch, nominal_replicas=args.replicas,
                        lr_policy=args.lr_policy, checkpoint_dir=args.checkpoint_dir,
                        checkpoint_every=args.checkpoint_every, state_rate_limit=args.state_rate_limit or None,
-                       loop_timeout=args.loop_timeout or None, step_timeout=args.step_timeout)
-    ft_box.append(ft)
+                       loop_timeout=args.loop_timeout or None, total_steps=args.steps or None,
+                       min_replicas=args.min_replicas, start_timeout=30.0, resume_grace=args.resume_grace,
+                       allow_restart_from_scratch=args.allow_restart_from_scratch, on_finished=args.on_finished,
+                       initial_state=args.initial_state, step_timeout=args.step_timeout)
     t_engine = time.time()
+    ft_box.append(ft)
     steps = StepMetrics.attach(rt, ft)   # per-step metrics; a no-op without --metrics-port
     progress = Progress(args.replica_id, mode=args.progress)
-    if args.min_replicas > 1 and ft.step == 0:
+    try:
         # The group forms before the start record, as a torch job's rendezvous does before its
-        # first step (the harness measures training from the start records). A replica the view
-        # already makes a joiner (a restart) has nobody to wait for, and must not: it is in the
-        # data plane, and the participants' allreduces need its loop running.
-        rt.wait_view(lambda v: len(v.participants) >= args.min_replicas
-                     or v.role_of(rt.node_id) == "joiner", timeout=30.0)
+        # first step (the harness measures training from the start records); a restart the view
+        # makes a joiner does not wait. The job's state is checked here (finished, progress lost).
+        ft.start()
+    except Stopped as exc:  # SIGTERM while forming, or the job already finished (JobFinished)
+        print(f"replica {args.replica_id}: {exc}", file=sys.stderr)
+        return _close(ft, rt, stats, 0)
+    except MissingStateError:  # logged as one ERROR naming the step
+        return _close(ft, rt, stats, 3)
+    except (JobConfigError, InitialStateMismatch):  # logged as one ERROR
+        return _close(ft, rt, stats, 2)
     stats.write({"t": time.time(), "kind": "start", "t_process": T_START, "t_imported": t_imported,
                  "t_model": t_model, "t_runtime": t_runtime, "t_engine": t_engine,
-                 "node": rt.node_id, "step": ft.step, "pid": os.getpid()})
+                 "node": rt.node_id, "step": ft.step, "pid": os.getpid(), "digest": ft.digest()})
     stats.flush()
     if args.go_file:
         go_deadline = time.monotonic() + 600
         while not os.path.exists(args.go_file) and time.monotonic() < go_deadline and not stop["flag"]:
             time.sleep(0.02)
     deadline = time.monotonic() + args.duration if args.duration else float("inf")
+    try:
+        _train(args, ft, rt, stats, progress, steps, loss_fn, eval_loss, stop, deadline)
+        if args.steps and ft.done and not stop["flag"]:
+            end = ft.finish()
+            stats.write({"t": time.time(), "kind": "event", "event": "finished", "step": end})
+    except Stopped:  # SIGTERM at begin(), commit() or finish(), or the job finished meanwhile
+        pass
+    except JobConfigError:  # logged as one ERROR
+        return _close(ft, rt, stats, 2)
+    except MissingStateError:  # every participant died while this one was behind them
+        return _close(ft, rt, stats, 3)
+    except StepTimeout as exc:  # nothing to commit for --step-timeout (e.g. a lone joiner)
+        print(f"replica {args.replica_id}: {exc}", file=sys.stderr)
+        stats.write({"t": time.time(), "kind": "exit", "step": ft.step, "error": "step_timeout"})
+        return _close(ft, rt, stats, 3)
+    progress.summary(ft.step)
+    # Mid catch-up the weights are neither the old step's nor the snapshot's: no digest then.
+    stats.write({"t": time.time(), "kind": "exit", "step": ft.step, "cursor": ft.cursor.state_dict(),
+                 **({"digest": ft.digest()} if ft.synced else {}), "data_counters": dict(rt.data.counters)})
+    return _close(ft, rt, stats, 0)
+
+
+def _train(args: argparse.Namespace, ft: Any, rt: Any, stats: Stats, progress: Any, steps: Any, loss_fn: Any,
+           eval_loss: Any, stop: dict[str, bool], deadline: float) -> None:
+    """The training loop: until the job's end (``--steps``), ``--duration``, or a stop."""
     last_epoch = -1
     paused = False
     first_view_written = False
@@ -197,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
             stats.write({**ev, "kind": "event", "event": ev["kind"]})
             progress.event(ev)
         stats.flush()
-    while not stop["flag"] and time.monotonic() < deadline and (not args.steps or ft.step < args.steps):
+    while not stop["flag"] and time.monotonic() < deadline and not (args.steps and ft.done):
         if args.hang_at_step and ft.step >= args.hang_at_step:
             stats.write({"t": time.time(), "kind": "event", "event": "hang", "step": ft.step})
             stats.flush()
@@ -226,32 +279,24 @@ def main(argv: list[str] | None = None) -> int:
             loss_val = float(loss.detach())
         elif args.step_delay:
             time.sleep(args.step_delay)
-        try:
-            res = ft.commit()
-        except Stopped:
-            break
-        except StepTimeout as exc:
-            print(f"replica {args.replica_id}: {exc}", file=sys.stderr)
-            stats.write({"t": time.time(), "kind": "exit", "step": ft.step, "error": "step_timeout"})
-            stats.close()
-            ft.close()
-            rt.close(leave=True)
-            return 3
-        steps.observe_step(res)
+        res = ft.commit()
         if rt.view_log and not first_view_written:  # start-up phases (bench/startup.py)
             first_view_written = True
             stats.write({"t": time.time(), "kind": "first_view", "t_view": rt.view_log[0][0]})
+        steps.observe_step(res)
         view = rt.view
         progress.step(res, view.epoch if view else None, loss_val)
         rec = {"t": time.time(), "step": res.step, "c": int(res.committed), "role": res.role,
                "n": res.contributors, "r": res.retries, "e": view.epoch if view else 0}
+        if ft.is_leader:
+            rec["lead"] = 1
         if res.fast_forwarded:
             rec["ff"] = res.fast_forwarded
         if res.trained:
             rec["tr"] = res.trained
         if loss_val is not None and args.loss_every and res.committed and res.step % args.loss_every == 0:
             rec["loss"] = loss_val
-        if res.committed and args.eval_every and not args.mlp_params and res.step % args.eval_every == 0:
+        if res.committed and args.eval_every and eval_loss is not None and res.step % args.eval_every == 0:
             rec["eval"] = eval_loss()
         if res.committed and args.digest_every and res.step % args.digest_every == 0:
             rec["digest"] = ft.digest()
@@ -263,14 +308,13 @@ def main(argv: list[str] | None = None) -> int:
             ev = ft.events.popleft()
             stats.write({**ev, "kind": "event", "event": ev["kind"]})
             progress.event(ev)
-    progress.summary(ft.step)
-    # Mid catch-up the weights are neither the old step's nor the snapshot's: no digest then.
-    stats.write({"t": time.time(), "kind": "exit", "step": ft.step, "cursor": ft.cursor.state_dict(),
-                 **({"digest": ft.digest()} if ft.synced else {}), "data_counters": dict(rt.data.counters)})
+
+
+def _close(ft: Any, rt: Any, stats: Stats, code: int) -> int:
     stats.close()
     ft.close()
     rt.close(leave=True)
-    return 0
+    return code
 
 
 if __name__ == "__main__":
