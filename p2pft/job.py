@@ -35,6 +35,7 @@ class Trainer:
     step: int                    # the step its status was set at
     target: JobTarget | None
     allow_scratch: bool
+    stalled: bool = False        # its loop stopped beating: it is left out, and cannot train from its state
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +58,7 @@ class JobPlanner:
         self._headless_since: float | None = None
         self._done_since: float | None = None
         self._refused_at: int | None = None   # high water of the refusal last logged
+        self._resume_said: tuple[int, int] | None = None   # (high water, step) of the resume last logged
 
     def next_state(self, cur: View, trainers: list[Trainer], high_water: int, headless: bool,
                    now: float) -> JobState:
@@ -112,8 +114,9 @@ class JobPlanner:
         Otherwise nobody trains, and the trainers refuse, naming the step (trainer/job.py)."""
         if self._headless_since is None:
             self._headless_since = now
-        # A paused trainer holds the committed state of its step, so it counts here.
-        held = [t for t in trainers if t.status in HOLDS_COMMITTED and t.step >= 0]
+        # A paused trainer holds the committed state of its step, so it counts here; one whose
+        # loop is wedged holds a state nobody can train from.
+        held = [t for t in trainers if t.status in HOLDS_COMMITTED and t.step >= 0 and not t.stalled]
         best = max((t.step for t in held), default=None)
         if best is None:
             return None, high_water
@@ -122,6 +125,9 @@ class JobPlanner:
         if now - self._headless_since < RESUME_GRACE_S:
             return None, high_water
         if best > 0 or any(t.allow_scratch for t in held):
+            if self._resume_said == (high_water, best):   # said once, not at every tick while headless
+                return best, best
+            self._resume_said = (high_water, best)
             self.stats["resumed_below_high_water"] += 1
             log.warning("no replica holds step %d any more: resuming from step %d (%s)", high_water, best,
                         "a checkpoint" if best > 0 else "allow_restart_from_scratch", extra={"node": self.me})

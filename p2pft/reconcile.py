@@ -86,7 +86,8 @@ class ViewPlanner:
         observed = [m.step for m in g.members.values() if m.meta.kind is Kind.TRAINER
                     and (m.state in (ALIVE, SUSPECT) or cur.member(m.node) is not None)]
         hw = max([self.high_water, cur.high_water, head or 0, step] + observed)
-        trainers = [Trainer(m.node, m.meta.start, m.meta.status, m.meta.step, m.meta.target, m.meta.allow_scratch)
+        trainers = [Trainer(m.node, m.meta.start, m.meta.status, m.meta.step, m.meta.target, m.meta.allow_scratch,
+                            stalled=self._loop_stalled(m, now))
                     for _, m in newest.values() if m.meta.kind is Kind.TRAINER]
         job = self.job.next_state(cur, trainers, hw, head is None, now)
         self.high_water = job.high_water

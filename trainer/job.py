@@ -251,8 +251,8 @@ class JobLife:
         `resume_grace` for a replica holding some state, then refuse to train a new model
         under the job's name (or, allowed, let the leader resume from here)."""
         o = self.job
-        if view.participants or view.high_water <= self.step:
-            return view
+        if view.participants or view.paused or view.high_water <= self.step:
+            return view   # someone trains, or holds the committed state while it steps out
         if self.step > 0:
             log.info("the job reached step %d and no replica trains now; offering this replica's step %d",
                      view.high_water, self.step)
@@ -261,8 +261,9 @@ class JobLife:
         log.info("the job reached step %d and no replica trains now; waiting up to %g s for one that holds it",
                  view.high_water, o.resume_grace)
         grace = min(deadline, time.monotonic() + o.resume_grace)
-        v = self._wait(lambda v: bool(v.participants) or v.finished is not None, grace, "a participant", fail=False)
-        if v.participants or v.finished is not None:
+        v = self._wait(lambda v: bool(v.participants or v.paused) or v.finished is not None, grace, "a participant",
+                       fail=False)
+        if v.participants or v.paused or v.finished is not None:
             return self._check_finished(v, deadline)
         if not o.allow_restart_from_scratch:
             log.error("the job reached step %d, but no running replica holds it and this replica has no checkpoint: "
@@ -374,7 +375,7 @@ class JobLife:
             self._ended = view.finished
             raise JobFinished(view.finished, view.target)
         self._check_target(view)
-        if not view.participants and view.high_water > self.step:
+        if not view.participants and not view.paused and view.high_water > self.step:
             # Every participant died since we joined (as a joiner, behind them): the same check
             # as at the start, so that nobody trains on from an older state without being told.
             self._check_high_water(view, time.monotonic() + self.job.start_timeout)

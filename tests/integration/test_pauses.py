@@ -96,7 +96,11 @@ def test_joiner_catches_up_while_the_others_are_paused(tmp_path: Path) -> None:
           f"(snapshot of step {done['snapshot_step']})")
 
 
-def test_lone_joiner_backs_off_and_raises_step_timeout(tmp_path: Path) -> None:
+def test_lone_joiner_whose_only_holder_is_wedged_gives_up_without_spinning(tmp_path: Path) -> None:
+    """The only replica holding the job's state has a wedged loop (left out, still gossiping):
+    a fresh replica cannot train from it and must not train a new model from step 0. It waits
+    its bounded grace without spinning, then refuses with one ERROR naming the step (exit 3);
+    the leader neither resumes from the wedged replica nor repeats its warning at every tick."""
     rs = Replicas(tmp_path, 2, list(FAST), witnesses=2)  # voters enough to elect a leader without r0
     rs.spawn_witness(0)
     rs.spawn_witness(1)
@@ -105,25 +109,21 @@ def test_lone_joiner_backs_off_and_raises_step_timeout(tmp_path: Path) -> None:
     rs.wait(lambda: _event(rs, "r0", "hang") is not None, 50, "r0's loop to hang")
     rs.wait(lambda: any("has not run for" in (tmp_path / f"w{k}.log").read_text() for k in range(2)), 20,
             "the leader to leave r0 out")
-    rs.extra = [*FAST, "--step-timeout", "8"]
+    rs.extra = [*FAST, "--step-timeout", "8", "--resume-grace", "6"]
+    t0 = time.time()
     rs.spawn(1, "r1")
     try:
         rs.wait(lambda: rs.procs["r1"].poll() is not None, 45, "the lone joiner to give up", allow_exit=("r1",))
     finally:
         rcs = rs.stop_all()
+    alive = time.time() - t0
     assert rcs["r1"] == 3, rcs
-    recs = records(rs.stats["r1"])
-    start = next(r for r in recs if r.get("kind") == "start")
-    end = next(r for r in recs if r.get("kind") == "exit")
-    assert end.get("error") == "step_timeout", end
-    alive = end["t"] - start["t"]
-    assert 7.0 <= alive <= 25.0, alive
-    calls = len(steps(rs.stats["r1"]))
-    assert calls / alive < 2.0, f"{calls} commit() returns in {alive:.1f} s: the lone joiner spun"
+    assert alive <= 40.0, alive
+    assert not steps(rs.stats["r1"]), "the lone replica trained a step: a new model under the job's name"
     log = (tmp_path / "r1.log").read_text()
-    assert "no view to commit step" in log
-    assert log.count("nobody contributes") <= 2, log[-3000:]
+    errors = [ln for ln in log.splitlines() if " ERROR " in ln]
+    assert len(errors) == 1 and "refusing to train from step 0" in errors[0], errors
     leaders = "".join((tmp_path / f"w{k}.log").read_text() for k in range(2))
-    assert leaders.count("no replica holds step") <= 2, "the leader repeated its resume warning at every tick"
-    print(f"\nlone joiner: StepTimeout after {alive:.1f} s, {calls} commit() returns, "
-          f"{log.count('nobody contributes')} 'nobody contributes' line(s)")
+    assert "resuming from step" not in leaders, "the leader resumed from a replica whose loop is wedged"
+    assert leaders.count("none has a checkpoint") <= 2, "the leader repeated its refusal at every tick"
+    print(f"\nlone joiner: refused after {alive:.1f} s: {errors[0].split(': ', 1)[-1][:120]}")
