@@ -71,7 +71,7 @@ class Entry:
 
 @dataclass
 class StepResult:
-    """What one ``commit()`` did (see the README's table of fields)."""
+    """What one ``commit()`` did (docs/runtime.md lists the fields)."""
 
     step: int                 # committed step count after this call
     committed: bool           # this call applied an optimizer update
