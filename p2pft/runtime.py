@@ -11,7 +11,7 @@ import asyncio
 import logging
 import threading
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from . import aio
 from .config import DEFAULT, Profile
@@ -20,8 +20,12 @@ from .driver import NodeServer
 from .log import set_context
 from .node import TRAINER_KIND
 from .meta import MemberMeta
+from .step import view_wait_after_failure
 from .transport.addr import advertised, data_bind_host, parse_hostport
 from .view import JobTarget, Member, Role, View
+
+if TYPE_CHECKING:
+    from .transport.server import DataServer
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +41,6 @@ class Runtime:
 
         rt = Runtime(replica_id="r0", listen="127.0.0.1:7000", seeds=["127.0.0.1:7001"]).start()
         view = rt.view                 # latest committed View, no round trip
-        comm = rt.communicator()       # data-plane group of that view's data epoch
     """
 
     def __init__(self, *, replica_id: str, listen: str = "127.0.0.1:0", seeds: list[str] | tuple[str, ...] = (),
@@ -72,14 +75,12 @@ class Runtime:
         self.advertise = advertise
         self.data_listen = data_listen
         self.advertise_data = advertise_data
-        self.data: Any = None                      # transport DataServer (shard 0 of this replica)
+        self.data: DataServer | None = None        # shard 0's data server (HSDP ranks have their own)
         self.server: NodeServer | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._view: View | None = None
         self._view_cv = threading.Condition()
-        self._comms: dict[tuple[int, int], Any] = {}
-        self._comm_lock = threading.Lock()
         self._started = threading.Event()
         self._start_error: BaseException | None = None
         self._closed = False
@@ -168,15 +169,6 @@ class Runtime:
             loop.call_soon_threadsafe(loop.stop)
         if self._thread is not None:
             self._thread.join(timeout)
-        with self._comm_lock:
-            comms = list(self._comms.values())
-            self._comms.clear()
-        for c in comms:
-            try:
-                c.abort("runtime closed")
-                c.close()
-            except Exception:
-                pass
         if self.data is not None:
             self.data.close()
         if self.metrics is not None:
@@ -211,20 +203,13 @@ class Runtime:
         return self._closed
 
     def _on_view(self, view: View) -> None:
-        """Loop thread: publish the view, abort communicators it supersedes."""
-        old = self._view
+        """Loop thread: publish the view. The communicators it supersedes are the trainer's to
+        retire (trainer/comms.py follows the views and aborts them)."""
         self._view = view
         d = view.data_epoch
         self.view_log.append((time.time(), view.epoch, d))
         if len(self.view_log) > 10_000:
             del self.view_log[:5_000]
-        if old is None or d != old.data_epoch:
-            with self._comm_lock:
-                stale = [(k, c) for k, c in self._comms.items() if k[0] < d]
-                for k, _ in stale:
-                    del self._comms[k]
-            for _, c in stale:
-                c.abort(f"superseded by view e{view.epoch} (data epoch {d})")
         if self.probe is not None:
             self.probe.check_view(view)
         with self._view_cv:
@@ -256,47 +241,19 @@ class Runtime:
             return None
         return view.member(self.server.node.id)
 
+    @property
+    def failure_view_wait(self) -> float:
+        """How long a view that removes a failed peer may take (the failure detector's timing):
+        the trainer waits this long for one before asking for a fresh data epoch."""
+        return view_wait_after_failure(self.profile.suspicion_min)
+
     def member_step(self, node: str) -> int:
         n = self.server.node if self.server else None
         return n.member_step(node) if n else 0
 
-    # ------------------------------------------------------------------ data plane
-    def communicator(self, view: View | None = None, shard: int = 0, device: str = "cpu") -> Any:
-        """The communicator of the view's data epoch for this shard (built once, cached), for
-        tensors on `device` ('cpu' or 'cuda': picks the backend with this runtime's data_plane)."""
-        from .transport.backend import choose_backend
-        view = view if view is not None else self._view
-        if view is None:
-            raise RuntimeStartError("no committed view yet")
-        d = view.data_epoch
-        key = (d, shard)
-        with self._comm_lock:
-            comm = self._comms.get(key)
-            if comm is not None and comm.failed is None:
-                return comm
-        try:
-            rank = view.data_rank(self.node_id)
-        except ValueError as exc:
-            raise RuntimeStartError(str(exc)) from None
-        if comm is not None:
-            comm.close()
-        comm = self.data.communicator(d, shard, rank, view.shard_addrs(shard), timeout=self.comm_timeout,
-                                      backend=choose_backend(self.data_plane, device))
-        with self._comm_lock:
-            if (self._view or view).data_epoch > d:
-                comm.abort("superseded before first use")
-            self._comms[key] = comm
-        return comm
-
-    def abort_communicators(self, reason: str) -> None:
-        """Abort every cached communicator (unblocks an allreduce in flight)."""
-        with self._comm_lock:
-            comms = list(self._comms.values())
-        for c in comms:
-            c.abort(reason)
-
     # ------------------------------------------------------------------ into the control loop
-    def _call(self, fn: Callable[[float], None]) -> None:
+    def _call(self, fn: Callable[[float], None], poke: bool = True) -> None:
+        """Run `fn(now)` on the control loop: the one path from other threads into the node."""
         loop, server = self._loop, self.server
         if loop is None or server is None or self._closed:
             return
@@ -304,7 +261,8 @@ class Runtime:
         def run() -> None:
             if server.node is not None and not server.closing:
                 fn(time.monotonic())
-                server.poke()
+                if poke:
+                    server.poke()
         loop.call_soon_threadsafe(run)
 
     def report_failure(self, node: str, certain: bool = False) -> None:
@@ -362,17 +320,12 @@ class Runtime:
         """Committed step count, carried on every gossip probe."""
         self._step = step
         set_context(step=step)
-        n = self.server.node if self.server else None
-        if n is not None:
-            n.set_step(step)  # two int assignments: safe from this thread
+        # Through the loop like every other call; it sends nothing by itself (probes carry it).
+        self._call(lambda now: self.server.node.set_step(step), poke=False)  # type: ignore[union-attr]
 
     @property
     def status(self) -> str:
         return self._status
-
-    def stats(self) -> dict[str, Any]:
-        s = self.server
-        return {"counters": dict(s.counters) if s else {}, "node": dict(s.node.stats) if s and s.node else {}}
 
 
 __all__ = ["Runtime", "RuntimeStartError", "Member", "Role", "View"]

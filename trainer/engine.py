@@ -123,7 +123,8 @@ class StepEngine:
         # The backend of every communicator, from the data plane asked for (argument, else the
         # runtime's, else $P2PFT_DATA_PLANE) and the step buffer's device: an impossible 'nccl'
         # fails here, before this rank serves state or opens its side channel.
-        plane = data_plane_from(data_plane if data_plane is not None else getattr(runtime, "data_plane", None))
+        plane = (data_plane_from(data_plane) if data_plane is not None
+                 else runtime.data_plane if runtime is not None else data_plane_from(None))
         dev = self.buf.flat.device
         self.backend = choose_backend(plane, dev.type)
         self.comms = ShardComms(data_server, self.shard, comm_timeout, backend=self.backend,

@@ -13,7 +13,7 @@ from collections import deque
 from typing import Any, Callable
 
 from ..runtime import Runtime
-from ..step import FRESH_EPOCH_WAIT_S, NEXT_VIEW_WAIT_S, view_wait_after_failure
+from ..step import FRESH_EPOCH_WAIT_S, NEXT_VIEW_WAIT_S
 from .attempt import Verdict
 
 log = logging.getLogger("p2pft.trainer.engine")
@@ -71,7 +71,7 @@ def recover(rt: Runtime, view: Any, bad: list[Verdict], step: int, deadline: flo
     if not any(v.comm for v in bad):
         rt.wait_view(newer, NEXT_VIEW_WAIT_S, loop_timeout=loop_timeout)
         return
-    wait = left(view_wait_after_failure(rt.profile.suspicion_min))
+    wait = left(rt.failure_view_wait)
     if rt.wait_view(newer, wait, loop_timeout=loop_timeout) is None and not stopping():
         say(log, logging.WARNING, "fresh", "no new view after a failure on data epoch %d; asking for a fresh "
             "data epoch", d)
