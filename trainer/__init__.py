@@ -7,10 +7,11 @@ importable on their own.
 from __future__ import annotations
 
 from .cursor import DataCursor
+from .diloco import DiLoCo, DiLoCoResult
 from .ft import FaultTolerant, StepResult, StepTimeout, Stopped
 from .loader import StepLoader
 from .lr import LRPolicy, lr_scale
 from .state import capture, restore, state_digest
 
-__all__ = ["FaultTolerant", "StepResult", "StepTimeout", "Stopped", "StepLoader", "DataCursor", "LRPolicy", "lr_scale",
+__all__ = ["DiLoCo", "DiLoCoResult", "FaultTolerant", "StepResult", "StepTimeout", "Stopped", "StepLoader", "DataCursor", "LRPolicy", "lr_scale",
            "capture", "restore", "state_digest"]
