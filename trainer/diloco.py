@@ -17,7 +17,6 @@ from __future__ import annotations
 import copy
 import logging
 import threading
-import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -163,7 +162,7 @@ class DiLoCo(StepEngine):
             res = self._sync_now()
             self._fresh = True
             self._base = self.step
-            return DiLoCoResult(self.inner_step, self.step, False, res_fragment(res, self), res)
+            return DiLoCoResult(self.inner_step, self.step, False, _fragment_of(res, self), res)
         self.inner_step_fn(1)
         self._k += 1
         self.inner_steps_run += 1
@@ -300,7 +299,7 @@ class DiLoCo(StepEngine):
         super().close()
 
 
-def res_fragment(res: StepResult, dl: DiLoCo) -> int | None:
+def _fragment_of(res: StepResult, dl: DiLoCo) -> int | None:
     """The fragment of the sync a result committed (None when it committed nothing)."""
     return dl.schedule.fragment(res.step - 1) if res.committed and res.step > 0 else None
 
