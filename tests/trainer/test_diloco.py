@@ -87,7 +87,7 @@ def run_replicas(syncs: int, kw: dict[str, Any]) -> tuple[list[list[list[tuple[i
 
 
 def reference(trained: list[list[list[tuple[int, int]]]], h: int, fragments: int, overlap: int,
-              alpha: float) -> list[torch.Tensor]:
+              alpha: float, bf16: bool = False) -> list[torch.Tensor]:
     """The paper's algorithm, from the ranges each replica trained at each sync."""
     glob = net()
     params = list(glob.parameters())
@@ -112,7 +112,10 @@ def reference(trained: list[list[list[tuple[int, int]]]], h: int, fragments: int
         for p in params:
             p.grad = None
         for n, j in enumerate(groups[f]):
-            params[j].grad = (pseudo[0][n] + pseudo[1][n]) / 2
+            if bf16:  # what crosses the ring: each pseudo-gradient in bf16, summed in bf16
+                params[j].grad = (pseudo[0][n].bfloat16() + pseudo[1][n].bfloat16()).float() / 2
+            else:
+                params[j].grad = (pseudo[0][n] + pseudo[1][n]) / 2
         outer.step()
         with torch.no_grad():
             for m in local:
@@ -122,15 +125,17 @@ def reference(trained: list[list[list[tuple[int, int]]]], h: int, fragments: int
     return [p.detach() for p in params]
 
 
-@pytest.mark.parametrize("kw", [dict(sync_every=3), dict(sync_every=4, fragments=2, overlap=1, alpha=0.5)],
-                         ids=["diloco", "streaming"])
+@pytest.mark.parametrize("kw", [dict(sync_every=3), dict(sync_every=4, fragments=2, overlap=1, alpha=0.5),
+                                dict(sync_every=3, compression="bf16")],
+                         ids=["diloco", "streaming", "bf16"])
 def test_diloco_matches_the_algorithm_in_plain_pytorch(kw: dict[str, Any]) -> None:
     syncs = 4
     trained, got = run_replicas(syncs, kw)
     assert all(len(t) == syncs for t in trained)
     flat = sorted(r for t in trained for rs in t for r in rs)
     assert flat[0][0] == 0 and all(a[1] == b[0] for a, b in zip(flat, flat[1:])), "samples not exactly once"
-    want = reference(trained, kw["sync_every"], kw.get("fragments", 1), kw.get("overlap", 0), kw.get("alpha", 0.0))
+    want = reference(trained, kw["sync_every"], kw.get("fragments", 1), kw.get("overlap", 0), kw.get("alpha", 0.0),
+                     kw.get("compression") == "bf16")
     diff = max(float((a - b).abs().max()) for a, b in zip(got, want))
     # bitwise: with two replicas the ring's sum a + b is the reference's, whatever the order
     assert diff == 0.0, f"global weights differ from the plain PyTorch algorithm by {diff}"
