@@ -95,7 +95,6 @@ class DiLoCo(StepEngine):
         self.inner_scheduler = lr_scheduler
         self._sched_steps = 0
         self._groups = split_fragments(self._gparams, fragments)
-        self._frag_of = {i: f for f, g in enumerate(self._groups) for i in g}
         self.bufs = self._fragment_buffers(max_slots)
         self.buf = self.bufs[0]
         self.codecs = [PseudoGradCodec(self.codec_kind, b.grad_numel, b.flat.device) for b in self.bufs]
