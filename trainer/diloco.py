@@ -65,7 +65,9 @@ class DiLoCo(StepEngine):
                  outer_grad_hook: GradHook | None = None, state: dict[str, Stateful] | None = None,
                  max_slots: int = 256, recent_keep: int = 2, replay_cap_bytes: int = 2 << 30,
                  step_timeout: float = 120.0, state_rate_limit: float | None = None,
-                 loop_timeout: float | None = 60.0, data_plane: str | None = None) -> None:
+                 loop_timeout: float | None = 120.0, data_plane: str | None = None) -> None:
+        # loop_timeout: the leader leaves out a replica whose loop is silent this long; a sync
+        # may wait in the ring up to comm_timeout, which DiLoCo needs longer than a step's.
         self.schedule = FragmentSchedule(sync_every, fragments, overlap, alpha)
         self.codec_kind = Compression.parse(compression)
         if not callable(outer_optimizer):
@@ -90,6 +92,9 @@ class DiLoCo(StepEngine):
                          lr_scheduler=outer_lr_scheduler(outer) if outer_lr_scheduler is not None else None,
                          grad_hook=outer_grad_hook, state=state, data_plane=data_plane)
         self.batch = batch_per_replica
+        # A joiner answers each sync at once and a fast replica reaches it early: both wait in
+        # the ring for the others' span, so a new ring may take up to comm_timeout to connect.
+        self.comms.connect_timeout = self.comm_timeout
         self.inner_step_fn = OptimizerStep(inner_optimizer, lr_policy="none", lr_scheduler=lr_scheduler,
                                            grad_scaler=grad_scaler, grad_hook=grad_hook, after_step=after_step)
         self.inner_scheduler = lr_scheduler

@@ -46,9 +46,11 @@ class DiLoCoReplicas(ProcessSet):
         return steps(self.stats[name])
 
     def kill(self, name: str) -> float:
+        """SIGKILL `name`; the time just before the signal (survivors may react before the reap)."""
+        t = time.time()
         self.procs[name].send_signal(signal.SIGKILL)
         self.procs[name].wait(timeout=5)
-        return time.time()
+        return t
 
 
 def _kept_all(rs: DiLoCoReplicas, name: str) -> None:
