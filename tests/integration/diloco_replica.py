@@ -21,12 +21,18 @@ from p2pft.log import setup_logging
 from p2pft.trainer import DiLoCo, Stopped
 
 WIDTH = 16
+LR = 1e-2
 
 
 def sample(i: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(i)
     x = torch.randn(WIDTH, generator=g)
     return x, torch.tanh(x.flip(0) * 2)
+
+
+def build() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(WIDTH, 32), torch.nn.Tanh(), torch.nn.Linear(32, WIDTH))
 
 
 def main() -> int:
@@ -46,10 +52,9 @@ def main() -> int:
     p.add_argument("--log-level", default="INFO")
     a = p.parse_args()
     setup_logging(a.log_level)
-    torch.manual_seed(0)
     torch.set_num_threads(1)
-    model = torch.nn.Sequential(torch.nn.Linear(WIDTH, 32), torch.nn.Tanh(), torch.nn.Linear(32, WIDTH))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model = build()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
     rt = Runtime(replica_id=a.replica_id, listen=a.listen, seeds=[s for s in a.seeds.split(",") if s]).start()
     dl = DiLoCo(rt, model, opt, sync_every=a.sync_every, batch_per_replica=a.batch, fragments=a.fragments,
                 overlap=a.overlap, alpha=a.alpha, compression=a.compression, loop_timeout=None)
@@ -93,6 +98,9 @@ def main() -> int:
         while dl.events:
             ev = dl.events.popleft()
             out.write(json.dumps({**ev, "kind": "event", "event": ev["kind"]}) + "\n")
+    if dl.synced:   # the global weights at the last committed sync, for the oracle
+        torch.save({"syncs": dl.step, "weights": [p.detach() for p in dl.global_model.parameters()]},
+                   a.stats + ".final.pt")
     out.close()
     dl.close()
     rt.close(leave=True)
