@@ -1,4 +1,4 @@
-"""One-shot check of the GPU paths, for a machine with at least one CUDA device (< 5 minutes).
+"""One-shot check of the GPU paths, for a machine with at least one CUDA device (< 7 minutes).
 
     python bench/gpu_check.py [--json results/gpu_check.json] [--tmp DIR]
 
@@ -10,8 +10,14 @@ With one GPU:
     and a kernel launched right after it sees the finished sum;
   * replicas_tcp_cuda: 3 replicas of the example job sharing the GPU (`--device cuda
     --data-plane tcp`), one SIGKILLed and restarted: it catches up and every digest at equal
-    steps is equal.
+    steps is equal;
+  * replicas_auto_one_gpu: the same under `--data-plane auto`: NCCL refuses two ranks on one GPU,
+    so the communicators must fall back to the TCP ring (device identities compared) and train.
 With two or more GPUs, also:
+  * nccl_lost_before_first: rank 1 of a two-GPU NCCL communicator SIGKILLed between init and its
+    first collective: rank 0 gets a CommError within its 5 s timeout (bounded connect);
+  * nccl_close_during_stuck: close() while a collective waits on an idle peer returns at once
+    (ncclCommAbort, not ncclCommDestroy) and the collective raises CommAborted;
   * nccl_vs_torch: bus bandwidth of p2pft's NCCL allreduce against torch.distributed's NCCL, in
     the same processes (one per GPU), 64 and 256 MiB;
   * replicas_nccl: one replica per GPU (up to 3) with `--data-plane nccl`, a kill and a catch-up.
@@ -297,6 +303,85 @@ def check_bandwidth(ngpu: int, tmp: Path) -> dict[str, Any]:
             "ok": rcs == [0] * ngpu and len(res) == ngpu and all(r["sum_ok"] for r in res)}
 
 
+# ---------------------------------------------------------------------------- NCCL failure cases (2 GPUs)
+def case_worker(case: str, rank: int, tmp: Path) -> None:
+    """One rank of a two-GPU failure case: its result as JSON in tmp/<case>-<rank>.json."""
+    import torch
+    from p2pft.transport import CommError, DataServer
+
+    torch.cuda.set_device(rank)
+    ds = DataServer("127.0.0.1", 0)
+    (tmp / f"{case}-addr{rank}").write_text(ds.addr)
+    other = tmp / f"{case}-addr{1 - rank}"
+    while not other.exists():
+        time.sleep(0.05)
+    peers = [ds.addr, other.read_text()] if rank == 0 else [other.read_text(), ds.addr]
+    c = ds.communicator(1, 0, rank, peers, backend="nccl", timeout=5.0, connect_timeout=30.0)
+    out: dict[str, Any] = {}
+    c.wait_init(120)
+    (tmp / f"{case}-inited{rank}").write_text("1")
+    if rank == 1:
+        time.sleep(60)          # killed (lost_before_first) or idle (close_during) until the parent stops it
+        return
+    x = torch.ones(MiB, device="cuda")
+    if case == "lost_before_first":
+        time.sleep(1.0)         # the parent kills rank 1 meanwhile
+        t0 = time.time()
+        try:
+            c.allreduce(x)
+            out["error"] = None
+        except CommError as e:
+            out["error"] = type(e).__name__
+        out["raised_after_s"] = time.time() - t0
+    else:                       # close_during: a collective stuck on rank 1, closed from another thread
+        errs: list[str] = []
+        th = threading.Thread(target=lambda: errs.append(_try(lambda: c.allreduce(x, timeout=60.0))))
+        th.start()
+        time.sleep(1.0)
+        t0 = time.time()
+        c.close()
+        out["close_s"] = time.time() - t0
+        th.join(10)
+        out["op_returned"] = not th.is_alive()
+        out["error"] = errs[0] if errs else None
+    c.close()
+    (tmp / f"{case}-0.json").write_text(json.dumps(out))
+
+
+def _try(fn: Callable[[], Any]) -> str:
+    try:
+        fn()
+        return "none"
+    except Exception as e:  # noqa: BLE001 - the class is the result
+        return type(e).__name__
+
+
+def check_nccl_case(case: str, tmp: Path) -> dict[str, Any]:
+    """lost_before_first: rank 1 SIGKILLed between init and its first collective, rank 0 must get a
+    CommError within its 5 s timeout; close_during: close() during a collective stuck on rank 1
+    must return at once (abort, not destroy)."""
+    procs = [spawn_child([sys.executable, __file__, "--case", case, "--bw-worker", str(r), "--tmp", str(tmp)],
+                         stdout=subprocess.DEVNULL, stderr=open(tmp / f"{case}-{r}.log", "wb"))
+             for r in range(2)]
+    try:
+        end = time.time() + 150
+        while not all((tmp / f"{case}-inited{r}").exists() for r in range(2)):
+            if time.time() > end or any(p.poll() is not None for p in procs):
+                raise RuntimeError(f"init did not finish: {(tmp / f'{case}-0.log').read_text()[-1500:]}")
+            time.sleep(0.1)
+        if case == "lost_before_first":
+            procs[1].kill()
+        procs[0].wait(60)
+        out = json.loads((tmp / f"{case}-0.json").read_text())
+    finally:
+        terminate(procs, grace=5)
+    if case == "lost_before_first":
+        out["ok"] = out["error"] is not None and out["raised_after_s"] < 8.0
+    else:
+        out["ok"] = out["close_s"] < 2.0 and out["op_returned"] and out["error"] == "CommAborted"
+    return out
+
+
 # ---------------------------------------------------------------------------- main
 def _summary(name: str, r: dict[str, Any]) -> str:
     keys = [k for k, v in r.items() if isinstance(v, float)]
@@ -314,7 +399,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bw-worker", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--world", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--case", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.bw_worker is not None and args.case:
+        case_worker(args.case, args.bw_worker, Path(args.tmp))
+        return 0
     if args.bw_worker is not None:
         bw_worker(args.bw_worker, args.world, Path(args.tmp), args.port)
         return 0
@@ -337,9 +426,12 @@ def main(argv: list[str] | None = None) -> int:
         ("nccl_one_rank", check_nccl_one_rank),
         ("stream_order", check_stream_order),
         ("replicas_tcp_cuda", lambda: check_replicas(["cuda:0"] * 3, "tcp", tmp)),
+        ("replicas_auto_one_gpu", lambda: check_replicas(["cuda:0"] * 3, "auto", tmp)),
     ]
     if ngpu >= 2:
-        checks += [("nccl_vs_torch", lambda: check_bandwidth(ngpu, tmp)),
+        checks += [("nccl_lost_before_first", lambda: check_nccl_case("lost_before_first", tmp)),
+                   ("nccl_close_during_stuck", lambda: check_nccl_case("close_during", tmp)),
+                   ("nccl_vs_torch", lambda: check_bandwidth(ngpu, tmp)),
                    ("replicas_nccl", lambda: check_replicas([f"cuda:{i}" for i in range(min(3, ngpu))], "nccl", tmp))]
     for name, fn in checks:
         t0 = time.time()

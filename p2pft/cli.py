@@ -36,13 +36,13 @@ def _env(name: str, default: str | None = None) -> str | None:
 
 
 def parse_seeds(text: str | None) -> list[str]:
-    from .driver import parse_hostport
+    from .transport.addr import parse_hostport
     seeds = [s.strip() for s in (text or "").split(",") if s.strip()]
     for s in seeds:
         try:
-            parse_hostport(s)
+            parse_hostport(s, "--seeds entry")
         except ValueError as exc:
-            raise CliError(f"bad --seeds entry: {exc}") from None
+            raise CliError(f"bad {exc}") from None
     return seeds
 
 
@@ -55,20 +55,21 @@ def _secret(args: argparse.Namespace) -> bytes | None:
 
 # ---------------------------------------------------------------------- peer
 def cmd_peer(args: argparse.Namespace) -> int:
-    from .driver import NodeServer, parse_hostport
+    from .driver import NodeServer
+    from .transport.addr import parse_hostport
     listen = args.listen or _env("LISTEN")
     if not listen:
         raise CliError("--listen HOST:PORT is required (or set P2PFT_LISTEN)")
     try:
-        parse_hostport(listen)
+        parse_hostport(listen, "--listen")
     except ValueError as exc:
-        raise CliError(f"bad --listen: {exc}") from None
+        raise CliError(f"bad {exc}") from None
     advertise = args.advertise or _env("ADVERTISE")
     if advertise:
         try:
-            parse_hostport(advertise)
+            parse_hostport(advertise, "--advertise")
         except ValueError as exc:
-            raise CliError(f"bad --advertise: {exc}") from None
+            raise CliError(f"bad {exc}") from None
     seeds = parse_seeds(args.seeds if args.seeds is not None else _env("SEEDS"))
     replica_id = args.replica_id or _env("REPLICA_ID")
     listen, advertise, seeds, replica_id, metrics_port = _placement(args, listen, advertise, seeds, replica_id)
@@ -131,10 +132,10 @@ def _metrics_port(value: str | None, listen: str) -> str | None:
     """--metrics-port (or P2PFT_METRICS_PORT), checked before anything starts."""
     if not value:
         return None
-    from .driver import parse_hostport
     from .metrics import parse_metrics_addr
+    from .transport.addr import parse_hostport
     try:
-        parse_metrics_addr(value, parse_hostport(listen)[0])
+        parse_metrics_addr(value, parse_hostport(listen).host)
     except ValueError as exc:
         raise CliError(f"bad --metrics-port: {exc}") from None
     return value
@@ -142,11 +143,12 @@ def _metrics_port(value: str | None, listen: str) -> str | None:
 
 # ---------------------------------------------------------------------- members
 def cmd_members(args: argparse.Namespace) -> int:
-    from .driver import admin_error, admin_request, parse_hostport
+    from .driver import admin_error, admin_request
+    from .transport.addr import parse_hostport
     try:
-        parse_hostport(args.peer)
+        parse_hostport(args.peer, "--peer")
     except ValueError as exc:
-        raise CliError(f"bad --peer: {exc}") from None
+        raise CliError(f"bad {exc}") from None
     secret = _secret(args)
     try:
         report = aio.run(admin_request(args.peer, "admin.members", secret=secret, timeout=args.timeout))

@@ -35,6 +35,7 @@ from .log import set_context
 from .meta import Kind, Status
 from .node import Node, WITNESS_KIND
 from .observe import Observer
+from .transport.addr import is_wildcard, join_hostport, parse_hostport, reachable_host
 from .transport.wire import source_address
 from .view import View
 from .wire import DEFAULT_MAX_FRAME, FrameDecoder, ReplayGuard, WireError, encode
@@ -48,20 +49,6 @@ CONNECT_TIMEOUT = 1.0
 DRAIN_TIMEOUT = 2.0       # a peer that does not read for this long loses its connection (drain_timeout=)
 REPLAY_WINDOW = 30.0      # accepted send-time skew of control frames, seconds (replay_window=)
 REJECT_LOG_EVERY = 5.0    # seconds between two log lines about the same kind of rejected connection
-
-
-def parse_hostport(text: str) -> tuple[str, int]:
-    """'host:port' -> (host, port), with a clear ValueError."""
-    host, sep, port = text.rpartition(":")
-    if not sep or not host:
-        raise ValueError(f"expected HOST:PORT, got {text!r}")
-    try:
-        p = int(port)
-    except ValueError:
-        raise ValueError(f"port in {text!r} is not a number") from None
-    if not 0 <= p <= 65535:
-        raise ValueError(f"port in {text!r} is out of range")
-    return host.strip("[]"), p
 
 
 class _Peer:
@@ -127,8 +114,7 @@ class _Peer:
                     eof.cancel()
                     writer.close()
         finally:
-            if self.server._peers.get(self.addr) is self:
-                del self.server._peers[self.addr]
+            self.server.peer_gone(self)
 
 
     async def _check_refused(self, host: str, port: int) -> None:
@@ -157,10 +143,12 @@ class NodeServer:
                  max_participants: int | None = None) -> None:
         self.listen = listen
         self.max_participants = max_participants
-        self.host, self.port = parse_hostport(listen)
+        self.host, self.port = parse_hostport(listen, "listen address")
         if advertise:
-            parse_hostport(advertise)
+            parse_hostport(advertise, "advertised address")
         self.advertise = advertise or None
+        # A wildcard bind is never advertised: peers get this host's address towards the seeds.
+        self.reach_host = reachable_host(self.host, toward=seeds or ()) if is_wildcard(self.host) else None
         self.max_inbound = int(max_inbound)
         self.idle_timeout = float(idle_timeout)
         self.drain_timeout = float(drain_timeout)
@@ -194,12 +182,12 @@ class NodeServer:
     @property
     def addr(self) -> str:
         """The address peers use to reach this node (the advertised one, if any)."""
-        return self.advertise or f"{self.host}:{self.port}"
+        return self.advertise or join_hostport(self.reach_host or self.host, self.port)
 
     @property
     def bound_addr(self) -> str:
         """The address this node actually listens on."""
-        return f"{self.host}:{self.port}"
+        return join_hostport(self.host, self.port)
 
     def open_connection(self, host: str, port: int) -> Any:
         """asyncio.open_connection from this node's own IP when it binds a specific one."""
@@ -224,8 +212,13 @@ class NodeServer:
         self._timer = asyncio.get_running_loop().create_task(self._timer_loop())
         self._flush()
         log.info("listening on %s%s as %s (seeds: %s)", self.bound_addr,
-                 f" (advertised as {self.advertise})" if self.advertise else "", self.node.id,
+                 f" (advertised as {self.addr})" if self.addr != self.bound_addr else "", self.node.id,
                  ",".join(self.seeds) or "none", extra={"node": self.node.id})
+
+    def peer_gone(self, peer: "_Peer") -> None:
+        """A peer's connection task ended: forget it (a newer one for the address stays)."""
+        if self._peers.get(peer.addr) is peer:
+            del self._peers[peer.addr]
 
     async def stop(self, leave: bool = True, timeout: float = 1.0) -> None:
         if self.closing:

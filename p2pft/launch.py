@@ -33,6 +33,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
+from .transport.addr import is_wildcard, join_hostport, parse_hostport, reachable_host
+
 log = logging.getLogger(__name__)
 
 MAX_HOSTS = 100_000        # a hostlist expanding to more than this is refused (a typo like [1-9999999])
@@ -312,8 +314,6 @@ def env_int(env: Mapping[str, str], name: str) -> int | None:
 
 
 # ---------------------------------------------------------------------- precedence
-_WILDCARDS = {"0.0.0.0", "::", ""}
-
 
 def cluster_args(*, seeds_from: str | None, listen: str, advertise: str | None, seeds: Sequence[str],
                  replica_id: str | None, role: str, seed_port: int | None = None,
@@ -326,9 +326,8 @@ def cluster_args(*, seeds_from: str | None, listen: str, advertise: str | None, 
     the listen port is the job's base port: the process listens on base + port offset."""
     if not seeds_from or seeds_from == "none":
         return ClusterArgs(listen, advertise, list(seeds), replica_id)
-    from .driver import parse_hostport
     env = os.environ if env is None else env
-    host, base = parse_hostport(listen)
+    host, base = parse_hostport(listen, "--listen")
     if base == 0:
         raise LaunchError(f"--seeds-from {seeds_from} needs a fixed listen port (got {listen!r}): every process "
                           "of the job must know where the seeds listen")
@@ -341,11 +340,12 @@ def cluster_args(*, seeds_from: str | None, listen: str, advertise: str | None, 
     port = base + p.port_offset
     if port > 65535:
         raise LaunchError(f"listen port {base} + offset {p.port_offset} is out of range")
-    listen_out = f"{_bracket(host)}:{port}"
+    listen_out = join_hostport(host, port)
+    out_seeds = list(seeds) or [join_hostport(h, sport) for h in p.seed_hosts[:max_seeds]]
     adv = advertise
-    if adv is None and host in _WILDCARDS:
-        adv = f"{_bracket(p.host or socket.getfqdn())}:{port}"
-    out_seeds = list(seeds) or [f"{_bracket(h)}:{sport}" for h in p.seed_hosts[:max_seeds]]
+    if adv is None and is_wildcard(host):
+        # the scheduler's name for this host, else this host's address towards the seeds
+        adv = join_hostport(p.host or reachable_host(host, toward=out_seeds), port)
     log.info("%s placement: replica id %s, seeds %s, listen %s%s", p.scheduler, replica_id or p.replica_id,
              ",".join(out_seeds), listen_out, f" advertised as {adv}" if adv else "")
     return ClusterArgs(listen_out, adv, out_seeds, replica_id or p.replica_id, p)
@@ -373,19 +373,20 @@ def cluster_args_from(ns: Any, *, listen: str, advertise: str | None, seeds: Seq
 def data_addrs(ca: ClusterArgs, data_listen: str | None, advertise_data: str | None) -> tuple[str | None, str | None]:
     """The data port's listen and advertised addresses under a scheduler: the same port offset
     as the control port, and the placement's host when it listens on a wildcard address.
-    Without a scheduler, or with no --data-listen, they are returned unchanged."""
+    Without a scheduler, or with no --data-listen, they are returned unchanged (the runtime
+    then binds the control address's host and advertises what peers can reach)."""
     if ca.placement is None or not data_listen:
         return data_listen, advertise_data
-    from .driver import parse_hostport
-    host, base = parse_hostport(data_listen)
+    host, base = parse_hostport(data_listen, "--data-listen")
     if base == 0:
         return data_listen, advertise_data
     port = base + ca.placement.port_offset
     if port > 65535:
         raise LaunchError(f"data port {base} + offset {ca.placement.port_offset} is out of range")
-    if advertise_data is None and host in _WILDCARDS:
-        advertise_data = f"{_bracket(ca.placement.host or socket.getfqdn())}:{port}"
-    return f"{_bracket(host)}:{port}", advertise_data
+    if advertise_data is None and is_wildcard(host):
+        advertise_data = join_hostport(ca.placement.host or reachable_host(host, advertise=ca.advertise,
+                                                                           toward=ca.seeds), port)
+    return join_hostport(host, port), advertise_data
 
 
 def offset_port(ca: ClusterArgs, value: str | None) -> str | None:
@@ -393,16 +394,14 @@ def offset_port(ca: ClusterArgs, value: str | None) -> str | None:
     that several processes on one host do not collide."""
     if ca.placement is None or not value or not ca.placement.port_offset:
         return value
-    host, sep, port = str(value).rpartition(":")
+    text = str(value)
+    if text.isdigit():
+        return str(int(text) + ca.placement.port_offset)
     try:
-        moved = int(port) + ca.placement.port_offset
+        hp = parse_hostport(text, "--metrics-port")
     except ValueError:
         return value   # the caller's own check reports it
-    return f"{host}{sep}{moved}"
-
-
-def _bracket(host: str) -> str:
-    return f"[{host}]" if ":" in host else host
+    return join_hostport(hp.host, hp.port + ca.placement.port_offset)
 
 
 __all__ = ["add_launch_args", "cluster_args_from", "data_addrs", "offset_port", "env_int", "ClusterArgs", "LaunchError", "Placement", "Scheduler", "SEEDS_FROM_CHOICES", "cluster_args", "detect",

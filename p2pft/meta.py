@@ -7,7 +7,8 @@ wire keys exist only in ``to_wire``/``from_wire``: they keep frames small at 1,0
 ``r`` replica id, ``d`` data addresses (comma-joined), ``k`` kind, ``sh`` shard count, ``s`` status,
 ``t0`` process start stamp, ``st`` committed step when the status was set, ``lt`` loop timeout,
 ``rb`` a failed data epoch for which a fresh one is requested, ``mp`` the most participants the
-job plans for (more trainers than that are hot spares).
+job plans for (more trainers than that are hot spares), ``du`` the members whose data address
+this trainer has not reached for longer than the bound (see p2pft/reach.py).
 """
 from __future__ import annotations
 
@@ -36,6 +37,8 @@ class Status(str, enum.Enum):
     FRESH = "fresh"         # just started, with its own state at ``step`` (a checkpoint or a new
                             # model): current only if that is exactly the cluster's step
     LEAVING = "leaving"     # on its way out: left out of the next view
+    PAUSED = "paused"       # stepped out for a while (evaluation, a checkpoint): off the data plane,
+                            # holding the committed state of ``step``
 
     def __str__(self) -> str:
         return self.value
@@ -55,6 +58,7 @@ class MemberMeta:
     loop_timeout: float | None = None         # longest the training loop may go without a beat
     data_epoch_request: int | None = None     # a failed data epoch: asks the leader for a fresh one
     max_participants: int | None = None       # planned participants; trainers beyond it are spares
+    data_unreachable: tuple[str, ...] = ()    # members alive on gossip whose data port we cannot reach
     _wire: dict[str, Any] | None = field(default=None, init=False, repr=False, compare=False)
 
     def to_wire(self) -> dict[str, Any]:
@@ -73,6 +77,8 @@ class MemberMeta:
                 w["rb"] = self.data_epoch_request
             if self.max_participants is not None:
                 w["mp"] = self.max_participants
+            if self.data_unreachable:
+                w["du"] = list(self.data_unreachable)
             object.__setattr__(self, "_wire", w)
         return w
 
@@ -94,13 +100,16 @@ class MemberMeta:
             key, hit = None, None
         if hit is not None:
             return hit
-        k, s, lt, rb, mp = d.get("k"), d.get("s"), d.get("lt"), d.get("rb"), d.get("mp")
+        k, s, lt, rb, mp, du = d.get("k"), d.get("s"), d.get("lt"), d.get("rb"), d.get("mp"), d.get("du")
+        if du is not None and not (isinstance(du, (list, tuple)) and all(isinstance(x, str) for x in du)):
+            raise TypeError("data_unreachable is not a list of node ids")
         meta = cls(replica_id=str(d.get("r", "")), data_addrs=split_addrs(d.get("d", "")),
                    kind=None if k is None else _enum(Kind, k), shards=int(d.get("sh", 1)),
                    status=None if s is None else _enum(Status, s), start=float(d.get("t0", 0.0)),
                    step=int(d.get("st", -1)), loop_timeout=None if lt is None else float(lt),
                    data_epoch_request=None if rb is None else int(rb),
-                   max_participants=None if mp is None else int(mp))
+                   max_participants=None if mp is None else int(mp),
+                   data_unreachable=tuple(du or ())[:64])
         if key is not None:
             if len(_decoded) >= _DECODED_MAX:
                 _decoded.clear()

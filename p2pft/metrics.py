@@ -6,23 +6,23 @@ or ``Runtime(metrics_port=...)`` turns it on. Every process has its own ``Collec
 
 The control and data planes are read at scrape time (pull-style collectors over the counters
 the driver, the node and the data server keep anyway): nothing is written on their hot paths
-for metrics. Only the trainer's per-step values are pushed, once per step, by ``StepMetrics``.
+for metrics. Only the trainer's per-step values are pushed, once per step, by
+``p2pft.trainer.metrics.StepMetrics`` (trainer code: it reads a ``StepResult``).
 Names and units follow Prometheus conventions; the table is in docs/operations.md.
 """
 from __future__ import annotations
 
 import logging
-import statistics
 import time
-from collections import deque
 from typing import TYPE_CHECKING, Any, Iterator, Protocol
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import start_http_server
 from prometheus_client.registry import Collector
 
 from .observe import family, rejected_counts
+from .view import Role
 
 if TYPE_CHECKING:
     from .driver import NodeServer
@@ -36,29 +36,25 @@ class Runtime(Protocol):
 
 log = logging.getLogger(__name__)
 
-ROLES = ("participant", "joiner", "witness")
+ROLES = tuple(r.value for r in Role)
 STATES = ("alive", "suspect", "dead", "left")
-STEP_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
-STALL_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
-CATCHUP_BUCKETS = (0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
-HEALTHY_KEEP = 32              # recent healthy step times: the baseline a stall is measured against
 CONNECTION_REJECTS = ("inbound_evicted", "idle_closed", "slow_reader_closed")
 
 
 def parse_metrics_addr(text: str | int, listen_host: str) -> tuple[str, int]:
     """'9100' or 'HOST:9100' -> (host, port). A bare port binds the host of --listen, so a
     peer on loopback serves its metrics on loopback and one on 0.0.0.0 everywhere."""
+    from .transport.addr import parse_hostport
     raw = str(text).strip()
-    host, sep, port_s = raw.rpartition(":")
-    if not sep:
-        host, port_s = listen_host, raw
-    try:
-        port = int(port_s)
-    except ValueError:
-        raise ValueError(f"metrics port {raw!r} is not a number (PORT or HOST:PORT)") from None
-    if not 0 <= port <= 65535:
+    if ":" in raw:
+        host, port = parse_hostport(raw, "metrics address")
+    else:
+        if not raw.isdigit():
+            raise ValueError(f"metrics port {raw!r} is not a number (PORT or HOST:PORT)")
+        host, port = listen_host, int(raw)
+    if port > 65535:
         raise ValueError(f"metrics port {port} is out of range")
-    return host.strip("[]") or "0.0.0.0", port
+    return host or "0.0.0.0", port
 
 
 class MetricsEndpoint:
@@ -93,11 +89,11 @@ class NodeCollector(Collector):
 
     def collect(self) -> Iterator[Any]:
         server, node = self.server, self.server.node
-        view = _wire(node.view) if node is not None and node.view is not None else None
+        view = node.view if node is not None else None
         yield _gauge("p2pft_view_epoch", "Epoch of the latest committed view this node holds.",
-                     view["epoch"] if view else 0)
+                     view.epoch if view else 0)
         yield _gauge("p2pft_view_data_epoch", "Data epoch of that view (communicators are tagged with it).",
-                     view.get("data_epoch", view["epoch"]) if view else 0)
+                     view.data_epoch if view else 0)
         when = server.view_wall_time
         yield _gauge("p2pft_view_age_seconds", "Seconds since this node received its latest committed view.",
                      time.time() - when if when else 0.0)
@@ -106,10 +102,10 @@ class NodeCollector(Collector):
         counts = {(r, s): 0 for r in ROLES for s in STATES}
         high = 0
         if view and node is not None:
-            for m in view["members"]:
-                state = "alive" if m["node"] == node.id else node.member_state(m["node"])
-                counts[(m["role"], state)] = counts.get((m["role"], state), 0) + 1
-                high = max(high, node.member_step(m["node"]))
+            for m in view.members:
+                state = "alive" if m.node == node.id else node.member_state(m.node)
+                counts[(m.role.value, state)] = counts.get((m.role.value, state), 0) + 1
+                high = max(high, node.member_step(m.node))
         for (role, state), n in sorted(counts.items()):
             members.add_metric([role, state], n)
         yield members
@@ -178,125 +174,6 @@ class DataCollector(Collector):
 
 
 # ---------------------------------------------------------------------- trainer (push, per step)
-class StepMetrics:
-    """Per-step values of one replica, fed by its training loop: ``observe_step(result)`` after
-    every ``commit()`` (a ``StepResult``). Built disabled when the process serves no metrics, so
-    the loop calls it unconditionally; disabled, a call is one attribute test."""
-
-    def __init__(self, registry: CollectorRegistry | None = None, trainer: Any = None) -> None:
-        self.enabled = registry is not None
-        self.trainer = trainer
-        self._last: float | None = None
-        self._healthy: deque[float] = deque(maxlen=HEALTHY_KEEP)
-        self._prev_contributors = 0
-        self._catchup_t0: float | None = None
-        if registry is None:
-            return
-        r = registry
-        self.step = Gauge("p2pft_committed_step", "Committed step count of this replica.", registry=r)
-        self.step_seconds = Histogram("p2pft_step_seconds", "Wall seconds per training step (commit to commit).",
-                                      buckets=STEP_BUCKETS, registry=r)
-        self.steps = Counter("p2pft_steps", "Step outcomes: committed (an optimizer update applied) or not.",
-                             ["outcome"], registry=r)
-        self.retries = Counter("p2pft_step_retries", "Failed allreduce attempts retried in a later view.",
-                               registry=r)
-        self.fast_forwards = Counter("p2pft_fast_forwarded_steps", "Steps applied from a peer's log "
-                                     "(commits this replica missed).", registry=r)
-        self.contributors = Gauge("p2pft_step_contributors", "Replicas whose gradients were in the last "
-                                  "committed mean.", registry=r)
-        self.role = Gauge("p2pft_replica_role", "1 for this replica's role at its last step.", ["role"], registry=r)
-        self.stall = Histogram("p2pft_failure_stall_seconds", "Survivor stall per failure: extra seconds of a step "
-                               "that lost a contributor or retried, over the recent healthy median.",
-                               buckets=STALL_BUCKETS, registry=r)
-        self.catchups = Counter("p2pft_catchups", "Catch-ups this replica completed (snapshot pulled, log "
-                                "replayed).", registry=r)
-        self.catchup_seconds = Histogram("p2pft_catchup_seconds", "Seconds from losing sync to being caught up.",
-                                         buckets=CATCHUP_BUCKETS, registry=r)
-        self.catchup_bytes = Counter("p2pft_catchup_bytes", "Bytes of model and optimizer state restored by "
-                                     "catch-ups.", registry=r)
-        self.catching_up = Gauge("p2pft_catchup_in_progress", "1 while this replica catches up.", registry=r)
-        for role in ROLES[:2]:
-            self.role.labels(role).set(0)
-        self.steps.labels("committed")
-        self.steps.labels("not_committed")
-        if trainer is not None:
-            self.catching_up.set_function(lambda: 0 if getattr(trainer, "synced", True) else 1)
-
-    @classmethod
-    def attach(cls, rt: "Runtime | None", trainer: Any = None) -> "StepMetrics":
-        """Step metrics in `rt`'s registry (disabled when `rt` serves none: rt is None on the
-        non-zero ranks of an HSDP replica). A trainer with a data server of its own (HSDP)
-        gets its data-plane collector registered too."""
-        endpoint = getattr(rt, "metrics", None)
-        if endpoint is None:
-            return cls(None)
-        ds = getattr(trainer, "ds", None)
-        if ds is not None and ds is not getattr(rt, "data", None):
-            endpoint.registry.register(DataCollector(ds))
-        return cls(endpoint.registry, trainer)
-
-    def observe_step(self, result: Any, seconds: float | None = None) -> None:
-        """One step's outcome; `seconds` defaults to the time since the previous call."""
-        if not self.enabled:
-            return
-        now = time.monotonic()
-        if seconds is None and self._last is not None:
-            seconds = now - self._last
-        self._last = now
-        self.step.set(result.step)
-        self.steps.labels("committed" if result.committed else "not_committed").inc()
-        if result.retries:
-            self.retries.inc(result.retries)
-        if result.fast_forwarded:
-            self.fast_forwards.inc(result.fast_forwarded)
-        for role in ROLES[:2]:
-            self.role.labels(role).set(1 if result.role == role else 0)
-        if result.committed:
-            self.contributors.set(result.contributors)
-        if seconds is not None:
-            self.step_seconds.observe(seconds)
-            self._observe_stall(result, seconds)
-        self._observe_catchup(now)
-
-    def _observe_stall(self, result: Any, seconds: float) -> None:
-        if result.role != "participant" or not result.committed:
-            return
-        lost = 0 < result.contributors < self._prev_contributors
-        self._prev_contributors = result.contributors
-        if result.retries or lost:
-            base = statistics.median(self._healthy) if self._healthy else 0.0
-            self.stall.observe(max(0.0, seconds - base))
-        else:
-            self._healthy.append(seconds)
-
-    def _observe_catchup(self, now: float) -> None:
-        synced = getattr(self.trainer, "synced", True)
-        if not synced and self._catchup_t0 is None:
-            self._catchup_t0 = now
-        elif synced and self._catchup_t0 is not None:
-            self.catchups.inc()
-            self.catchup_seconds.observe(now - self._catchup_t0)
-            self.catchup_bytes.inc(state_bytes(self.trainer))
-            self._catchup_t0 = None
-
-
-def state_bytes(trainer: Any) -> int:
-    """Bytes of this process's model parameters, buffers and optimizer tensors: what a catch-up
-    snapshot carries (the local shards, for a sharded model)."""
-    model, opt = getattr(trainer, "model", None), getattr(trainer, "opt", None)
-    tensors: list[Any] = []
-    if model is not None:
-        tensors += list(model.parameters()) + list(model.buffers())
-    if opt is not None:
-        for st in opt.state.values():
-            tensors += [v for v in st.values() if hasattr(v, "element_size")]
-    total = 0
-    for t in tensors:
-        local = t.to_local() if hasattr(t, "to_local") else t
-        total += local.numel() * local.element_size()
-    return total
-
-
 # ---------------------------------------------------------------------- wiring
 def serve_node_metrics(server: "NodeServer", port: str | int) -> MetricsEndpoint:
     """The metrics of a witness peer (`p2pft peer --metrics-port`)."""
@@ -318,10 +195,6 @@ def serve_runtime_metrics(rt: "Runtime", port: str | int) -> MetricsEndpoint:
     return endpoint
 
 
-def _wire(view: Any) -> dict[str, Any]:
-    return view.to_wire() if hasattr(view, "to_wire") else view
-
-
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
     return GaugeMetricFamily(name, doc, value=value)
 
@@ -330,5 +203,5 @@ def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
     return CounterMetricFamily(name.removesuffix("_total"), doc, value=value)
 
 
-__all__ = ["DataCollector", "MetricsEndpoint", "NodeCollector", "StepMetrics", "parse_metrics_addr",
-           "serve_node_metrics", "serve_runtime_metrics", "state_bytes"]
+__all__ = ["DataCollector", "MetricsEndpoint", "NodeCollector", "ROLES", "STATES", "parse_metrics_addr",
+           "serve_node_metrics", "serve_runtime_metrics"]

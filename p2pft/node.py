@@ -184,6 +184,14 @@ class Node:
         self.gossip.update_meta(now, data_epoch_request=int(failed_data_epoch))
         self._hello(now)
 
+    def set_data_unreachable(self, nodes: tuple[str, ...], now: float) -> None:
+        """Trainer: the members whose data address it has not reached for longer than the bound
+        although gossip says they are alive; the leader leaves them out (see p2pft/reach.py)."""
+        if tuple(nodes) != self.gossip.meta.data_unreachable:
+            self.gossip.update_meta(now, data_unreachable=tuple(nodes))
+            self._hello(now)
+            self._pump(now)
+
     def _check_own_loop(self, now: float) -> None:
         """A leader cannot leave itself out of the view: when its own training loop has stalled
         past the timeout it declared, it steps down and stops campaigning, so that another

@@ -22,6 +22,8 @@ from collections import Counter, deque
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Protocol
 
+from .view import Role, View
+
 
 class NodeServer(Protocol):
     """What the observer reads of the driver's ``NodeServer`` (a protocol: no import back)."""
@@ -29,7 +31,7 @@ class NodeServer(Protocol):
     seeds: list[str]
     node: Any
     counters: Any
-    on_view: list[Callable[[Any], None]]
+    on_view: list[Callable[[View], None]]
 
     def members_report(self) -> dict[str, Any]: ...
 
@@ -63,11 +65,6 @@ class ClusterEvent:
 
     def to_wire(self) -> dict[str, Any]:
         return asdict(self)
-
-
-def _wire(view: Any) -> dict[str, Any]:
-    """A view as its wire dict (the node may hold either form)."""
-    return view.to_wire() if hasattr(view, "to_wire") else view
 
 
 class SeedWatch:
@@ -128,7 +125,7 @@ class Observer:
         self.seed_watch = SeedWatch(server.seeds)
         self.joiner_since: dict[str, float] = {}     # node -> wall time it became a joiner
         self._leader: str | None = None
-        self._prev: dict[str, Any] | None = None
+        self._prev: View | None = None
         server.on_view.append(self.on_view)
 
     # ------------------------------------------------------------------ driver hooks
@@ -146,31 +143,28 @@ class Observer:
         self.seed_watch.connect_failed(addr, exc)
 
     # ------------------------------------------------------------------ views
-    def on_view(self, view: Any) -> None:
-        cur = _wire(view)
+    def on_view(self, view: View) -> None:
         now = time.time()
         self.views_seen += 1
         prev = self._prev
-        self._prev = cur
-        members = {m["node"]: m for m in cur["members"]}
+        self._prev = view
+        e = view.epoch
         if prev is None:
-            self._add(now, "view", f"e{cur['epoch']}: first view here, {len(members)} member(s)")
+            self._add(now, "view", f"e{e}: first view here, {len(view.members)} member(s)")
         else:
-            before = {m["node"]: m for m in prev["members"]}
-            for n, m in members.items():
-                if n not in before:
-                    self._add(now, "joined", f"e{cur['epoch']}: {m['replica_id']} joined as {m['role']}")
-                elif before[n]["role"] != m["role"]:
-                    what = " (caught up)" if before[n]["role"] == "joiner" and m["role"] == "participant" else ""
-                    self._add(now, "role", f"e{cur['epoch']}: {m['replica_id']} {before[n]['role']} -> "
-                              f"{m['role']}{what}")
-            for n, m in before.items():
-                if n not in members:
-                    self._add(now, "removed", f"e{cur['epoch']}: {m['replica_id']} removed")
-        for n, m in members.items():
-            if m["role"] == "joiner":
-                self.joiner_since.setdefault(n, now)
-        for n in [n for n in self.joiner_since if members.get(n, {}).get("role") != "joiner"]:
+            for m in view.members:
+                was = prev.member(m.node)
+                if was is None:
+                    self._add(now, "joined", f"e{e}: {m.replica_id} joined as {m.role}")
+                elif was.role is not m.role:
+                    what = " (caught up)" if was.role is Role.JOINER and m.role is Role.PARTICIPANT else ""
+                    self._add(now, "role", f"e{e}: {m.replica_id} {was.role} -> {m.role}{what}")
+            for m in prev.members:
+                if view.member(m.node) is None:
+                    self._add(now, "removed", f"e{e}: {m.replica_id} removed")
+        for m in view.joiners:
+            self.joiner_since.setdefault(m.node, now)
+        for n in [n for n in self.joiner_since if view.role_of(n) is not Role.JOINER]:
             del self.joiner_since[n]
         self.check_leader()
 
@@ -198,7 +192,24 @@ class Observer:
         out["joiner_since"] = dict(self.joiner_since)
         out["events"] = [e.to_wire() for e in list(self.events)[-TOP_EVENTS:]]
         out["rejected"] = rejected_counts(server.counters)
+        out["unreachable"] = data_unreachable_report(node) if node is not None else []
         return out
+
+
+def data_unreachable_report(node: Any) -> list[dict[str, Any]]:
+    """Members that trainers alive on gossip name as unreachable on the data plane (they are
+    left out of the view meanwhile: see p2pft/reach.py), each with who names it."""
+    named: dict[str, list[str]] = {}
+    for g in node.gossip.members.values():
+        if g.state == "alive":
+            for n in g.meta.data_unreachable:
+                named.setdefault(n, []).append(g.meta.replica_id or g.node)
+    out = []
+    for n, by in sorted(named.items()):
+        g = node.gossip.members.get(n)
+        out.append({"node": n, "replica_id": (g.meta.replica_id if g else "") or _short(n),
+                    "data_addr": ",".join(g.meta.data_addrs) if g else "", "named_by": sorted(by)})
+    return out
 
 
 REJECT_KEYS = ("bad_message", "inbound_evicted", "idle_closed", "slow_reader_closed")

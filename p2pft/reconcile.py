@@ -16,6 +16,7 @@ from .gossip import Gossip, GossipMember
 from .messages import ALIVE, SUSPECT
 from .meta import Kind, Status
 from .raft import Raft
+from .reach import data_unreachable
 from .view import Member, Role, View
 
 log = logging.getLogger("p2pft.node")
@@ -23,6 +24,8 @@ log = logging.getLogger("p2pft.node")
 RESUME_GRACE_S = 5.0       # with no participant left, wait this long for one at the high-water step
 #: statuses of a trainer that holds a state it can train from (at its meta step)
 HOLDS_STATE = (Status.READY, Status.FRESH)
+#: ... and of one that holds the cluster's committed state while it steps out (a pause)
+HOLDS_COMMITTED = (Status.READY, Status.FRESH, Status.PAUSED)
 PROMOTE_SLACK_STEPS = 8    # a 'ready' joiner this close to the head is current (see desired)
 LEFT_KEEP = 128            # trainers recently left out of a view, carried in the view ("left")
 
@@ -58,8 +61,10 @@ class ViewPlanner:
         self.high_water = high_water
         self.voter_change: tuple[tuple[str, ...], float] | None = None  # (voter set, decided at)
         self._stalled: set[str] = set()        # trainers left out for a stalled loop (logged once)
+        self._unreachable: set[str] = set()    # trainers left out for an unreachable data port (logged)
         self._lt_seen: dict[str, float] = {}   # when it first saw a trainer's declared loop timeout
         self._headless_since: float | None = None
+        self._resume_said: tuple[int, int] | None = None
 
     def stop_leading(self) -> None:
         """No longer leader: drop the voter change in progress."""
@@ -86,17 +91,19 @@ class ViewPlanner:
         self.high_water = max([self.high_water, cur.high_water, head or 0, step] + observed)
         resume_at = None
         if head is None:
-            # Every participant is gone. Resume only from a replica at the high-water step, or,
+            # Every participant is gone (or paused: a paused trainer holds the committed state of
+            # its step, so it counts here). Resume only from a replica at the high-water step, or,
             # after a grace period for one to come back, from the best state anyone has (a disk
             # checkpoint), loudly: never silently from an older step.
             ready = [m.meta.step for _, m in newest.values()
-                     if m.meta.kind is Kind.TRAINER and m.meta.status in HOLDS_STATE]
+                     if m.meta.kind is Kind.TRAINER and m.meta.status in HOLDS_COMMITTED and m.meta.step >= 0]
             if self._headless_since is None:
                 self._headless_since = now
             best = max(ready, default=None)
             if best is not None and (best >= self.high_water or now - self._headless_since >= RESUME_GRACE_S):
                 resume_at = best
-                if best < self.high_water:
+                if best < self.high_water and self._resume_said != (self.high_water, best):
+                    self._resume_said = (self.high_water, best)  # once, not at every tick while headless
                     self.stats["resumed_below_high_water"] += 1
                     log.warning("no replica holds step %d any more: resuming from step %d", self.high_water, best,
                                 extra={"node": self.me})
@@ -107,8 +114,9 @@ class ViewPlanner:
         left = set(left_list)
         target = head if head is not None else resume_at   # the step a trainer must hold to train now
         chosen: list[tuple[GossipMember, Role]] = []
+        unreachable = data_unreachable(self.me, [m for _, m in newest.values()], self._unreachable)
         for _, m in newest.values():
-            if self._loop_stalled(m, now):
+            if self._loop_stalled(m, now) or m.node in unreachable:
                 continue
             prev = cur.member(m.node)
             status = m.meta.status
@@ -117,6 +125,15 @@ class ViewPlanner:
             at_target = status in HOLDS_STATE and m.meta.step == target and (head is None or m.node not in left)
             if m.meta.kind is Kind.WITNESS:
                 role = Role.WITNESS
+            elif status is Status.PAUSED:
+                # Stepped out (evaluation, a checkpoint): off the data plane, so the others commit
+                # without it and nobody waits for its data; it contributes nothing meanwhile.
+                role = Role.PAUSED
+            elif prev and prev.role is Role.PAUSED:
+                # Back from a pause: it checked before saying 'ready' that its last step is the
+                # others' (docs/runtime.md, "Pauses"); at the head it takes part at once, behind
+                # it fast-forwards or catches up as a joiner.
+                role = Role.PARTICIPANT if at_target else Role.JOINER
             elif prev and prev.role is Role.PARTICIPANT:
                 role = Role.JOINER if status is Status.JOINING else Role.PARTICIPANT
             elif prev and prev.role is Role.JOINER:
@@ -154,8 +171,8 @@ class ViewPlanner:
             since = prev.since if prev else epoch
             members.append(member_entry(m.node, m.addr, m.meta, role, slot, since))
         voters = tuple(cur.voters) if keep_voters else tuple(self._next_voters(cur, members, now))
-        data = sorted(m.node for m in members if m.role is not Role.WITNESS)
-        old = sorted(m.node for m in cur.members if m.role is not Role.WITNESS)
+        data = sorted(m.node for m in members if m.role.on_data_plane)
+        old = sorted(m.node for m in cur.members if m.role.on_data_plane)
         data_epoch = cur.data_epoch if data == old else epoch
         # A trainer whose communicator failed with nobody to exclude (a peer paused for less
         # than the failure timeout) asks for a fresh data epoch by naming the one that failed.
@@ -202,7 +219,9 @@ class ViewPlanner:
         """A trainer whose training loop has not beaten for longer than it declared."""
         lt = gm.meta.loop_timeout
         node = gm.node
-        if not lt or node == self.me:
+        if not lt or node == self.me or gm.meta.status is Status.PAUSED:
+            # A paused trainer is off the data plane: a long evaluation holds nobody up.
+            self._lt_seen.pop(node, None)
             return False
         # No beat from it yet (a new leader, or a loop that wedged before its first beat got
         # here): count from when this leader first saw the declaration.

@@ -11,6 +11,7 @@ import os
 
 from .launch import LaunchError, add_launch_args, cluster_args_from, data_addrs, offset_port
 from .log import log_level
+from .transport.addr import parse_hostport
 
 
 def add_replica_args(p: argparse.ArgumentParser, *, replicas: int, digest_every: int) -> None:
@@ -53,7 +54,7 @@ def require_replica_id(p: argparse.ArgumentParser, args: argparse.Namespace) -> 
         args.metrics_port = offset_port(ca, args.metrics_port)
         if args.metrics_port:
             from .metrics import parse_metrics_addr
-            parse_metrics_addr(args.metrics_port, ca.listen.rpartition(":")[0].strip("[]"))
+            parse_metrics_addr(args.metrics_port, parse_hostport(ca.listen, "--listen").host)
         if hasattr(args, "data_listen"):
             args.data_listen, args.advertise_data = data_addrs(ca, args.data_listen, args.advertise_data)
     except (LaunchError, ValueError) as exc:

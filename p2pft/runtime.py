@@ -15,9 +15,11 @@ from typing import Any, Callable
 
 from . import aio
 from .config import DEFAULT, Profile
+from .dataprobe import DataProbe
 from .driver import NodeServer
 from .log import set_context
 from .node import TRAINER_KIND
+from .transport.addr import advertised, data_bind_host, parse_hostport
 from .view import Member, Role, View
 
 log = logging.getLogger(__name__)
@@ -38,7 +40,7 @@ class Runtime:
     """
 
     def __init__(self, *, replica_id: str, listen: str = "127.0.0.1:0", seeds: list[str] | tuple[str, ...] = (),
-                 data_host: str = "127.0.0.1", data_addrs: list[str] | None = None, shards: int = 1,
+                 data_host: str | None = None, data_addrs: list[str] | None = None, shards: int = 1,
                  secret: bytes | None = None, profile: Profile = DEFAULT, comm_timeout: float = 10.0,
                  kind: str = TRAINER_KIND, status: str = "fresh", step: int = 0, advertise: str | None = None,
                  data_listen: str | None = None, advertise_data: str | None = None,
@@ -84,6 +86,7 @@ class Runtime:
         self.view_log: list[tuple[float, int, int]] = []   # (wall time, epoch, data_epoch), bounded
         self.metrics_port = metrics_port                   # PORT or HOST:PORT for /metrics (None: off)
         self.metrics: Any = None                           # p2pft.metrics.MetricsEndpoint once served
+        self.probe: DataProbe | None = None                # data-port reachability of failed peers
 
     # ------------------------------------------------------------------ lifecycle
     def start(self, timeout: float = 10.0) -> "Runtime":
@@ -93,9 +96,13 @@ class Runtime:
         from .transport.server import DataServer
         check_data_plane(self.data_plane)
         if self._extra_data_addrs is None:
-            host, port = (self.data_listen.rsplit(":", 1) if self.data_listen else (self.data_host, 0))
-            self.data = DataServer(host.strip("[]"), int(port), secret=self.secret)
-            data_addrs = [self.advertise_data or self.data.addr]
+            # The data port follows the control address's host unless told otherwise; a wildcard
+            # bind is advertised as the address peers can reach (never 0.0.0.0).
+            host, port = (parse_hostport(self.data_listen, "data listen address") if self.data_listen
+                          else (data_bind_host(self.listen, self.data_host), 0))
+            self.data = DataServer(host, port, secret=self.secret)
+            data_addrs = [self.advertise_data or advertised(self.data.addr, advertise=self.advertise,
+                                                            toward=self.seeds)]
         else:
             data_addrs = list(self._extra_data_addrs)
         self._thread = threading.Thread(target=self._run_loop, args=(",".join(data_addrs),),
@@ -124,6 +131,8 @@ class Runtime:
                             max_participants=self.max_participants)
         server.on_view.append(self._on_view)
         self.server = server
+        if data_addr:
+            self.probe = DataProbe(server, parse_hostport(data_addr.split(",")[0], "data address").host)
         try:
             loop.run_until_complete(server.start())
         except BaseException as exc:  # bind errors and the like: reported to start()
@@ -148,6 +157,8 @@ class Runtime:
         self._closed = True
         loop, server = self._loop, self.server
         if loop is not None and server is not None and loop.is_running():
+            if self.probe is not None:
+                loop.call_soon_threadsafe(self.probe.close)
             fut = asyncio.run_coroutine_threadsafe(server.stop(leave=leave), loop)
             try:
                 fut.result(timeout)
@@ -213,6 +224,8 @@ class Runtime:
                     del self._comms[k]
             for _, c in stale:
                 c.abort(f"superseded by view e{view.epoch} (data epoch {d})")
+        if self.probe is not None:
+            self.probe.check_view(view)
         with self._view_cv:
             self._view_cv.notify_all()
 
@@ -302,6 +315,8 @@ class Runtime:
             n.report_failure(node, now, certain)
             if not certain:
                 n.touch(node, now)
+                if self.probe is not None:   # alive on gossip but not on the data plane?
+                    self.probe.suspect(node)
         self._call(fn)
 
     def loop_beat(self, timeout: float) -> None:

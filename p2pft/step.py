@@ -179,6 +179,17 @@ NEXT_VIEW_WAIT_S = 0.2
 #: on the step) or "idle" (nobody contributed): short, so as not to spin on a busy host.
 RETRY_PAUSE_S = 0.005
 IDLE_PAUSE_S = 0.01
+#: Nobody contributes round after round (the others paused, or none there): the pause between
+#: rounds doubles up to this, so a replica that cannot make progress makes a few calls per
+#: second, not a hundred, until its step timeout.
+IDLE_BACKOFF_MAX_S = 0.5
+
+
+def idle_backoff(rounds: int) -> float:
+    """Seconds to wait after the `rounds`-th idle round in a row (1, 2, ...)."""
+    if rounds < 1:
+        return IDLE_PAUSE_S
+    return min(IDLE_BACKOFF_MAX_S, IDLE_PAUSE_S * 2.0 ** min(rounds - 1, 16))
 
 
 def view_wait_after_failure(suspicion_min_s: float) -> float:
@@ -187,4 +198,5 @@ def view_wait_after_failure(suspicion_min_s: float) -> float:
 
 
 __all__ = ["Action", "Decision", "Reduced", "ReplayLog", "decide", "view_wait_after_failure",
-           "FRESH_EPOCH_WAIT_S", "NEXT_VIEW_WAIT_S", "RETRY_PAUSE_S", "IDLE_PAUSE_S"]
+           "FRESH_EPOCH_WAIT_S", "NEXT_VIEW_WAIT_S", "RETRY_PAUSE_S", "IDLE_PAUSE_S", "IDLE_BACKOFF_MAX_S",
+           "idle_backoff"]

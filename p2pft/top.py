@@ -47,6 +47,7 @@ class Frame:
     catchups: list[tuple[str, float, int, int]]   # replica id, seconds as a joiner, its step, head step
     events: list[tuple[float, str]]               # (wall time, text), oldest first
     rejected: dict[str, int] = field(default_factory=dict)
+    unreachable: list[str] = field(default_factory=list)   # "r2 10.0.0.5:7300 (named by r0)"
     error: str | None = None                      # the last poll failed (the frame shows the one before)
 
 
@@ -64,7 +65,7 @@ def build_frame(peer: str, report: dict[str, Any], prev: dict[str, Any] | None) 
             rate = max(0.0, (int(m["step"]) - prev_steps[m["node"]]) / dt)
         rows.append(MemberRow(str(m["replica_id"]), m["node"], m["role"], m["state"], int(m["step"]), rate,
                               bool(m.get("voter")), m["addr"]))
-    rows.sort(key=lambda r: ({"participant": 0, "joiner": 1, "witness": 2}.get(r.role, 3), r.replica_id))
+    rows.sort(key=lambda r: ({"participant": 0, "joiner": 1, "paused": 2, "witness": 3}.get(r.role, 4), r.replica_id))
     head = max((r.step for r in rows if r.role == "participant"), default=0)
     since = report.get("joiner_since", {})
     catchups = [(r.replica_id, max(0.0, now - float(since.get(r.node, now))), r.step, head)
@@ -77,7 +78,9 @@ def build_frame(peer: str, report: dict[str, Any], prev: dict[str, Any] | None) 
                  term=int(report.get("term", 0)), leader_changes=int(report.get("leader_changes", 0)),
                  members=rows, catchups=catchups,
                  events=[(float(e["t"]), str(e["text"])) for e in report.get("events", [])][-EVENTS_SHOWN:],
-                 rejected={k: int(v) for k, v in report.get("rejected", {}).items() if v})
+                 rejected={k: int(v) for k, v in report.get("rejected", {}).items() if v},
+                 unreachable=[f"{u.get('replica_id')} {u.get('data_addr')} (named by {', '.join(u.get('named_by', []))})"
+                              for u in report.get("unreachable", [])])
 
 
 def _short(node: str) -> str:
@@ -120,6 +123,8 @@ def render_plain(f: Frame) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
     lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
     lines.append("catch-ups: " + ("; ".join(_catchup_text(c) for c in f.catchups) if f.catchups else "none"))
+    if f.unreachable:
+        lines.append("data port unreachable, left out: " + "; ".join(f.unreachable))
     if f.rejected:
         lines.append("rejected: " + ", ".join(f"{k}={v}" for k, v in sorted(f.rejected.items())))
     lines.append("recent events:")
@@ -136,7 +141,7 @@ def render_rich(f: Frame) -> Any:
     table = Table(title=_header(f), title_justify="left", expand=False)
     for c in COLUMNS:
         table.add_column(c, justify="right" if c in ("step", "steps/s") else "left")
-    colors = {"participant": "green", "joiner": "yellow", "witness": "cyan"}
+    colors = {"participant": "green", "joiner": "yellow", "paused": "magenta", "witness": "cyan"}
     for r in f.members:
         cells = list(_cells(r))
         style = "red" if r.state != "alive" else colors.get(r.role, "")
@@ -147,6 +152,8 @@ def render_rich(f: Frame) -> Any:
     parts.append(table)
     parts.append(Text("catch-ups: " + ("; ".join(_catchup_text(c) for c in f.catchups) if f.catchups else "none"),
                       style="yellow" if f.catchups else ""))
+    if f.unreachable:
+        parts.append(Text("data port unreachable, left out: " + "; ".join(f.unreachable), style="bold red"))
     if f.rejected:
         parts.append(Text("rejected: " + ", ".join(f"{k}={v}" for k, v in sorted(f.rejected.items())), style="red"))
     parts.append(Text("recent events:", style="bold"))
@@ -196,12 +203,13 @@ def _with_error(f: Frame, error: str) -> Frame:
 
 
 def run_top(args: argparse.Namespace, secret: bytes | None, fail: Callable[[str], Exception]) -> int:
-    from .driver import admin_error, admin_request, parse_hostport
+    from .driver import admin_error, admin_request
+    from .transport.addr import parse_hostport
     from .wire import WireError
     try:
-        parse_hostport(args.peer)
+        parse_hostport(args.peer, "--peer")
     except ValueError as exc:
-        raise fail(f"bad --peer: {exc}") from None
+        raise fail(f"bad {exc}") from None
     if args.interval <= 0:
         raise fail("--interval must be positive")
     if args.count < 0:

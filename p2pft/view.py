@@ -18,6 +18,11 @@ class Role(str, enum.Enum):
     PARTICIPANT = "participant"   # contributes gradients, holds a data slot
     JOINER = "joiner"             # on the data plane with zeros, catching up in the background
     WITNESS = "witness"           # control plane only (votes, gossips), no data plane
+    PAUSED = "paused"             # a trainer stepped out for a while: off the data plane, no slot
+
+    @property
+    def on_data_plane(self) -> bool:
+        return self is Role.PARTICIPANT or self is Role.JOINER
 
     def __str__(self) -> str:
         return self.value
@@ -106,9 +111,13 @@ class View:
         return [m for m in self.members if m.role is Role.JOINER]
 
     @property
+    def paused(self) -> list[Member]:
+        return [m for m in self.members if m.role is Role.PAUSED]
+
+    @property
     def data_members(self) -> list[Member]:
         """Members on the data plane (participants and joiners), in communicator rank order."""
-        return sorted((m for m in self.members if m.role is not Role.WITNESS), key=lambda m: m.node)
+        return sorted((m for m in self.members if m.role.on_data_plane), key=lambda m: m.node)
 
     def data_rank(self, node: str) -> int:
         """`node`'s rank in this view's communicators; ValueError when it is not on the data plane."""

@@ -36,6 +36,7 @@ class Attempt:
     donor: tuple[str, tuple[str, ...]] | None = None            # catch-up source: node, shard addresses
     sources: tuple[tuple[int, str, tuple[str, ...]], ...] = ()  # participants: slot, node, addresses
     slot_ranks: tuple[tuple[int, int], ...] = ()  # participants: slot, data rank (the ring's order)
+    behind: bool = False                          # a synced joiner whose donor holds a later step
 
     def peers(self, shard: int) -> list[str]:
         return [a[min(shard, len(a) - 1)] for a in self.addrs]

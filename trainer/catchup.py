@@ -28,6 +28,7 @@ from ..transport import CommError
 from ..transport.stream import StateSnapshot, fetch_state
 from .attempt import Entry
 from .donor import lower_thread_priority
+from .recovery import LogLimiter
 
 log = logging.getLogger(__name__)
 
@@ -66,24 +67,31 @@ class Catchup:
         self.e = engine
         self.lock = threading.Lock()
         self._cond = threading.Condition(self.lock)
+        # Held by a worker while it writes the replica's state: a worker stopped by a pause may
+        # still be restoring when the next one starts; they never write at once.
+        self._writing = threading.Lock()
         self.log: ReplayLog[Entry] = ReplayLog(replay_cap_bytes)
         self._gen = 0             # bumped by every start and hand-over: a stale worker stops
         self._worker_gen: int | None = None  # generation of the running worker, if any
         self._at_head = False     # restored and replayed everything logged so far
         self._held: int | None = None   # step of the snapshot restored by the worker
         self.donor: tuple[str, tuple[str, ...]] | None = None  # latest plan's choice
+        self._say = LogLimiter()  # a donor that keeps refusing must not fill the log
 
     # ------------------------------------------------------------------ training thread
-    def start(self, why: str) -> None:
+    def start(self, why: str, again: bool = False) -> None:
+        """Leave the synced state and catch up (`again`: start over when already catching up,
+        e.g. after a pause stopped the worker)."""
         e = self.e
         with self.lock:
-            if not e.synced:
+            if not e.synced and not again:
                 return
             e.synced = False
             self.log.clear()
             self._gen += 1
             self._at_head = False
             self._held = None
+            self._quiet = False
         if e.rt is not None:
             e.rt.set_status("joining", e.step)
         e.events.append({"t": time.time(), "kind": "catchup_start", "step": e.step, "why": why})
@@ -108,6 +116,7 @@ class Catchup:
             else:
                 self.log.append(entry, keep_from=self._held)
                 self._at_head = False
+                self._quiet = False
                 self._cond.notify_all()
                 if self._worker_gen != self._gen:
                     self._worker_gen = self._gen
@@ -124,6 +133,37 @@ class Catchup:
                      e.step, self._held_done, self._donor_done, self._fetch_s or 0.0, self._replayed)
         return done
 
+    def on_idle(self, all_ready: bool) -> bool:
+        """Nobody contributed to the step just reduced (the others are paused, or there are
+        none): the cluster's state is not moving, so a snapshot of a donor's current state is
+        the head. Pull one (no log needed) and hand over once every rank restored it.
+        True when this replica is synced again (at the snapshot's step, nothing applied)."""
+        e = self.e
+        with self.lock:
+            if all_ready and self._at_head and not self.log and self._held is not None:
+                e.synced = True
+                self._gen += 1
+                self._at_head = False
+                self._quiet = False
+                self._cond.notify_all()
+                done = True
+            else:
+                self._quiet = True
+                self._cond.notify_all()
+                if self._worker_gen != self._gen:
+                    self._worker_gen = self._gen
+                    threading.Thread(target=self._work, args=(self._gen,), daemon=True,
+                                     name="p2pft-catchup").start()
+                done = False
+        if done:
+            if e.rt is not None:
+                e.rt.set_status("ready", e.step)
+            e.events.append({"t": time.time(), "kind": "catchup_done", "step": e.step,
+                             "snapshot_step": self._held_done, "replayed": 0, "fetch_s": self._fetch_s})
+            log.info("caught up at step %d while nobody contributed: snapshot from %s (%.2f s)", e.step,
+                     self._donor_done, self._fetch_s or 0.0)
+        return done
+
     def stop(self) -> None:
         with self.lock:
             self._gen += 1
@@ -134,6 +174,7 @@ class Catchup:
     _donor_done: str | None = None
     _fetch_s: float | None = None
     _replayed = 0
+    _quiet = False   # rounds are idle: a snapshot of the donor's current state is the head
 
     def _alive(self, gen: int, deadline: float) -> bool:
         return gen == self._gen and not self.e.stopping and time.monotonic() < deadline
@@ -159,7 +200,10 @@ class Catchup:
                              entry.step, self.e.step)
                     restored = False
                     continue
-                self.e.apply(entry)
+                with self._writing:
+                    if not self._alive(gen, deadline):
+                        return
+                    self.e.apply(entry)
                 self._replayed += 1
         finally:
             with self.lock:
@@ -170,18 +214,22 @@ class Catchup:
         """Fetch a snapshot the log reaches, restore it; True once restored."""
         with self.lock:
             first = self.log.first
-            if first is None:
+            if first is None and not self._quiet:
                 self._cond.wait(IDLE_WAIT_S)
                 return False
+            first = first if first is not None else 0
         try:
             snap = self._fetch_low_priority(first)
         except Exception as exc:
-            log.info("snapshot fetch failed (%s); will retry", exc)
+            self._say(log, logging.INFO, "fetch_failed", "snapshot fetch failed (%s); will retry", exc)
             time.sleep(FETCH_RETRY_S)
             return False
         s0 = int(snap.meta["step"])
         while True:  # the snapshot may be ahead of our log: wait for the log to reach it
             with self.lock:
+                if not self.log and self._quiet:
+                    self._held = s0  # nothing reduced since it asked: the donor's state is the head
+                    break
                 if not self.log or self.log.predates(s0):
                     log.info("snapshot of step %d predates the replay log; pulling a newer one", s0)
                     return False
@@ -192,7 +240,10 @@ class Catchup:
             if not self._alive(gen, deadline):
                 return False
             time.sleep(0.01)
-        self.e.restore_snapshot(snap)
+        with self._writing:
+            if not self._alive(gen, deadline):
+                return False
+            self.e.restore_snapshot(snap)
         self._held_done, self._donor_done = s0, snap.meta.get("_donor")
         self._fetch_s, self._replayed = snap.meta.get("_fetch_s"), 0
         return True
@@ -222,7 +273,8 @@ class Catchup:
         node, addrs = self.donor
         addr = addrs[min(e.shard, len(addrs) - 1)]
         replica = node.rsplit(".", 1)[0]  # node ids are "<replica id>.<incarnation>"
-        log.info("fetching a snapshot of step >= %d from %s (%s, shard %d)", min_step, replica, node, e.shard)
+        self._say(log, logging.INFO, f"fetching from {node}",
+                  "fetching a snapshot of step >= %d from %s (%s, shard %d)", min_step, replica, node, e.shard)
         e.events.append({"t": time.time(), "kind": "catchup_fetch", "donor": replica, "min_step": min_step})
         t0 = time.monotonic()
         snap = fetch_state(addr, {"kind": "snapshot", "min_step": min_step, "shard": e.shard}, secret=e.secret,

@@ -35,7 +35,7 @@ class ShardComms:
     def __init__(self, ds: DataServer, shard: int, comm_timeout: float, backend: Backend = Backend.TCP,
                  device: int | None = None) -> None:
         self.ds = ds
-        self.backend = backend    # every communicator of this rank: tcp or nccl (transport.backend)
+        self.backend = backend    # every communicator of this rank: tcp, nccl or nccl-auto (transport.backend)
         self.device = device      # CUDA device index for nccl
         self.shard = shard
         self.comm_timeout = comm_timeout

@@ -1,9 +1,18 @@
 """The donor side of catch-up, shared by ``FaultTolerant`` and ``HSDP``.
 
-A joiner's snapshot request arrives on a transport thread, but the state is consistent only at
-a step boundary of the training thread. So the transport thread queues the request and waits;
-the training thread answers queued requests right after a commit (a copy of the state, no
-waiting on anybody), and the transport thread streams that copy at a lower CPU priority.
+A joiner's snapshot request arrives on a transport thread, but the state is a committed one only
+while the training loop leaves it alone. The loop mutates it between ``begin()`` (forward
+passes update buffers) and the end of ``commit()`` (the optimizer step); outside that window
+(evaluating, checkpointing, in a pause, at a barrier, sleeping) it holds the state of its last
+committed step. So:
+
+- while the loop is outside that window (``idle``), the transport thread copies the state
+  itself, under a lock the training thread takes only to enter the window (``busy``): a joiner
+  never waits for the donor's loop to come back to ``commit()``;
+- inside it, the request is queued and the training thread answers it at the next step
+  boundary (right after a commit, or when it leaves the window), as a copy.
+
+Either way the copy is streamed by the transport thread at a lower CPU priority.
 """
 from __future__ import annotations
 
@@ -33,30 +42,108 @@ def lower_thread_priority(nice: int = CATCHUP_NICE) -> None:
 
 
 class SnapshotRequests:
-    """Bounded hand-off of snapshot requests from transport threads to the training thread."""
+    """Bounded hand-off of snapshot requests from transport threads to the training thread,
+    or a copy on the transport thread itself while the training loop is outside a step."""
 
     def __init__(self, cap: int = 16, wait_s: float = 60.0) -> None:
         self._q: "queue.Queue[tuple[dict[str, Any], queue.Queue[StateSnapshot | None]]]" = queue.Queue(cap)
         self.wait_s = wait_s
+        self._lock = threading.Lock()
+        self._idle = False
+        self._can_serve: Callable[[dict[str, Any]], bool] | None = None
+        self._take: Callable[[], StateSnapshot] | None = None
 
     def request(self, req: dict[str, Any]) -> StateSnapshot | None:
-        """Transport thread: wait (bounded) for the training thread's answer; None = refused."""
-        lower_thread_priority(DONOR_NICE)  # this stream's thread: serving a joiner must not slow our steps
+        """Transport thread: a copy now when the loop is idle, else wait (bounded) for the
+        training thread's answer; None = refused."""
         box: "queue.Queue[StateSnapshot | None]" = queue.Queue(1)
-        try:
-            self._q.put_nowait((req, box))
-        except queue.Full:
-            return None
+        with self._lock:
+            if self._idle and self._take is not None and self._can_serve is not None:
+                snap = self._take() if self._can_serve(req) else None
+                lower_thread_priority(DONOR_NICE)
+                return snap
+            try:
+                self._q.put_nowait((req, box))
+            except queue.Full:
+                return None
+        lower_thread_priority(DONOR_NICE)  # this stream's thread: serving a joiner must not slow our steps
         try:
             return box.get(timeout=self.wait_s)
         except queue.Empty:
             return None
 
+    def busy(self) -> None:
+        """Training thread: about to mutate the state (a step begins). Waits for a copy in
+        progress on a transport thread, if any."""
+        with self._lock:
+            self._idle = False
+
+    def idle(self, can_serve: Callable[[dict[str, Any]], bool], take: Callable[[], StateSnapshot]) -> None:
+        """Training thread: the state is a committed one and the loop leaves it alone until the
+        next ``busy``; answers what is queued, and lets transport threads copy from now on."""
+        with self._lock:
+            self._can_serve, self._take = can_serve, take
+            self._idle = True
+            self._drain(can_serve, take)
+
     def serve(self, can_serve: Callable[[dict[str, Any]], bool], take: Callable[[], StateSnapshot]) -> None:
         """Training thread, at a step boundary: answer every queued request without blocking."""
+        with self._lock:
+            self._drain(can_serve, take)
+
+    def _drain(self, can_serve: Callable[[dict[str, Any]], bool], take: Callable[[], StateSnapshot]) -> None:
         while True:
             try:
                 req, box = self._q.get_nowait()
             except queue.Empty:
                 return
             box.put(take() if can_serve(req) else None)
+
+
+class Donor:
+    """What one rank of a replica serves its peers on its data server (a transport thread):
+    snapshots to joiners, mean gradients to peers that fast-forward, and signatures of committed
+    steps to a replica back from a pause (``pause.py``)."""
+
+    def __init__(self, engine: Any) -> None:
+        self.e = engine
+        self.requests = SnapshotRequests()
+
+    def provide(self, request: dict[str, Any]) -> StateSnapshot | None:
+        e = self.e
+        if int(request.get("shard", e.shard)) != e.shard:
+            return None
+        kind = request.get("kind")
+        if kind == "grads":
+            return e.recent.serve(int(request["from"]), int(request["to"]))
+        if kind == "snapshot":
+            return self.requests.request(request)
+        if kind == "sig":
+            sig = e.recent.signature(int(request["step"]))
+            return StateSnapshot(meta={"sig": sig}, tensors={}) if sig is not None else None
+        return None
+
+    def _take(self) -> StateSnapshot:
+        meta, tensors = self.e.capture_state()
+        return StateSnapshot(meta=meta, tensors=tensors)
+
+    def _can_serve(self, req: dict[str, Any]) -> bool:
+        return bool(self.e.synced) and self.e.step >= int(req.get("min_step", 0))
+
+    def busy(self) -> None:
+        """Training thread: the loop is about to mutate the state."""
+        self.requests.busy()
+
+    def idle(self) -> None:
+        """Training thread: the state is a committed one until the next ``busy``."""
+        if self.e.state_io.copy_between_steps:
+            self.requests.idle(self._can_serve, self._take)
+        else:  # answered here, at this step boundary, and at the next ones
+            self.requests.serve(self._can_serve, self._take)
+
+    def serve_queued(self) -> None:
+        """Training thread, right after a commit: answer the requests queued during the step."""
+        self.requests.serve(self._can_serve, self._take)
+
+
+__all__ = ["CATCHUP_NICE", "DONOR_NICE", "Donor", "SnapshotRequests", "lower_thread_priority"]

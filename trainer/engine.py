@@ -12,6 +12,7 @@ engine with a different ``ReplicaGroup`` and state layout. Per attempt (docs/arc
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -19,14 +20,14 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
 from ..runtime import Runtime
-from ..step import (FRESH_EPOCH_WAIT_S, IDLE_PAUSE_S, NEXT_VIEW_WAIT_S, RETRY_PAUSE_S, Action, Reduced, decide,
-                    view_wait_after_failure)
+from ..step import RETRY_PAUSE_S, Action, Reduced, decide, idle_backoff
 from ..transport import CommAborted, CommError, DataServer
+from ..transport.addr import parse_hostport
 from ..transport.backend import choose_backend, data_plane_from
 from ..transport.stream import StateSnapshot
 from ..view import Role
@@ -34,11 +35,13 @@ from .attempt import Attempt, Entry, Plan, StepResult, StepTimeout, Stopped, Ver
 from .catchup import Catchup
 from .comms import ShardComms
 from .cursor import DataCursor
-from .donor import SnapshotRequests
+from .donor import Donor
 from .group import ReplicaGroup
 from .optstep import GradHook, OptimizerStep
-from .recent import RecentSteps, fetch_recent
-from .shardstate import ShardStepBuffer
+from .pause import Pauses
+from .recent import RecentSteps, fast_forward
+from .recovery import LogLimiter, recover
+from .stepbuf import StepBuffer
 from .userstate import Stateful, UserState
 
 log = logging.getLogger(__name__)
@@ -64,6 +67,9 @@ class StateIO:
     restore: Callable[[torch.nn.Module, torch.optim.Optimizer, dict[str, Any], dict[str, torch.Tensor]], None]
     digest: Callable[[torch.nn.Module, torch.optim.Optimizer], str]
     receive_into: Callable[[torch.nn.Module, torch.optim.Optimizer], dict[str, torch.Tensor]] | None = None
+    # The state may be copied on a transport thread while the loop is outside a step. Not for
+    # FSDP shards: a forward pass (an evaluation between steps) swaps the module's parameters.
+    copy_between_steps: bool = True
 
 
 class StepEngine:
@@ -92,7 +98,7 @@ class StepEngine:
         self.opt = optimizer
         self.ds = data_server
         self.state_io = state_io
-        self.buf = ShardStepBuffer([p for p in model.parameters() if p.requires_grad], max_slots=max_slots)
+        self.buf = StepBuffer([p for p in model.parameters() if p.requires_grad], max_slots=max_slots)
         self.cursor = DataCursor(batch_per_replica, max_slots)
         self.optimizer_step = OptimizerStep(optimizer, lr_policy=lr_policy, nominal_replicas=nominal_replicas,
                                             lr_scheduler=lr_scheduler, grad_scaler=grad_scaler, grad_hook=grad_hook,
@@ -122,7 +128,11 @@ class StepEngine:
         self.backend = choose_backend(plane, dev.type)
         self.comms = ShardComms(data_server, self.shard, comm_timeout, backend=self.backend,
                                 device=dev.index if dev.type == "cuda" else None)
-        self._donors = SnapshotRequests()
+        self.serving = Donor(self)     # snapshots, mean gradients and step signatures for peers
+        self.in_step = False           # between begin() and the end of commit(): the loop mutates the state
+        self.pause = Pauses(self)      # ``with engine.pause("eval"):``
+        self._idle_rounds = 0
+        self._say = LogLimiter()
         self._stop = threading.Event()
         self._slot: int | None = None
         self._ranges: list[tuple[int, int]] = []
@@ -131,15 +141,17 @@ class StepEngine:
         self._rejoin_pending = False
         self._attempt_view: Any = None
         self._deadline = 0.0
-        data_server.serve_state(self._provide)
-        host = data_server.addr.rsplit(":", 1)[0].strip("[]")
+        data_server.serve_state(self.serving.provide)
+        host = parse_hostport(data_server.addr, "data address").host
         side = self.comms.listen(host) if self.rank != 0 else (host, 0)
         self._ranks = [tuple(a) for a in group.agree(side)[1:]]
         self.rank_timeout = rank_timeout
         self._on_rank_lost = on_rank_lost
 
     def _start_control(self) -> None:
-        """Rank 0, once the replica's state is final (after a resume): announce it, follow views."""
+        """Every rank, once the replica's state is final (after a resume): donors may copy it from
+        now on. Rank 0 also announces it and follows views."""
+        self.serving.idle()
         if self.rt is None:
             return
         self.rt.set_status("fresh", self.step)  # 'ready' once it commits, or catches up
@@ -157,6 +169,8 @@ class StepEngine:
     def begin(self, stop: bool = False) -> list[int]:
         """Collective. This rank's sample indices for the step ([] = the replica contributes
         nothing); raises Stopped when any rank asked to stop (so all ranks leave together)."""
+        if self.pause.why is not None:
+            raise RuntimeError(f"begin() inside a pause ({self.pause.why!r})")
         self._beat()
         slot = None
         if self.rt is not None:
@@ -166,6 +180,8 @@ class StepEngine:
         got = self.group.agree((bool(stop or self._stop.is_set()), slot))
         if any(g[0] for g in got):
             raise Stopped("stop requested")
+        self.serving.busy()  # from here on forward passes and the update mutate the state
+        self.in_step = True
         self._slot = got[0][1]
         if self._slot is None:
             self._ranges = []
@@ -196,11 +212,21 @@ class StepEngine:
 
     def commit(self) -> StepResult:
         """Collective. Allreduce this rank's shard, agree in-replica, retry across views, apply."""
+        self.serving.busy()
+        self.in_step = True
+        try:
+            return self._commit()
+        finally:
+            self.in_step = False
+            self.serving.idle()
+
+    def _commit(self) -> StepResult:
         slot = self._slot
         self._slot = None
-        self.buf.pack_step(slot if self.synced else None, self.step)
+        self.buf.pack(slot if self.synced else None, self.step)
         self.buf.save()
         self._deadline = time.monotonic() + self.step_timeout
+        self._idle_rounds = 0
         retries = 0
         while True:
             att = self.group.broadcast(self._plan(slot) if self.rt is not None else None)
@@ -217,7 +243,7 @@ class StepEngine:
                 self.catchup.start("excluded")
             if att.demote and slot is not None:
                 slot = None  # demoted or re-slotted while computing: these gradients must not count
-                self.buf.pack_step(None, self.step)
+                self.buf.pack(None, self.step)
                 self.buf.save()
             self.catchup.donor = att.donor
             verdicts = self.group.agree(self._verdict(self._allreduce(att)))
@@ -246,7 +272,18 @@ class StepEngine:
         return {"step": self.step, "shard": self.shard, "state": meta, "cursor": self.cursor.state_dict(),
                 "user": trees, "optstep": self.optimizer_step.state_dict()}, tensors
 
+    @contextlib.contextmanager
+    def state_mutation(self) -> Iterator[None]:
+        """Around a change of the replica's state outside a step (e.g. loading a state before
+        step 0): no donor copies it half-changed."""
+        self.serving.busy()
+        try:
+            yield
+        finally:
+            self.serving.idle()
+
     def load_state(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+        self.recent.forget_signatures()
         self.state_io.restore(self.model, self.opt, meta["state"], tensors)
         self.cursor.load_state_dict(meta["cursor"])
         self.user_state.restore(meta.get("user", {}), tensors)
@@ -304,15 +341,24 @@ class StepEngine:
         rejoin, self._rejoin_pending = self._rejoin_pending, False
         still_mine = (slot is not None and self.synced and not rejoin and me.role is Role.PARTICIPANT
                       and me.slot == slot)
-        donor = view.donor(exclude=me.node)
+        donor = view.donor(exclude=me.node) or self._paused_donor(view, me.node)
+        behind = (self.synced and me.role is Role.JOINER and donor is not None
+                  and rt.member_step(donor.node) > self.step)
         self._attempt_view = view
         return Attempt(Plan.ALLREDUCE, epoch=view.epoch, data_epoch=view.data_epoch, rank=view.data_rank(me.node),
                        addrs=tuple(m.data_addrs for m in members), contribute=still_mine,
                        demote=slot is not None and not still_mine, role=me.role.value, rejoin=rejoin, node=me.node,
-                       donor=(donor.node, donor.data_addrs) if donor is not None else None,
+                       donor=(donor.node, donor.data_addrs) if donor is not None else None, behind=behind,
                        sources=tuple((m.slot, m.node, m.data_addrs) for m in view.participants if m.slot is not None),
                        slot_ranks=tuple((m.slot, view.data_rank(m.node)) for m in view.participants
                                         if m.slot is not None))
+
+    def _paused_donor(self, view: Any, me: str) -> Any:
+        """With no participant, a paused member holds the committed state: the furthest one."""
+        cands = [m for m in view.paused if m.node != me]
+        rt = self.rt
+        assert rt is not None
+        return max(cands, key=lambda m: (rt.member_step(m.node), m.node), default=None)
 
     def _allreduce(self, att: Attempt) -> BaseException | None:
         try:
@@ -351,8 +397,7 @@ class StepEngine:
         d = decide(reduced, self.step, self.synced)
         ring = {"data_rank": att.rank, "data_world": len(att.addrs)}
         if d.action is Action.IDLE:
-            time.sleep(IDLE_PAUSE_S)  # nobody contributed: hand back so begin() reads the next roles
-            return StepResult(self.step, False, 0, retries, role)
+            return self._idle(att, verdicts, retries)
         if d.action is Action.RETRY:
             time.sleep(RETRY_PAUSE_S)
             return None
@@ -367,7 +412,7 @@ class StepEngine:
             return StepResult(self.step, False, entry.count, retries, role, **ring)
         if d.action is Action.FAST_FORWARD:
             assert d.target is not None
-            n, mine = self._fast_forward(d.target, att, reduced.steps, slot)
+            n, mine = fast_forward(self, d.target, att, reduced.steps, slot)
             if not d.commit_after or self.step != d.step:
                 return StepResult(self.step, False, 0, retries, role, fast_forwarded=n, **self._trained(mine),
                                   **ring)
@@ -379,6 +424,26 @@ class StepEngine:
         self._after_commit()
         return StepResult(self.step, True, entry.count, retries, role, fast_forwarded=n, slot_ranks=ranks,
                           **self._trained(mine), **ring)
+
+    def _idle(self, att: Attempt, verdicts: list[Verdict], retries: int) -> StepResult | None:
+        """Nobody contributed (the others are paused, or there are none). A joiner catches up
+        from a donor's current state meanwhile; a promoted one hands back for a slot; otherwise
+        back off (bounded rounds per second) and try again until the step timeout."""
+        if not self.synced:
+            if self.catchup.on_idle(all(v.ready is not None and v.ready == self.step for v in verdicts)):
+                return StepResult(self.step, False, 0, retries, att.role)
+        elif att.behind:
+            log.info("at step %d while the donor holds a later one and nobody contributes: catching up from a "
+                     "snapshot", self.step)
+            self.catchup.start("behind")
+            self.catchup.on_idle(False)
+        if att.role == Role.PARTICIPANT.value:  # promoted since begin(): begin again, with a slot
+            return StepResult(self.step, False, 0, retries, att.role)
+        self._idle_rounds += 1
+        self._say(log, logging.INFO, "idle", "step %d: nobody contributes on data epoch %d (%s); waiting up to "
+                  "%.0f s", self.step, att.data_epoch, att.role, max(0.0, self._deadline - time.monotonic()))
+        time.sleep(idle_backoff(self._idle_rounds))
+        return None
 
     def _trained(self, entry: Entry | None) -> dict[str, Any]:
         """StepResult fields for our samples in `entry`'s mean (a fast-forwarded step's, or the
@@ -403,7 +468,7 @@ class StepEngine:
             self.rt.publish_step(self.step)
             if self.rt.status == "fresh":  # it committed with the others: it holds their state
                 self.rt.set_status("ready", self.step)
-        self._serve_donor_requests()
+        self.serving.serve_queued()
 
     def restore_snapshot(self, snap: StateSnapshot) -> None:
         """Catch-up worker: load a donor's snapshot (the training thread does not touch the
@@ -412,80 +477,16 @@ class StepEngine:
 
     # ------------------------------------------------------------------ failures (rank 0)
     def _recover(self, bad: list[Verdict]) -> None:
-        """Report the peers the ranks blamed, then wait (bounded) for a newer data epoch; if none
-        comes (nobody died: a peer was slow or paused briefly) ask for a fresh one."""
-        rt, view = self.rt, self._attempt_view
-        assert rt is not None
-        if view is None:
-            return
-        d = view.data_epoch
-        for v in bad:
-            peer = view.member_at_data_addr(v.peer)
-            if v.comm and not v.aborted and peer is not None and peer.node != rt.node_id:
-                rt.report_failure(peer.node)
-            self.events.append({"t": time.time(), "kind": "comm_error", "error": v.error[:80],
-                                "peer": peer.node if peer else None, "epoch": view.epoch})
-        log.info("step %d failed on data epoch %d (%s); waiting for the next view", self.step, d,
-                 "; ".join(v.error for v in bad)[:300])
+        assert self.rt is not None
+        if self._attempt_view is not None:
+            recover(self.rt, self._attempt_view, bad, self.step, self._deadline, lambda: self.stopping,
+                    self.loop_timeout, self.events, self._say)
 
-        def newer(v: Any) -> bool:
-            return v.data_epoch > d or self.stopping
-
-        def left(cap: float) -> float:
-            return max(0.0, min(self._deadline - time.monotonic(), cap))
-        if not any(v.comm for v in bad):
-            rt.wait_view(newer, NEXT_VIEW_WAIT_S, loop_timeout=self.loop_timeout)
-            return
-        wait = left(view_wait_after_failure(rt.profile.suspicion_min))
-        if rt.wait_view(newer, wait, loop_timeout=self.loop_timeout) is None and not self.stopping:
-            log.warning("no new view after a failure on data epoch %d; asking for a fresh data epoch", d)
-            rt.request_new_data_epoch(d)
-            rt.wait_view(newer, left(FRESH_EPOCH_WAIT_S), loop_timeout=self.loop_timeout)
-
-    # ------------------------------------------------------------------ fast-forward
-    def _fast_forward(self, target: int, att: Attempt, steps: dict[int, int],
-                      slot: int | None) -> tuple[int, Entry | None]:
-        """Collective: fetch and apply the mean gradients of the steps we missed from a peer that
-        has them (each rank its shard); if any rank cannot, the replica catches up instead.
-        Returns the steps applied and the one that holds our gradients, if any (it committed
-        elsewhere with our contribution before we could apply it)."""
-        want_from = self.step
-        got = (fetch_recent(want_from, target, att, steps, self.shard, self.secret, self.buf.flat.device)
-               if self.synced else None)
-        if not all(self.group.agree(got is not None)) or got is None:
-            log.info("at step %d, behind the others (step %d) and not in a peer's short log: catching up "
-                     "from a snapshot", want_from, target)
-            self.catchup.start("behind")
-            return 0, None
-        donor, entries = got
-        ours = None
-        for entry in entries:
-            if entry.step == self._ranges_step and slot is not None and entry.mask[slot]:
-                ours = entry
-            self.apply(entry)
-        self.events.append({"t": time.time(), "kind": "fast_forward", "from": want_from, "to": self.step})
-        log.info("fast-forwarded %d step(s) to %d from %s", len(entries), self.step, donor)
-        self._after_commit()
-        return len(entries), ours
-
-    # ------------------------------------------------------------------ donor side
-    def _provide(self, request: dict[str, Any]) -> StateSnapshot | None:
-        """Transport thread: serve mean gradients from our log, or a snapshot taken by the
-        training thread at a step boundary."""
-        if int(request.get("shard", self.shard)) != self.shard:
-            return None
-        kind = request.get("kind")
-        if kind == "grads":
-            return self.recent.serve(int(request["from"]), int(request["to"]))
-        if kind == "snapshot":
-            return self._donors.request(request)
-        return None
-
-    def _serve_donor_requests(self) -> None:
-        def take() -> StateSnapshot:
-            meta, tensors = self.capture_state()
-            return StateSnapshot(meta=meta, tensors=tensors)
-        self._donors.serve(lambda req: self.synced and self.step >= int(req.get("min_step", 0)), take)
+    def rejoined_after_pause(self) -> None:
+        """Back from a pause (which checked our last step): being off the data plane meanwhile
+        is not being left out of a view."""
+        self._was_participant = False
+        self._rejoin_pending = False
 
 
 __all__ = ["StateIO", "StepEngine", "exit_replica"]

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from ..runtime import Runtime
 from ..transport import DataServer
+from ..transport.addr import advertised, data_bind_host
 from .attempt import StepResult, StepTimeout, Stopped
 from .engine import RANK_TIMEOUT_S, StateIO, StepEngine, exit_replica
 from .group import DistGroup
@@ -26,7 +27,7 @@ from .shardstate import capture_shard, restore_shard, shard_digest
 
 __all__ = ["HSDP", "StepResult", "StepTimeout", "Stopped", "agree"]
 
-SHARD_STATE = StateIO(capture=capture_shard, restore=restore_shard, digest=shard_digest)
+SHARD_STATE = StateIO(capture=capture_shard, restore=restore_shard, digest=shard_digest, copy_between_steps=False)
 
 
 def agree(obj: Any, group: Any = None) -> list[Any]:
@@ -58,12 +59,14 @@ class HSDP(StepEngine):
 
     @classmethod
     def start(cls, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, replica_id: str, listen: str,
-              seeds: list[str], secret: bytes | None = None, data_host: str = "127.0.0.1",
+              seeds: list[str], secret: bytes | None = None, data_host: str | None = None,
               runtime_kw: dict[str, Any] | None = None, **kw: Any) -> "HSDP":
         """Collective over the replica: every rank opens its data server and reports the address
-        to rank 0, which starts the Runtime announcing all of them (one per shard)."""
-        ds = DataServer(data_host, 0, secret=secret)
-        addrs = agree(ds.addr, kw.get("group"))
+        to rank 0, which starts the Runtime announcing all of them (one per shard). The data
+        ports bind the host of `listen` unless `data_host` says otherwise."""
+        ds = DataServer(data_bind_host(listen, data_host), 0, secret=secret)
+        adv = (runtime_kw or {}).get("advertise")
+        addrs = agree(advertised(ds.addr, advertise=adv, toward=seeds), kw.get("group"))
         rt = None
         if dist.get_rank(kw.get("group")) == 0:
             rt = Runtime(replica_id=replica_id, listen=listen, seeds=seeds, data_addrs=addrs,

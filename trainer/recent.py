@@ -6,9 +6,12 @@ pulling a whole snapshot. Each rank keeps and serves its own shard's buffers.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
-from collections import deque
+import time
+from collections import OrderedDict, deque
+from typing import Any
 
 import torch
 
@@ -19,16 +22,41 @@ from .attempt import Attempt, Entry
 log = logging.getLogger(__name__)
 
 FAST_FORWARD_TIMEOUT_S = 10.0
+SIG_KEEP = 4096   # committed steps whose signature a replica remembers (a few bytes each)
+
+
+def step_signature(step: int, count: int, mask: list[bool]) -> str:
+    """Which replicas' gradients a committed step averaged: two replicas that applied the same
+    step with the same contributors applied the same mean (the saved gradients of a retry are
+    the same), so equal signatures mean equal states after it."""
+    bits = "".join("1" if b else "0" for b in mask).rstrip("0")
+    return hashlib.blake2b(f"{step}|{count}|{bits}".encode(), digest_size=12).hexdigest()
 
 
 class RecentSteps:
     def __init__(self, keep: int) -> None:
         self._entries: deque[Entry] = deque(maxlen=max(1, keep))
+        self._sigs: OrderedDict[int, str] = OrderedDict()
         self._lock = threading.Lock()
 
     def append(self, e: Entry) -> None:
+        sig = step_signature(e.step, e.count, e.mask)
         with self._lock:
             self._entries.append(e)
+            self._sigs[e.step] = sig
+            self._sigs.move_to_end(e.step)
+            while len(self._sigs) > SIG_KEEP:
+                self._sigs.popitem(last=False)
+
+    def forget_signatures(self) -> None:
+        """A snapshot replaced the state: the steps signed so far may not be its history."""
+        with self._lock:
+            self._sigs.clear()
+
+    def signature(self, step: int) -> str | None:
+        """The signature of committed step `step` applied here (None: not one of ours)."""
+        with self._lock:
+            return self._sigs.get(step)
 
     @property
     def last_mask(self) -> list[bool] | None:
@@ -69,4 +97,33 @@ def fetch_recent(lo: int, hi: int, att: Attempt, steps: dict[int, int], shard: i
     return None
 
 
-__all__ = ["FAST_FORWARD_TIMEOUT_S", "RecentSteps", "fetch_recent"]
+
+
+
+def fast_forward(e: Any, target: int, att: Attempt, steps: dict[int, int],
+                 slot: int | None) -> tuple[int, Entry | None]:
+    """Collective, for the step engine `e`: fetch and apply the mean gradients of the steps it
+    missed from a peer that has them (each rank its shard); if any rank cannot, the replica
+    catches up instead. Returns the steps applied and the one that holds our gradients, if any
+    (it committed elsewhere with our contribution before we could apply it)."""
+    want_from = e.step
+    got = (fetch_recent(want_from, target, att, steps, e.shard, e.secret, e.buf.flat.device)
+           if e.synced else None)
+    if not all(e.group.agree(got is not None)) or got is None:
+        log.info("at step %d, behind the others (step %d) and not in a peer's short log: catching up "
+                 "from a snapshot", want_from, target)
+        e.catchup.start("behind")
+        return 0, None
+    donor, entries = got
+    ours = None
+    for entry in entries:
+        if entry.step == e._ranges_step and slot is not None and entry.mask[slot]:
+            ours = entry
+        e.apply(entry)
+    e.events.append({"t": time.time(), "kind": "fast_forward", "from": want_from, "to": e.step})
+    log.info("fast-forwarded %d step(s) to %d from %s", len(entries), e.step, donor)
+    e._after_commit()
+    return len(entries), ours
+
+
+__all__ = ["FAST_FORWARD_TIMEOUT_S", "RecentSteps", "fast_forward", "fetch_recent", "step_signature"]

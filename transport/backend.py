@@ -3,8 +3,10 @@
 The choice is made once, at start-up, from the requested data plane (``auto``, ``nccl`` or
 ``tcp``; argument, else the ``P2PFT_DATA_PLANE`` environment variable, else ``auto``) and the
 device of the step buffer. ``auto`` takes NCCL when the buffer is on a CUDA device and CuPy with
-NCCL imports and sees a device; ``nccl`` where that cannot work is one ``DataPlaneError`` before
-anything is bound. Every rank of a communicator must end up with the same backend: a mismatch is
+NCCL imports and sees a device (`Backend.NCCL_AUTO`: a communicator whose ranks turn out to share
+one device, which NCCL refuses, uses the TCP ring instead; the ranks learn it from the device
+identities they exchange when the NCCL id is handed out); ``nccl`` where that cannot work is one
+``DataPlaneError`` before anything is bound. Every rank of a communicator must end up with the same backend: a mismatch is
 refused at connection time (``ProtocolMismatch``), not silently mixed.
 
 Imports neither torch nor cupy at module level.
@@ -35,6 +37,12 @@ class Backend(str, enum.Enum):
 
     TCP = "tcp"
     NCCL = "nccl"
+    #: NCCL, except for a communicator whose ranks share a device: the TCP ring (what auto picks)
+    NCCL_AUTO = "nccl-auto"
+
+    @property
+    def nccl(self) -> bool:
+        return self is not Backend.TCP
 
 
 class DataPlaneError(ValueError):
@@ -65,23 +73,18 @@ class NcclSupport:
 
 
 def probe_nccl() -> NcclSupport:
-    """Look for CuPy, its NCCL binding and a CUDA device, for real (no caching: cheap after the
-    first import, and a test may change the environment)."""
-    try:
-        import cupy
-    except Exception as e:  # noqa: BLE001 - ImportError, or a broken CUDA install
-        return NcclSupport(False, False, 0, f"{type(e).__name__}: {e}"[:200])
-    try:
-        from cupy.cuda import nccl
-        if not getattr(nccl, "available", True):
-            return NcclSupport(True, False, 0, "cupy.cuda.nccl.available is False")
-    except Exception as e:  # noqa: BLE001
-        return NcclSupport(True, False, 0, f"{type(e).__name__}: {e}"[:200])
-    try:
-        n = int(cupy.cuda.runtime.getDeviceCount())
-    except Exception as e:  # noqa: BLE001 - no driver, driver too old, no device
-        return NcclSupport(True, True, 0, f"{type(e).__name__}: {e}"[:200])
-    return NcclSupport(True, True, n, "" if n else "getDeviceCount() is 0")
+    """Look for CuPy, its NCCL binding and a device, for real, through the device seam (no
+    caching: cheap after the first import, and a test may change the environment)."""
+    from .device import device_api
+
+    return NcclSupport(*device_api().probe())
+
+
+def _accelerator() -> str:
+    """The torch device type NCCL works on: 'cuda', or the device stand-in's."""
+    from .device import device_api
+
+    return device_api().accelerator_type
 
 
 def data_plane_from(value: "str | DataPlane | None" = None) -> DataPlane:
@@ -113,13 +116,14 @@ def choose_backend(plane: DataPlane, device_type: str, support: NcclSupport | No
     """The backend of every communicator of a step buffer on `device_type` ('cpu', 'cuda', ...)."""
     if plane is DataPlane.TCP:
         return Backend.TCP
+    accel = _accelerator()
     if plane is DataPlane.NCCL:
-        if device_type != "cuda":
+        if device_type != accel:
             raise DataPlaneError(f"data_plane='nccl' needs the step buffer on a CUDA device, it is on "
                                  f"{device_type!r} (CPU tensors go over data_plane='tcp')")
         check_data_plane(plane, support)
         return Backend.NCCL
-    if device_type != "cuda":
+    if device_type != accel:
         return Backend.TCP
     support = support if support is not None else probe_nccl()
-    return Backend.NCCL if support.ok else Backend.TCP
+    return Backend.NCCL_AUTO if support.ok else Backend.TCP

@@ -8,39 +8,50 @@ the snapshot size. The side stream first waits for the current stream, so a dono
 state as of the step boundary at which it was handed over; a joiner synchronises the side stream
 once at the end, before the snapshot is used.
 
-torch is only used when a device tensor is seen (it is then already imported). A pair on the
-CPU device does the same with plain memory and synchronous copies (how the tests check the chunk
-logic without a GPU).
+Streams, events, pinned memory and copies go through the device seam (`device.py`), so the CPU
+stand-in of the tests runs this code with deferred copies. A pair on a device that is not the
+seam's (the CPU, without the stand-in) does the same with plain memory and synchronous copies.
 """
 
 from __future__ import annotations
 
-import sys
 from typing import Any, Iterator
+
+from .device import Event, Stream, device_api
 
 __all__ = ["DeviceSink", "DeviceSource", "PinnedPair", "is_device_tensor", "iter_chunks"]
 
 
 def is_device_tensor(t: Any) -> bool:
-    torch = sys.modules.get("torch")
-    return torch is not None and isinstance(t, torch.Tensor) and t.device.type != "cpu"
+    return device_api().is_device_tensor(t)
 
 
 class PinnedPair:
-    """Two pinned host buffers of `chunk` bytes and a copy stream, shared by a stream's tensors."""
+    """Two pinned host buffers of `chunk` bytes and a copy stream, shared by a stream's tensors.
 
-    def __init__(self, chunk: int, device: Any) -> None:
+    The copy stream first waits for `after` (an event of the device seam recorded once the
+    tensors were written, e.g. `StateSnapshot.ready`), else for the current stream of the thread
+    that builds the pair: a donor thread's current stream is the default one, not necessarily
+    the stream the training thread wrote the state on.
+    """
+
+    def __init__(self, chunk: int, device: Any, after: Event | None = None) -> None:
         import torch
 
         self.torch = torch
         self.chunk = chunk
         self.device = torch.device(device)
-        cuda = self.device.type == "cuda"
-        self.slots = [torch.empty(chunk, dtype=torch.uint8, pin_memory=cuda) for _ in range(2)]
-        self.stream = torch.cuda.Stream(self.device) if cuda else None
-        if self.stream is not None:
-            self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        self.events: list[Any] = [None, None]   # last copy that used each slot
+        api = device_api()
+        probe = torch.empty(0, device=self.device)
+        self.api = api if api.is_device_tensor(probe) else None
+        if self.api is not None:
+            self.slots = [self.api.pinned(chunk) for _ in range(2)]
+            self.stream: Stream | None = self.api.new_stream(probe)
+            self.stream.wait(after if after is not None else self.api.current_stream(probe).record())
+        else:
+            self.slots = [torch.empty(chunk, dtype=torch.uint8) for _ in range(2)]
+            self.stream = None
+        self.events: list[Event | None] = [None, None]   # last copy that used each slot
 
     @property
     def nbytes(self) -> int:
@@ -48,19 +59,17 @@ class PinnedPair:
 
     def free(self, i: int) -> None:
         """Wait until the last copy from or into slot i finished."""
-        if self.events[i] is not None:
-            self.events[i].synchronize()
+        ev = self.events[i]
+        if ev is not None:
+            ev.synchronize()
             self.events[i] = None
 
     def copy(self, i: int, dst: Any, src: Any) -> None:
-        if self.stream is None:
+        if self.stream is None or self.api is None:
             dst.copy_(src)
             return
-        with self.torch.cuda.stream(self.stream):
-            dst.copy_(src, non_blocking=True)
-            ev = self.torch.cuda.Event()
-            ev.record(self.stream)
-        self.events[i] = ev
+        self.api.copy_async(dst, src, self.stream)
+        self.events[i] = self.stream.record()
 
     def finish(self) -> None:
         if self.stream is not None:

@@ -1,20 +1,35 @@
-"""The nccl backend: CuPy's NCCL binding for CUDA tensors.
+"""The nccl backend: CuPy's NCCL binding for CUDA tensors, driven through the device seam.
 
-cupy is an optional extra and is imported lazily, so importing this module never needs it.
-Built by ``DataServer.communicator(..., backend="nccl")``, rank 0 makes the unique id of the
-(epoch, shard) and hands it to the other ranks over the data server (``ncclid.StarLinks``),
-whose links then carry failures between ranks. CuPy exposes only the blocking
-ncclCommInitRank, so the id hand-off and the init run on a helper thread and the first
-operation waits at most `timeout`; operations are enqueued on the caller's current CUDA stream
-(torch's, so they follow the kernels that produced the gradients and precede the optimizer's)
-and then polled (so abort() and timeouts work) instead of blocking in CUDA. A failed, aborted or
-timed-out communicator is aborted with ncclCommAbort, which frees the GPU kernels.
+cupy is an optional extra, reached only through `device.device_api()`, so importing this module
+never needs it. Built by ``DataServer.communicator(..., backend="nccl")``, rank 0 makes the unique
+id of the (epoch, shard) and hands it to the other ranks over the data server
+(``ncclid.StarLinks``), whose links then carry failures between ranks.
+
+What NCCL and CuPy allow, and how this module keeps to it:
+
+* ncclCommInitRank blocks (CuPy offers no non-blocking init): the id hand-off and the init run
+  on a helper thread, and the first operation waits at most `timeout`. Since NCCL 2.22 peers are
+  connected by the first collective (``NCCL_RUNTIME_CONNECT=1``), inside the host call, waiting
+  for every peer: so this module sets ``NCCL_RUNTIME_CONNECT=0`` (unless the user set it) and runs
+  a one-element allreduce on the helper thread before the communicator is handed out, so that
+  connecting happens within the bounded init and never on the training thread.
+* NCCL forbids concurrent calls on one communicator, and CuPy's ``abort()`` clears its handle only
+  after ncclCommAbort returned: every call into the communicator (enqueue, async-error check,
+  abort, destroy) holds one lock per communicator. Calls under it never block for long: the
+  connect happened at init, and destroy is used only when no collective is in flight.
+* ncclCommDestroy waits for queued work: `close()` aborts when a collective may be stuck.
+* Collectives are enqueued on the caller's current stream (torch's, so they follow the kernels
+  that produced the gradients and precede the optimizer's) and polled, so abort() and timeouts
+  work. An event recorded just before the collective starts its clock: compute queued ahead of it
+  (a slow first step) does not count against `timeout`. ncclCommGetAsyncError is polled too.
+* The (tag, contribute, count, dtype) of every rank is all-gathered and checked before the sum is
+  enqueued: NCCL does not check counts, and a mismatch would hang or read out of bounds.
 """
 
 from __future__ import annotations
 
 import logging
-import sys
+import os
 import threading
 import time
 from typing import Any, Callable
@@ -22,6 +37,7 @@ from typing import Any, Callable
 from .backend import probe_nccl
 from .base import Communicator
 from .buffers import dtype_name
+from .device import DeviceApi, Event, Stream, device_api
 from .errors import CommAborted, CommError, CommTimeout, ProtocolMismatch
 from .ncclid import KIND_NCCL_ID, StarLinks
 from .options import RingOptions
@@ -33,6 +49,11 @@ logger = logging.getLogger(__name__)
 
 UNIQUE_ID_BYTES = 128
 _POLL_S = 0.0005
+#: compute queued ahead of a collective may delay its start by this many timeouts before it counts as stuck
+_START_FACTOR = 10.0
+#: shard number of the TCP ring used instead when the ranks share a device (u32 on the wire)
+FALLBACK_SHARD = 1 << 31
+_META = 4   # tag, contribute, count, dtype: what every rank all-gathers before the sum
 
 # NCCL data type enum values (nccl.h; the same numbers as cupy.cuda.nccl.NCCL_*).
 _NCCL_DTYPES = {
@@ -49,61 +70,60 @@ def nccl_available() -> bool:
 
 def nccl_unique_id() -> bytes:
     """A fresh NCCL unique id (128 bytes) to hand to every rank of a new communicator."""
-    from cupy.cuda import nccl
-
-    uid = nccl.get_unique_id()  # bytes since CuPy 14, a tuple of C chars before
+    uid = device_api().nccl().get_unique_id()  # bytes since CuPy 14, a tuple of C chars before
     return bytes(uid) if isinstance(uid, (bytes, bytearray)) else bytes((int(x) & 0xFF) for x in uid)
 
 
-def _uid_tuple(uid: bytes) -> tuple[int, ...]:
+def _check_uid(uid: bytes) -> None:
     if len(uid) != UNIQUE_ID_BYTES:
         raise ValueError(f"NCCL unique id must be {UNIQUE_ID_BYTES} bytes, got {len(uid)}")
-    return tuple(b - 256 if b > 127 else b for b in uid)  # cupy expects C chars
 
 
-def _current_device() -> int | None:
+def new_nccl_comm(nccl: Any, world: int, uid: bytes, rank: int) -> Any:
+    """ncclCommInitRank through CuPy 14 (the id as bytes) or CuPy 13 (a tuple of C chars, whose
+    signedness is the platform's: signed on x86_64, unsigned on aarch64). CuPy converts the id
+    before it calls NCCL, so a TypeError or OverflowError means NCCL was not called yet."""
     try:
-        from cupy.cuda import runtime
+        return nccl.NcclCommunicator(world, uid, rank)
+    except TypeError:
+        pass
+    try:
+        return nccl.NcclCommunicator(world, tuple(b - 256 if b > 127 else b for b in uid), rank)
+    except OverflowError:   # unsigned char
+        return nccl.NcclCommunicator(world, tuple(uid), rank)
 
-        return int(runtime.getDevice())
-    except Exception:  # noqa: BLE001 - no cupy / no CUDA: the first operation reports it
+
+class _Buffer:
+    """Pointer, element count, NCCL dtype and device of a device tensor (validated, nothing sent)."""
+
+    def __init__(self, api: DeviceApi, tensor: Any) -> None:
+        if not api.is_device_tensor(tensor):
+            raise TypeError(f"the nccl backend needs {api.accelerator_type.upper()} tensors, got "
+                            f"{type(tensor).__name__} on {getattr(tensor, 'device', '?')}; use the tcp backend "
+                            "for host tensors")
+        if not tensor.is_contiguous():
+            raise ValueError("tensor must be contiguous")
+        name = dtype_name(tensor)
+        if name not in _NCCL_DTYPES:
+            raise TypeError(f"dtype {name} is not supported by NCCL")
+        self.tensor = tensor
+        self.ptr = int(tensor.data_ptr())
+        self.count = int(tensor.numel())
+        self.dtype = _NCCL_DTYPES[name]
+        self.index = api.device_index(tensor)
+
+
+def _caller_device() -> int | None:
+    try:
+        return device_api().current_device()
+    except Exception:  # noqa: BLE001 - no device backend: the first operation reports it
         return None
 
 
-class _Device:
-    """Pointer, element count, NCCL dtype and stream of a CUDA torch tensor or cupy array."""
+def _int64(values: list[int], like: Any) -> Any:
+    import torch
 
-    def __init__(self, tensor: Any) -> None:
-        torch = sys.modules.get("torch")
-        if torch is not None and isinstance(tensor, torch.Tensor):
-            if tensor.device.type != "cuda":
-                raise TypeError("the nccl backend needs CUDA tensors; use the tcp backend for CPU tensors")
-            if not tensor.is_contiguous():
-                raise ValueError("tensor must be contiguous")
-            self.ptr = tensor.data_ptr()
-            self.count = tensor.numel()
-            name = dtype_name(tensor)
-            self.stream = torch.cuda.current_stream(tensor.device).cuda_stream
-            self.zero = tensor.zero_
-            self.kind = "torch"
-            self.device = tensor.device
-        else:
-            import cupy
-
-            if not isinstance(tensor, cupy.ndarray):
-                raise TypeError(f"expected a CUDA torch tensor or a cupy array, got {type(tensor).__name__}")
-            if not tensor.flags.c_contiguous:
-                raise ValueError("array must be C-contiguous")
-            self.ptr = tensor.data.ptr
-            self.count = tensor.size
-            name = tensor.dtype.name
-            self.stream = cupy.cuda.get_current_stream().ptr
-            self.zero = lambda: tensor.fill(0)
-            self.kind = "cupy"
-            self.device = None
-        if name not in _NCCL_DTYPES:
-            raise TypeError(f"dtype {name} is not supported by NCCL")
-        self.dtype = _NCCL_DTYPES[name]
+    return torch.tensor(values, dtype=torch.int64, device=like.device)
 
 
 class NcclCommunicator(Communicator):
@@ -112,6 +132,9 @@ class NcclCommunicator(Communicator):
     Either every rank passes the same 128-byte `uid`, or (`uid=None`, as the DataServer builds
     it) rank 0 makes one with `make_uid` and hands it to the others over `peers`' data servers
     within `connect_timeout`. `on_dead(comm)` runs once the communicator failed or closed.
+    With `fallback` (data plane ``auto``: the DataServer's ``communicator``), ranks that turn out
+    to share a device use the TCP ring it builds for (epoch, shard + FALLBACK_SHARD) instead;
+    without it that is `SharedDevice`.
     """
 
     hello_kind = KIND_NCCL_ID  # the DataServer routes id connections of this kind to it
@@ -120,13 +143,14 @@ class NcclCommunicator(Communicator):
                  timeout: float = 30.0, device: int | None = None, peers: list[str] | None = None,
                  options: RingOptions | None = None, connect_timeout: float = 5.0,
                  make_uid: Callable[[], bytes] | None = None,
-                 on_dead: Callable[["NcclCommunicator"], None] | None = None) -> None:
+                 on_dead: Callable[["NcclCommunicator"], None] | None = None,
+                 fallback: Callable[..., Communicator] | None = None) -> None:
         if not 0 <= rank < world:
             raise ValueError(f"rank {rank} out of range for world {world}")
         if not timeout > 0 or not connect_timeout > 0:
             raise ValueError("timeout and connect_timeout must be > 0")
         if uid is not None:
-            _uid_tuple(uid)  # validates the length
+            _check_uid(uid)
         elif world > 1 and (peers is None or len(peers) != world):
             raise ValueError("without a uid, the peers' data addresses are needed to hand one out")
         self.epoch = epoch
@@ -138,19 +162,24 @@ class NcclCommunicator(Communicator):
         self._uid = bytes(uid) if uid is not None else None
         self._make_uid = make_uid or nccl_unique_id
         self._on_dead = on_dead
+        self._fallback = fallback
+        #: the TCP ring used instead of NCCL when the ranks share a device (data plane auto)
+        self.tcp: Communicator | None = None
         #: the unique id once known (set by the init thread before ncclCommInitRank)
         self.unique_id: bytes | None = self._uid
         self.uid_known = threading.Event()
         self._star = (StarLinks(epoch=epoch, shard=shard, rank=rank, peers=list(peers), options=options or RingOptions(),
                                 on_error=self._fail) if uid is None and world > 1 and peers is not None else None)
+        self._api: DeviceApi | None = None
         # NCCL binds the communicator to the calling thread's current CUDA device, which is
         # per thread: remember the caller's so the init thread can select it.
-        self._device = device if device is not None else _current_device()
-        self._lock = threading.Lock()
+        self._device = device if device is not None else _caller_device()
+        self._lock = threading.Lock()          # this object's state: failed, closed
+        self._nccl_lock = threading.Lock()     # every call into the NCCL communicator (NCCL forbids concurrent ones)
         self._failed: CommError | None = None
         self._comm: Any = None
         self._closed = False
-        self._aborting = threading.Event()
+        self._inflight = 0                     # operations between their first enqueue and their end
         self._init_error: BaseException | None = None
         self._init_done = threading.Event()
         self._init_thread = threading.Thread(target=self._init, daemon=True,
@@ -181,26 +210,40 @@ class NcclCommunicator(Communicator):
                                     peer_rank=h.src if h.src < self.world else None))
 
     # ------------------------------------------------------------------ init thread
-    def _obtain_uid(self) -> bytes:
+    def _obtain_uid(self, identity: str) -> tuple[bytes, bool]:
+        """The unique id, and whether rank 0 said to use the TCP ring instead (shared device)."""
         if self._uid is not None:
-            return self._uid
+            return self._uid, False
         deadline = time.monotonic() + self.connect_timeout
+        use_tcp = False
         if self.rank == 0:
             uid = self._make_uid()
             if len(uid) != UNIQUE_ID_BYTES:
                 raise CommError(f"NCCL unique id of {len(uid)} bytes, expected {UNIQUE_ID_BYTES}")
             if self._star is not None:
-                self._star.push(uid, deadline)
+                use_tcp = self._star.push(uid, deadline, identity, fallback=self._fallback is not None)
         else:
             assert self._star is not None
-            uid = self._star.receive(deadline, deadline + self.connect_timeout)
+            uid, use_tcp = self._star.receive(deadline, deadline + self.connect_timeout, identity)
         if self._star is not None:
             self._star.watch()
-        return uid
+        return uid, use_tcp
 
     def _init(self) -> None:
         try:
-            uid = self._obtain_uid()
+            api = self._api = device_api()
+            uid, use_tcp = self._obtain_uid(self._identity(api) if self._star is not None else "")
+            if use_tcp:
+                if self._fallback is None:
+                    raise CommError("rank 0 chose the TCP ring (shared device) but this rank has no fallback "
+                                    "(set the same data_plane on every replica)")
+                with self._lock:
+                    if self._failed is None:
+                        self.tcp = self._fallback(self.epoch, self.shard + FALLBACK_SHARD, self.rank,
+                                                  list(self._star.peers) if self._star else [],
+                                                  timeout=self.timeout, connect_timeout=self.connect_timeout)
+                self._init_done.set()
+                return
         except CommError as e:
             self._fail(e)
             self._init_done.set()
@@ -211,46 +254,82 @@ class NcclCommunicator(Communicator):
             return
         self.unique_id = uid
         self.uid_known.set()
+        comm = None
         try:
-            import cupy
-            from cupy.cuda import nccl
-
-            if self._device is not None:
-                cupy.cuda.Device(self._device).use()
-            try:
-                comm = nccl.NcclCommunicator(self.world, uid, self.rank)   # CuPy >= 14: bytes
-            except TypeError:
-                comm = nccl.NcclCommunicator(self.world, _uid_tuple(uid), self.rank)
+            os.environ.setdefault("NCCL_RUNTIME_CONNECT", "0")   # connect inside init, not the first collective
+            api.use_device(self._device)
+            nccl = api.nccl()
+            comm = new_nccl_comm(nccl, self.world, uid, self.rank)
+            if self.world > 1:
+                self._connect(api, comm)
             with self._lock:
                 if self._failed is None:
-                    self._comm = comm
+                    with self._nccl_lock:
+                        self._comm = comm
                     comm = None
-            if comm is not None:  # aborted while we were initialising
-                comm.abort()
         except BaseException as e:  # noqa: BLE001 - reported by the first operation
             self._init_error = e
         finally:
+            if comm is not None:  # failed, aborted or closed while we were initialising: ours alone
+                try:
+                    comm.abort()
+                except Exception:  # noqa: BLE001
+                    logger.exception("ncclCommAbort failed")
             self._init_done.set()
+
+    def _identity(self, api: DeviceApi) -> str:
+        """This rank's device identity, or "" when there is no device (init then reports it)."""
+        try:
+            return api.identity(self._device)
+        except Exception:  # noqa: BLE001 - no CUDA here: nothing to compare
+            return ""
+
+    def _connect(self, api: DeviceApi, comm: Any) -> None:
+        """A one-element allreduce, so that any lazy connect happens here, on the init thread,
+        before the communicator is published (the caller's wait for init bounds it)."""
+        import torch
+
+        kind = api.accelerator_type
+        dev = torch.device(kind, self._device) if kind != "cpu" and self._device is not None else torch.device(kind)
+        one = torch.empty(1, dtype=torch.int64, device=dev)   # no kernel: nothing to wait for on the caller's stream
+        stream = api.new_stream(one)
+        api.copy_async(one, torch.ones(1, dtype=torch.int64), stream)   # not behind the caller's compute
+        comm.allReduce(one.data_ptr(), one.data_ptr(), 1, _NCCL_DTYPES["int64"], _NCCL_SUM, stream.handle)
+        while not stream.query():
+            if self._failed is not None:
+                raise self._failed
+            comm.check_async_error()
+            time.sleep(_POLL_S * 4)
+        if int(one.item()) != self.world:
+            raise CommError(f"NCCL warm-up allreduce gave {int(one.item())}, expected {self.world}")
+
+    def wait_init(self, timeout: float) -> bool:
+        """Whether init (id hand-off, ncclCommInitRank, connect) finished within `timeout`."""
+        return self._init_done.wait(timeout)
 
     @property
     def failed(self) -> CommError | None:
-        return self._failed
+        tcp = self.tcp
+        return self._failed or (tcp.failed if tcp is not None else None)
 
     def _fail(self, err: CommError) -> CommError:
         with self._lock:
             if self._failed is not None:
                 return self._failed
             self._failed = err
-            comm, self._comm = self._comm, None
-        self._aborting.set()
+            tcp = self.tcp
+        if tcp is not None:
+            tcp.abort(str(err))
         if self._star is not None:  # tell the others first, then drop the links
             self._star.tell(err)
             self._star.close()
-        if comm is not None:
-            try:
-                comm.abort()  # ncclCommAbort: unblocks kernels stuck on a dead peer
-            except Exception:  # noqa: BLE001
-                logger.exception("ncclCommAbort failed")
+        with self._nccl_lock:
+            comm, self._comm = self._comm, None
+            if comm is not None:
+                try:
+                    comm.abort()  # ncclCommAbort: unblocks kernels stuck on a dead peer
+                except Exception:  # noqa: BLE001
+                    logger.exception("ncclCommAbort failed")
         level = logging.INFO if isinstance(err, CommAborted) else logging.WARNING
         logger.log(level, "nccl communicator epoch=%d shard=%d rank=%d failed: %s", self.epoch, self.shard,
                    self.rank, err)
@@ -258,76 +337,104 @@ class NcclCommunicator(Communicator):
             self._on_dead(self)
         return err
 
-    def _ready(self, deadline: float) -> Any:
+    def _call(self, what: str, fn: Callable[[Any], None]) -> None:
+        """One call into the NCCL communicator, under its lock; a failure fails this communicator."""
+        err: CommError | None = None
+        with self._nccl_lock:
+            comm = self._comm
+            if comm is None:
+                err = self._failed or CommAborted("communicator closed")
+            else:
+                try:
+                    fn(comm)
+                except Exception as e:  # noqa: BLE001 - NcclError, CUDA errors
+                    err = CommError(f"{what} failed: {e}")
+        if err is not None:
+            raise self._fail(err)
+
+    def _ready(self, deadline: float) -> None:
         while not self._init_done.wait(_POLL_S * 20):
             if self._failed is not None:
                 raise self._failed
             if time.monotonic() > deadline:
-                raise self._fail(CommTimeout(f"ncclCommInitRank did not finish within {self.timeout:g} s "
-                                             "(a peer did not join)"))
+                raise self._fail(CommTimeout(f"NCCL init did not finish within {self.timeout:g} s "
+                                             "(a peer did not join or connect)"))
         if self._init_error is not None:
-            raise self._fail(CommError(f"ncclCommInitRank failed: {self._init_error!r}"))
+            raise self._fail(CommError(f"NCCL init failed: {self._init_error!r}"))
         if self._failed is not None:
             raise self._failed
-        return self._comm
 
-    def _wait(self, stream: int, deadline: float, what: str) -> None:
-        """Poll the stream until the enqueued collective finished, NCCL reports an error, abort or timeout."""
-        from cupy.cuda import runtime
-
-        comm = self._comm
+    def _wait(self, start: Event, end: Event, timeout: float, what: str) -> None:
+        """Poll until `end` (the collective and what precedes it on the stream) completed, NCCL
+        reports an error, abort, or the collective made no progress for `timeout` from `start`."""
+        t0 = time.monotonic()
+        started: float | None = None
         while True:
+            if end.query():   # finished everywhere it had to: a failure noticed meanwhile is for later ops
+                return
             if self._failed is not None:
                 raise self._failed
-            status = runtime.streamQuery(stream)
-            if status == 0:  # cudaSuccess
-                return
-            if status != 600:  # cudaErrorNotReady
-                raise self._fail(CommError(f"CUDA error {status} during {what}"))
-            try:
-                comm.check_async_error()
-            except Exception as e:  # noqa: BLE001
-                raise self._fail(CommError(f"NCCL error during {what}: {e}")) from None
-            if time.monotonic() > deadline:
-                raise self._fail(CommTimeout(f"{what} made no progress within the timeout"))
+            now = time.monotonic()
+            if started is None:
+                if start.query():
+                    started = now
+                elif now - t0 > _START_FACTOR * timeout:
+                    raise self._fail(CommTimeout(f"the work queued before {what} did not finish within "
+                                                 f"{_START_FACTOR * timeout:g} s"))
+            self._call(what, lambda c: c.check_async_error())
+            if started is not None and now - started > timeout:
+                raise self._fail(CommTimeout(f"{what} made no progress within {timeout:g} s"))
             time.sleep(_POLL_S)
 
-    def allreduce(self, tensor: Any, *, contribute: bool = True, tag: int = 0, timeout: float | None = None) -> int:
-        """Enqueue, on the tensor's current stream and without a host sync in between: an
-        allGather of (tag, contribute) of every rank, the zeroing of a joiner's buffer, the sum.
-        Then poll until the stream has finished them (the only wait: abort and timeouts work),
-        and check the tags; a mismatch fails the communicator naming a mismatching rank."""
-        dev = _Device(tensor)  # TypeError for a CPU tensor before cupy is needed
-        import cupy
+    def _collective(self, stream: Stream, timeout: float, what: str, fn: Callable[[Any], None]) -> None:
+        start = stream.record()
+        self._call(what, fn)
+        self._wait(start, stream.record(), timeout, what)
 
+    def allreduce(self, tensor: Any, *, contribute: bool = True, tag: int = 0, timeout: float | None = None) -> int:
+        """All-gather (tag, contribute, count, dtype) of every rank and check them; then, unless a
+        rank disagrees, zero a joiner's buffer and sum, on the tensor's current stream. Each
+        collective is polled (abort, async errors and timeouts work)."""
+        api = device_api()
+        buf = _Buffer(api, tensor)  # TypeError for a host tensor before anything is enqueued
         tag = int(tag)
         if not -(1 << 63) <= tag < (1 << 63):
             raise ValueError(f"tag {tag} does not fit in 64 bits")
         tmo = self.timeout if timeout is None else float(timeout)
-        deadline = time.monotonic() + tmo
         if self._failed is not None:
             raise self._failed
-        comm = self._ready(deadline)
-        device = dev.device.index if dev.device is not None else cupy.cuda.Device().id
-        # cupy's copies and allocations on the same device and stream as the collective.
-        with cupy.cuda.Device(device), cupy.cuda.ExternalStream(dev.stream):
-            send = cupy.asarray([tag, 1 if contribute else 0], dtype=cupy.int64)
-            recv = cupy.empty(2 * self.world, dtype=cupy.int64)
-            try:
-                comm.allGather(send.data.ptr, recv.data.ptr, 2, _NCCL_DTYPES["int64"], dev.stream)
-                if not contribute:
-                    dev.zero()
-                comm.allReduce(dev.ptr, dev.ptr, dev.count, dev.dtype, _NCCL_SUM, dev.stream)
-            except Exception as e:  # noqa: BLE001
-                raise self._fail(CommError(f"ncclAllReduce failed: {e}")) from None
-            self._wait(dev.stream, deadline, "allreduce")
-            flat = recv.get().tolist()  # the stream is idle: no wait
-        rows = [flat[2 * i:2 * i + 2] for i in range(self.world)]
-        for r, (t, _c) in enumerate(rows):
+        self._ready(time.monotonic() + tmo)
+        if self.tcp is not None:
+            return self.tcp.allreduce(tensor, contribute=contribute, tag=tag, timeout=timeout)
+        stream = api.current_stream(tensor)
+        meta = _int64([tag, 1 if contribute else 0, buf.count, buf.dtype], tensor)
+        rows_t = _int64([0] * (_META * self.world), tensor)
+        with self._lock:
+            self._inflight += 1
+        try:
+            self._collective(stream, tmo, "the NCCL tag exchange", lambda c: c.allGather(
+                meta.data_ptr(), rows_t.data_ptr(), _META, _NCCL_DTYPES["int64"], stream.handle))
+            flat = rows_t.tolist()
+            rows = [flat[_META * i:_META * i + _META] for i in range(self.world)]
+            self._check_rows(rows, tag, buf)
+            if not contribute:
+                api.zero_async(tensor, stream)
+            self._collective(stream, tmo, "allreduce", lambda c: c.allReduce(
+                buf.ptr, buf.ptr, buf.count, buf.dtype, _NCCL_SUM, stream.handle))
+        finally:
+            with self._lock:
+                self._inflight -= 1
+        return sum(r[1] for r in rows)
+
+    def _check_rows(self, rows: list[list[int]], tag: int, buf: _Buffer) -> None:
+        for r, (t, _c, n, d) in enumerate(rows):
             if t != tag:
                 raise self._fail(ProtocolMismatch(f"tag mismatch: rank {r} has tag {t}, this rank {tag}",
                                                   peer_rank=r, peer_addr=self._peer_addr(r)))
-        return sum(c for _t, c in rows)
+            if (n, d) != (buf.count, buf.dtype):
+                raise self._fail(ProtocolMismatch(
+                    f"size mismatch: rank {r} reduces {n} elements of NCCL type {d}, this rank {buf.count} "
+                    f"of type {buf.dtype}", peer_rank=r, peer_addr=self._peer_addr(r)))
 
     def _peer_addr(self, r: int) -> str | None:
         return self._star.peers[r] if self._star is not None else None
@@ -335,43 +442,54 @@ class NcclCommunicator(Communicator):
     def broadcast(self, tensor: Any, root: int, *, timeout: float | None = None) -> None:
         if not 0 <= root < self.world:
             raise ValueError(f"root {root} out of range for world {self.world}")
-        dev = _Device(tensor)
+        api = device_api()
+        buf = _Buffer(api, tensor)
         tmo = self.timeout if timeout is None else float(timeout)
-        deadline = time.monotonic() + tmo
         if self._failed is not None:
             raise self._failed
-        comm = self._ready(deadline)
+        self._ready(time.monotonic() + tmo)
+        if self.tcp is not None:
+            return self.tcp.broadcast(tensor, root, timeout=timeout)
+        stream = api.current_stream(tensor)
+        with self._lock:
+            self._inflight += 1
         try:
-            comm.bcast(dev.ptr, dev.count, dev.dtype, root, dev.stream)
-        except Exception as e:  # noqa: BLE001
-            raise self._fail(CommError(f"ncclBcast failed: {e}")) from None
-        self._wait(dev.stream, deadline, "broadcast")
+            self._collective(stream, tmo, "broadcast", lambda c: c.bcast(
+                buf.ptr, buf.count, buf.dtype, root, stream.handle))
+        finally:
+            with self._lock:
+                self._inflight -= 1
 
     def abort(self, reason: str) -> None:
         self._fail(CommAborted(f"aborted: {reason}"))
 
     def close(self) -> None:
+        """Release the communicator: ncclCommDestroy when nothing is in flight, else ncclCommAbort
+        (destroy waits for queued work, which never ends when a collective is stuck)."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-            comm = self._comm if self._failed is None else None
             first = self._failed is None
             if first:
                 self._failed = CommAborted("communicator closed")
-            self._comm = None
+            idle = self._inflight == 0
+            tcp = self.tcp
+        if tcp is not None:
+            tcp.close()
         if self._star is not None:
             if first:
                 self._star.tell(CommAborted("closed its communicator"))
             self._star.close()
-        if self._on_dead is not None:
+        if self._on_dead is not None and first:
             self._on_dead(self)
-        if comm is not None:
-            try:
-                comm.destroy()
-            except Exception:  # noqa: BLE001
-                logger.exception("ncclCommDestroy failed")
-        self._aborting.set()
+        with self._nccl_lock:
+            comm, self._comm = self._comm, None
+            if comm is not None:
+                try:
+                    comm.destroy() if idle else comm.abort()
+                except Exception:  # noqa: BLE001
+                    logger.exception("releasing the NCCL communicator failed")
         # The init thread may still be inside ncclCommInitRank (a peer never came): it is a
         # daemon thread and aborts the communicator itself if init ever returns.
         self._init_thread.join(0.1)

@@ -8,7 +8,9 @@ guard, pending table while the peer has not created its communicator yet). It th
 Each rank acknowledges the id (one byte), and only when every rank has done so does rank 0 say
 go (one byte to each): ncclCommInitRank blocks until every rank has called it and cannot be
 cancelled, so no rank starts it before every other rank is known to hold the id and to be
-about to start it too; a rank that never takes the id is named instead.
+about to start it too; a rank that never takes the id is named instead. Each ack carries the rank's device identity (PCI
+bus id or UUID): NCCL refuses two ranks on one device, so rank 0 then says "use the TCP ring"
+instead of go (data plane ``auto``), or fails every rank with `SharedDevice` (explicit ``nccl``).
 
 Why the data plane and not gossip: the id belongs to one (data epoch, shard), shard ranks other
 than 0 of an FSDP replica never see gossip, and the data server already authenticates peers.
@@ -41,7 +43,7 @@ from .wire import (
     parse_error_payload, recv_exact, source_address, split_addr, tune_socket,
 )
 
-__all__ = ["KIND_NCCL_ID", "UID_BYTES", "StarLinks"]
+__all__ = ["KIND_NCCL_ID", "UID_BYTES", "SharedDevice", "StarLinks"]
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +53,23 @@ _MAC_LEN = 32
 _WATCH_SLICE_S = 0.1
 ACK = b"\x01"   # rank r -> rank 0: I hold the id
 GO = b"\x02"    # rank 0 -> every rank: everybody holds it, start ncclCommInitRank
+TCP = b"\x03"   # rank 0 -> every rank: two ranks share a device, use the TCP ring (data_plane auto)
+
+
+class SharedDevice(ProtocolMismatch):
+    """Two ranks of one NCCL communicator are on the same device (same PCI bus id / UUID)."""
+
+
+def _shared(idents: dict[int, str]) -> tuple[int, int] | None:
+    """The first two ranks with the same non-empty device identity, if any."""
+    seen: dict[str, int] = {}
+    for r in sorted(idents):
+        ident = idents[r]
+        if ident and ident in seen:
+            return seen[ident], r
+        if ident:
+            seen[ident] = r
+    return None
 
 
 def uid_mac(secret: bytes | None, hello_raw: bytes, uid: bytes) -> bytes:
@@ -76,6 +95,8 @@ class StarLinks:
         self.options = options
         self.on_error = on_error
         self.socks: dict[int, socket.socket] = {}
+        #: rank -> device identity, on rank 0 once every rank took the id
+        self.identities: dict[int, str] = {}
         self._hello_raw: bytes | None = None
         self._cond = threading.Condition()
         self._closed = False
@@ -101,9 +122,11 @@ class StarLinks:
         close_quietly(sock)
 
     # ------------------------------------------------------------------ rank 0
-    def push(self, uid: bytes, deadline: float) -> None:
-        """Hand `uid` to every other rank, collect their acks, say go; raises CommError naming a
-        rank that cannot be reached or does not take the id in time."""
+    def push(self, uid: bytes, deadline: float, identity: str = "", fallback: bool = False) -> bool:
+        """Hand `uid` to every other rank, collect their acks (each with its device identity), say
+        go; raises CommError naming a rank that cannot be reached or does not take the id in
+        time, and `SharedDevice` when two ranks are on one device (NCCL refuses that at init) unless
+        `fallback`: then every rank is told to use the TCP ring instead, and the result is True."""
         for r in range(1, self.world):
             sock = self._connect(r, uid, deadline)
             with self._cond:
@@ -111,17 +134,33 @@ class StarLinks:
                     close_quietly(sock)
                     raise CommAborted("communicator closed while handing out the NCCL id")
                 self.socks[r] = sock
+        idents = {0: identity}
         for r in range(1, self.world):
             self._expect(r, ACK, deadline, "take the NCCL id")
+            idents[r] = self._read_identity(r, deadline)
+        self.identities = idents
+        shared = _shared(idents)
+        go = GO
+        if shared is not None and fallback:
+            go = TCP
+            logger.info("ranks %d and %d of epoch %d shard %d share device %s: this communicator uses the "
+                        "TCP ring", shared[0], shared[1], self.epoch, self.shard, idents[shared[0]])
+        elif shared is not None:
+            a, b = shared
+            raise SharedDevice(f"ranks {a} and {b} of epoch {self.epoch} shard {self.shard} are on one device "
+                               f"({idents[a]}): NCCL refuses two ranks on one GPU; use data_plane='tcp' "
+                               "or one GPU per replica", peer_rank=b, peer_addr=self.peers[b])
         for r in range(1, self.world):
             try:
-                self.socks[r].sendall(GO)
+                self.socks[r].sendall(go)
             except OSError as e:
                 raise PeerFailed(f"rank {r} went away before NCCL init: {e!r}", peer_rank=r,
                                  peer_addr=self.peers[r]) from None
+        return go == TCP
 
-    def _expect(self, peer: int, byte: bytes, deadline: float, what: str) -> None:
-        """Read one byte from `peer` (bounded); anything else is its error frame or garbage."""
+    def _expect(self, peer: int, byte: bytes, deadline: float, what: str, also: bytes = b"") -> bytes:
+        """Read one byte from `peer` (bounded): `byte` (or `also`), returned; anything else is its
+        error frame or garbage."""
         s = self.socks[peer]
         addr = self.peers[peer]
         first = b""
@@ -133,11 +172,28 @@ class StarLinks:
             raise CommTimeout(f"rank {peer} did not {what} in time", peer_rank=peer, peer_addr=addr) from None
         except OSError:
             pass
-        if first == byte:
-            return
+        if first == byte or (also and first == also):
+            return first
         if not first:
             raise PeerFailed(f"rank {peer} went away before NCCL init", peer_rank=peer, peer_addr=addr)
         raise self._read_verdict(s, peer, first)
+
+    def _read_identity(self, peer: int, deadline: float) -> str:
+        s = self.socks[peer]
+        try:
+            s.settimeout(max(0.01, deadline - time.monotonic()))
+            n = bytearray(1)
+            recv_exact(s, memoryview(n))
+            raw = bytearray(n[0])
+            recv_exact(s, memoryview(raw))
+            s.settimeout(None)
+        except (socket.timeout, TimeoutError):
+            raise CommTimeout(f"rank {peer} did not name its device in time", peer_rank=peer,
+                              peer_addr=self.peers[peer]) from None
+        except (EOFError, OSError):
+            raise PeerFailed(f"rank {peer} went away before NCCL init", peer_rank=peer,
+                             peer_addr=self.peers[peer]) from None
+        return raw.decode("utf-8", "replace")
 
     def _connect(self, r: int, uid: bytes, deadline: float) -> socket.socket:
         opts = self.options
@@ -192,7 +248,7 @@ class StarLinks:
             backoff = min(backoff * 2, 0.2)
 
     # ------------------------------------------------------------------ ranks other than 0
-    def receive(self, deadline: float, go_deadline: float) -> bytes:
+    def receive(self, deadline: float, go_deadline: float, identity: str = "") -> tuple[bytes, bool]:
         """Wait (bounded) for rank 0's id, check its MAC, ack it and wait for go (until
         `go_deadline`, later than rank 0's own wait, so that rank 0's verdict naming a rank that
         never took the id arrives here first)."""
@@ -222,11 +278,12 @@ class StarLinks:
             raise ProtocolMismatch("the NCCL id from rank 0 fails its MAC (cluster secret)", peer_rank=0,
                                    peer_addr=self.peers[0])
         try:
-            sock.sendall(ACK)
+            ident = identity.encode()[:255]
+            sock.sendall(ACK + bytes([len(ident)]) + ident)
         except OSError as e:
             raise PeerFailed(f"rank 0 went away: {e!r}", peer_rank=0, peer_addr=self.peers[0]) from None
-        self._expect(0, GO, go_deadline, "say go for NCCL init")
-        return uid
+        go = self._expect(0, GO, go_deadline, "say go for NCCL init", also=TCP)
+        return uid, go == TCP
 
     # ------------------------------------------------------------------ liveness, both sides
     def watch(self) -> None:

@@ -13,7 +13,6 @@ import os
 import queue
 import socket
 import threading
-import time
 from types import ModuleType
 from typing import Any, Callable
 
@@ -148,16 +147,10 @@ class LaneReceiver:
             if st == Status.OK:
                 return total
             if st in (Status.SEND_ERROR, Status.SEND_TIMEOUT):
-                # As when the sender thread fails: blame from the reverse error frame, then close.
-                err_out = (CommTimeout(f"rank {snd.right} accepted no data for {tmo:.3g} s",
-                                       peer_rank=snd.right, peer_addr=snd.right_addr)
-                           if st == Status.SEND_TIMEOUT else snd._blame(OSError(err, os.strerror(err))))
-                snd._close_sock(snd.sock)
-                raise self.fail(err_out)
+                raise self.fail(snd.write_failed(st == Status.SEND_TIMEOUT, err, tmo))
             if pending is not None:
                 rest, off, n = pending
-                snd.submitted += 1
-                snd.q.put((rest, buf.mv[off:off + n] if n else None, time.monotonic(), True))
+                snd.hand_over(rest, buf.mv[off:off + n] if n else None)
         if st == Status.INTERRUPTED:
             raise hdr  # e.g. KeyboardInterrupt: the communicator fails as with the Python loop
         if st == Status.FAILED:
@@ -295,6 +288,13 @@ class LaneWorker:
         self.result: BaseException | None = None
         self.thread = threading.Thread(target=self._run, daemon=True, name=name)
         self.thread.start()
+
+    def submit(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+        """Run `fn(*args)` on this lane's thread; `done` is set when it returns or raises."""
+        self.q.put((fn, args))
+
+    def stop(self) -> None:
+        self.q.put(STOP)
 
     def _run(self) -> None:
         while True:

@@ -9,6 +9,7 @@ waits for receiving, which is what keeps a ring from deadlocking.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import socket
 import threading
@@ -173,6 +174,30 @@ class LaneSender:
                 ev.wait(left)
             if state.failed is not None:
                 raise state.failed
+
+    def wake(self) -> None:
+        """Make the thread look at the failure state (it then finishes its frame and exits)."""
+        self.q.put(WAKE)
+
+    def stop(self) -> None:
+        """End the thread after what is queued."""
+        self.q.put(STOP)
+
+    def hand_over(self, hdr: bytes, payload: memoryview | None) -> None:
+        """Queue the rest of a frame another writer (the C loop) left half-written: this thread
+        completes it, also after a failure, so the receiver can still parse the stream."""
+        self.submitted += 1
+        self.q.put((hdr, payload, time.monotonic(), True))
+
+    def write_failed(self, timed_out: bool, errno_: int, tmo: float) -> CommError:
+        """Another writer's send on this lane failed (the C loop's): the error to raise, blamed
+        as when this thread fails (the right neighbour's error frame, if it left one), with the
+        socket closed after it."""
+        err = (CommTimeout(f"rank {self.right} accepted no data for {tmo:.3g} s",
+                           peer_rank=self.right, peer_addr=self.right_addr)
+               if timed_out else self._blame(OSError(errno_, os.strerror(errno_))))
+        self._close_sock(self.sock)
+        return err
 
     def _finish_with_error(self, job: Any) -> None:
         """Complete a frame the producer left half-written, then append the error frame."""

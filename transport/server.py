@@ -158,8 +158,7 @@ class DataServer:
         made lazily by the first operation, which waits up to `connect_timeout` for the
         neighbours; CUDA tensors go through pinned staging. nccl: rank 0 hands the unique id to
         the others within `connect_timeout` and ncclCommInitRank runs on a helper thread on CUDA
-        device `device` (default: the caller's current one); every rank must pick the same backend.
-        """
+        device `device` (default: the caller's current one); every rank must pick the same backend."""
         try:
             backend = Backend(backend)
         except ValueError:
@@ -178,11 +177,12 @@ class DataServer:
             raise ValueError("timeout and connect_timeout must be > 0")
         key = (int(epoch), int(shard))
         comm: Any
-        if backend is Backend.NCCL:
+        if backend.nccl:  # auto: ranks on one device make a TCP ring with self.communicator
             comm = NcclCommunicator(key[0], key[1], int(rank), len(peers), None, timeout=float(timeout),
                                     device=device, peers=list(peers), options=self._ring_options(peers, rank),
-                                    connect_timeout=float(connect_timeout), make_uid=self.nccl_uid_factory,
-                                    on_dead=self._unregister)
+                                    connect_timeout=float(connect_timeout), on_dead=self._unregister,
+                                    make_uid=self.nccl_uid_factory,
+                                    fallback=self.communicator if backend is Backend.NCCL_AUTO else None)
         else:
             comm = StagingTcpCommunicator(key[0], key[1], int(rank), list(peers), timeout=float(timeout),
                                           connect_timeout=float(connect_timeout), options=self._ring_options(peers, rank),

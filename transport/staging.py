@@ -19,15 +19,15 @@ CPU tensors, which is how the tests run the exact schedule over real sockets wit
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
+from .device import DeviceApi, Event, Stream, device_api
 from .tcp import TcpCommunicator
 from .wire import KIND_RING, Hello
 from .errors import ProtocolMismatch
 
-__all__ = ["DEFAULT_PIECE_BYTES", "CudaStager", "HostStager", "Piece", "StagingTcpCommunicator", "plan_pieces",
+__all__ = ["DEFAULT_PIECE_BYTES", "DeviceStager", "StageCache", "HostStager", "Piece", "StagingTcpCommunicator", "plan_pieces",
            "run_pieces"]
 
 DEFAULT_PIECE_BYTES = 8 << 20
@@ -78,17 +78,19 @@ def run_pieces(pieces: list[Piece], stager: Stager, op: Callable[[Any], Any], *,
     result = None
     if copy_down:
         stager.down(pieces[0], 0)
-    for k, p in enumerate(pieces):
-        if copy_down and k + 1 < len(pieces):
-            stager.down(pieces[k + 1], (k + 1) % _SLOTS)  # overlaps this piece's ring operation
-        if copy_down:
-            stager.wait_down(p)
-        else:
-            stager.reuse(k % _SLOTS)
-        result = op(stager.slot(k % _SLOTS, p.numel))
-        if copy_up:
-            stager.up(p, k % _SLOTS)
-    stager.finish()
+    try:
+        for k, p in enumerate(pieces):
+            if copy_down and k + 1 < len(pieces):
+                stager.down(pieces[k + 1], (k + 1) % _SLOTS)  # overlaps this piece's ring operation
+            if copy_down:
+                stager.wait_down(p)
+            else:
+                stager.reuse(k % _SLOTS)
+            result = op(stager.slot(k % _SLOTS, p.numel))
+            if copy_up:
+                stager.up(p, k % _SLOTS)
+    finally:
+        stager.finish()   # also after a failed piece: a retry must not race the uploads still queued
     return result
 
 
@@ -124,55 +126,58 @@ class HostStager:
         self.log.append(("finish", -1, -1))
 
 
-class CudaStager:
-    """Stager between a CUDA tensor and two pinned host slots, on a side copy stream."""
+@dataclass
+class StageCache:
+    """What staging keeps per communicator and device: the pinned slots, the copy stream and the
+    last upload from each slot, so a call that starts by receiving into a slot waits for the
+    previous call's upload from it."""
 
-    def __init__(self, tensor: Any, slots: list[Any], copy_stream: Any) -> None:
-        import torch
+    device: Any
+    slots: list[Any]
+    stream: Stream
+    up: list[Event | None]
 
-        self.torch = torch
+
+class DeviceStager:
+    """Stager between a device tensor and two pinned host slots, on a side copy stream (device seam)."""
+
+    def __init__(self, api: DeviceApi, tensor: Any, cache: StageCache) -> None:
+        self.api = api
         self.flat = tensor.view(-1)
         self.itemsize = tensor.element_size()
         self.dtype = tensor.dtype
-        self.slots = slots                      # uint8 pinned buffers of piece_bytes each
-        self.compute = torch.cuda.current_stream(tensor.device)
-        self.copy = copy_stream
-        self.copy.wait_stream(self.compute)     # read the gradients only once they are finished
-        self._down: dict[int, Any] = {}
-        self._up: list[Any] = [None] * _SLOTS
+        self.cache = cache
+        self.compute = api.current_stream(tensor)
+        self.copy = cache.stream
+        self.copy.wait(self.compute.record())   # read the gradients only once they are finished
+        self._down: dict[int, Event] = {}
 
     def slot(self, i: int, n: int) -> Any:
-        return self.slots[i][:n * self.itemsize].view(self.dtype)
+        return self.cache.slots[i][:n * self.itemsize].view(self.dtype)
 
     def down(self, p: Piece, i: int) -> None:
-        with self.torch.cuda.stream(self.copy):
-            self.slot(i, p.numel).copy_(self.flat[p.start:p.stop], non_blocking=True)
-            ev = self.torch.cuda.Event()
-            ev.record(self.copy)
-        self._down[p.index] = ev
+        self.api.copy_async(self.slot(i, p.numel), self.flat[p.start:p.stop], self.copy)
+        self._down[p.index] = self.copy.record()
 
     def wait_down(self, p: Piece) -> None:
         self._down.pop(p.index).synchronize()
 
     def reuse(self, i: int) -> None:
-        ev = self._up[i]
+        ev = self.cache.up[i]
         if ev is not None:
             ev.synchronize()
+            self.cache.up[i] = None
 
     def up(self, p: Piece, i: int) -> None:
-        with self.torch.cuda.stream(self.copy):
-            self.flat[p.start:p.stop].copy_(self.slot(i, p.numel), non_blocking=True)
-            ev = self.torch.cuda.Event()
-            ev.record(self.copy)
-        self._up[i] = ev
+        self.api.copy_async(self.flat[p.start:p.stop], self.slot(i, p.numel), self.copy)
+        self.cache.up[i] = self.copy.record()
 
     def finish(self) -> None:
-        self.compute.wait_stream(self.copy)     # the caller's next kernels see the sum
+        self.compute.wait(self.copy.record())     # the caller's next kernels see the sum
 
 
 def _is_device_tensor(t: Any) -> bool:
-    torch = sys.modules.get("torch")
-    return torch is not None and isinstance(t, torch.Tensor) and t.device.type != "cpu"
+    return device_api().is_device_tensor(t)
 
 
 class StagingTcpCommunicator(TcpCommunicator):
@@ -188,7 +193,7 @@ class StagingTcpCommunicator(TcpCommunicator):
         if piece_bytes < 64:
             raise ValueError(f"piece_bytes must be >= 64, got {piece_bytes}")
         self.piece_bytes = int(piece_bytes)
-        self._pinned: tuple[Any, list[Any], Any] | None = None   # (device, slots, copy stream)
+        self._stage: StageCache | None = None
 
     def allreduce(self, tensor: Any, *, contribute: bool = True, tag: int = 0,
                   timeout: float | None = None) -> int:
@@ -236,7 +241,7 @@ class StagingTcpCommunicator(TcpCommunicator):
 
     def close(self) -> None:
         super().close()
-        self._pinned = None  # torch's pinned allocator keeps blocks until their copies finished
+        self._stage = None  # torch's pinned allocator keeps blocks until their copies finished
 
     # ------------------------------------------------------------------ helpers
     @staticmethod
@@ -244,13 +249,12 @@ class StagingTcpCommunicator(TcpCommunicator):
         if not tensor.is_contiguous():
             raise ValueError("tensor must be contiguous")
 
-    def _cuda_stager(self, tensor: Any) -> CudaStager:
-        """Pinned slots and a copy stream, made once per communicator and device."""
-        import torch
-
-        cached = self._pinned
-        if cached is None or cached[0] != tensor.device:
-            slots = [torch.empty(self.piece_bytes, dtype=torch.uint8, pin_memory=True) for _ in range(_SLOTS)]
-            cached = (tensor.device, slots, torch.cuda.Stream(tensor.device))
-            self._pinned = cached
-        return CudaStager(tensor, cached[1], cached[2])
+    def _cuda_stager(self, tensor: Any) -> DeviceStager:
+        """Pinned slots, a copy stream and upload events, made once per communicator and device."""
+        api = device_api()
+        cache = self._stage
+        if cache is None or cache.device != tensor.device:
+            cache = StageCache(tensor.device, [api.pinned(self.piece_bytes) for _ in range(_SLOTS)],
+                               api.new_stream(tensor), [None] * _SLOTS)
+            self._stage = cache
+        return DeviceStager(api, tensor, cache)

@@ -51,6 +51,8 @@ class StateSnapshot:
 
     meta: dict
     tensors: dict[str, "torch.Tensor"] = field(default_factory=dict)
+    #: device tensors: an event (device seam) recorded after they were written; None: the providing thread's stream
+    ready: Any = None
 
 
 def _send_msg(sock: socket.socket, obj: Any) -> None:
@@ -118,7 +120,7 @@ def serve_state_connection(sock: socket.socket, provider: Callable[[dict], State
             dname = dtype_name(t)
             if dname not in DTYPE_CODES:
                 raise TypeError(f"unsupported dtype {dname} for tensor {name!r}")
-            pair = pairs.get(t.device) or pairs.setdefault(t.device, PinnedPair(chunk, t.device))
+            pair = pairs.get(t.device) or pairs.setdefault(t.device, PinnedPair(chunk, t.device, snap.ready))
             src: Any = DeviceSource(t, pair)
             index.append([name, dname, list(t.shape), src.nbytes])
         else:

@@ -27,7 +27,7 @@ from .links import RingLinks
 from .options import DEFAULT_CHUNK_BYTES, RingOptions
 from .receiver import LaneReceiver, LaneWorker
 from .ring import LanePlan, allreduce_plan, broadcast_plan
-from .sender import SENDER_GRACE_S, STOP, WAKE, LaneSender
+from .sender import SENDER_GRACE_S, LaneSender
 from .sockutil import shutdown_quietly
 from .wire import (
     FRAME_MAGIC, FRAME_PREFIX, OP_ALLREDUCE, OP_BROADCAST, ST_CLOSED, ST_MISMATCH, ST_OK, Hello, RemoteError,
@@ -253,7 +253,7 @@ class TcpCommunicator(Communicator):
         with fs.waiter() as waiter:
             for w in self._workers:
                 w.done.clear()
-                w.q.put((fn, (rx[w.lane], plans[w.lane], *args)))
+                w.submit(fn, (rx[w.lane], plans[w.lane], *args))
             result = fn(rx[0], plans[0], *args)
             for w in self._workers:
                 while not w.done.is_set():
@@ -296,10 +296,10 @@ class TcpCommunicator(Communicator):
                 links.close_sock(s)     # nobody reads it: close now so the left's sender sees a reset
         fs.io_done.set()
         for snd in self._senders:
-            snd.q.put(WAKE)
+            snd.wake()
         if not in_op:
             for w in self._workers:
-                w.q.put(STOP)
+                w.stop()
             if not self._senders:
                 self._farewell_rights(frame)
         fs.wake_waiters()
@@ -330,12 +330,12 @@ class TcpCommunicator(Communicator):
         err = err.copy()  # each raise gets its own traceback; `failed` keeps the original
         for w in self._workers:
             w.done.wait(1.0)
-            w.q.put(STOP)
+            w.stop()
         fs.io_done.wait(1.0)  # _fail (maybe on another thread) is done with the left sockets
         for s in self._links.lefts:
             self._links.close_sock(s)
         for snd in self._senders:
-            snd.q.put(WAKE)
+            snd.wake()
         if not self._senders and fs.error_frame is not None:
             self._farewell_rights(fs.error_frame)
         return err
@@ -346,9 +346,9 @@ class TcpCommunicator(Communicator):
     # ------------------------------------------------------------------ teardown
     def _stop_threads(self) -> None:
         for snd in self._senders:
-            snd.q.put(STOP)
+            snd.stop()
         for w in self._workers:
-            w.q.put(STOP)
+            w.stop()
         deadline = time.monotonic() + SENDER_GRACE_S
         for snd in self._senders:
             snd.exited.wait(max(0.0, deadline - time.monotonic()))

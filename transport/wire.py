@@ -18,6 +18,7 @@ from typing import Any, Callable, Sequence
 
 import msgpack
 
+from .addr import parse_hostport
 from .errors import ERROR_CLASSES, CommError, ProtocolMismatch
 
 PROTOCOL_VERSION = 2   # 2: the hello's nonce is a send time + 8 random bytes (replay protection)
@@ -401,8 +402,5 @@ def tune_socket(sock: socket.socket, bufsize: int | None) -> None:
 
 
 def split_addr(addr: str) -> tuple[str, int]:
-    """'host:port' -> (host, port); raise ValueError with the offending string otherwise."""
-    host, sep, port = addr.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise ValueError(f"bad data address {addr!r}, expected 'host:port'")
-    return host.strip("[]"), int(port)
+    """'host:port' or '[v6]:port' -> (host, port); ValueError naming the string otherwise."""
+    return parse_hostport(addr, "data address")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import sys
 import time
 from pathlib import Path
@@ -32,7 +33,14 @@ def register(sub: Any) -> None:
     p.add_argument("--restart-after", type=float, default=2.0, help="seconds before a failed replica restarts")
     p.add_argument("--fault", choices=FAULTS, default="kill",
                    help="kill: SIGKILL a random replica; pause: SIGSTOP it for --pause-for; leader: kill the "
-                   "Raft leader's replica; two: kill two replicas at once")
+                   "Raft leader's replica; two: kill two replicas at once; host: the replica's host disappears "
+                   "(its link goes down, no reset), then its processes die (needs --hosts netns)")
+    p.add_argument("--hosts", choices=["loopback", "netns"], default="loopback",
+                   help="loopback: every process on 127.0.0.1; netns: each replica of every system on a host of "
+                   "its own (a Linux network namespace; needs root and iproute2), p2pft's witnesses and "
+                   "torchft's lighthouse on hosts of their own")
+    p.add_argument("--link-mbit", type=float, default=None,
+                   help="with --hosts netns: limit each host's link to this many Mbit/s (tc tbf)")
     p.add_argument("--pause-for", type=float, default=3.0)
     p.add_argument("--step-delay", type=float, default=0.1, help="emulated accelerator seconds per step")
     p.add_argument("--model", choices=["tiny", "small"], default="tiny")
@@ -52,10 +60,14 @@ def register(sub: Any) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="results/chaos", help="folder for chaos.json, timeline.png and logs")
     p.add_argument("--no-live", action="store_true", help="no live progress display")
+    p.add_argument("--data-plane", choices=["auto", "nccl", "tcp"], default=None,
+                   help="p2pft replicas' data plane ($P2PFT_DATA_PLANE for every replica; default: theirs)")
     p.set_defaults(fn=cmd_chaos)
 
 
 def cmd_chaos(args: argparse.Namespace) -> int:
+    if getattr(args, "data_plane", None):
+        os.environ["P2PFT_DATA_PLANE"] = args.data_plane   # the replicas inherit it
     try:
         return _chaos(args)
     except UsageError as exc:
@@ -74,7 +86,16 @@ def _chaos(args: argparse.Namespace) -> int:
                       restart_after=args.restart_after, fault=args.fault, pause_for=args.pause_for,
                       step_delay=args.step_delay, model=args.model, batch=args.batch,
                       checkpoint_every=args.checkpoint_every, seed=args.seed,
-                      witnesses=args.witnesses, workload=args.workload, spares=args.spares)
+                      witnesses=args.witnesses, workload=args.workload, spares=args.spares,
+                      hosts=args.hosts, link_mbit=args.link_mbit)
+    if cfg.hosts == "netns":
+        from .hosts import unavailable
+        why = unavailable()
+        if why is not None:
+            fallback = "kill" if cfg.fault == "host" else cfg.fault
+            print(f"p2pft chaos: no network namespaces ({why}): running on loopback"
+                  + (", --fault kill instead of host" if fallback != cfg.fault else ""), file=sys.stderr)
+            cfg.hosts, cfg.link_mbit, cfg.fault = "loopback", None, fallback
     try:
         cfg.validate()
     except ValueError as exc:

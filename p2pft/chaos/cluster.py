@@ -24,9 +24,12 @@ from typing import Any
 
 from ..ports import free_ports
 from ..procs import ProcGroup, collect
+from .hosts import Hosts
 from .records import read_stats
 
-FAULTS = ("kill", "pause", "leader", "two")
+FAULTS = ("kill", "pause", "leader", "two", "host")
+HOSTS = ("loopback", "netns")
+REPLICA_PORT, WITNESS_PORT = 7100, 7000      # on a host of its own every process can use the same port
 WORKLOADS = {"example": "p2pft.trainer.examples.replica", "gpt": "p2pft.trainer.examples.gpt"}
 
 
@@ -48,6 +51,8 @@ class ChaosConfig:
     extra_args: tuple[str, ...] = ()  # passed through to every replica process
     workload: str = "example"         # example (replica.py) | gpt (gpt.py, checked by the replay oracle)
     spares: int = 0                   # p2pft only: extra replicas that wait as hot spares
+    hosts: str = "loopback"           # loopback | netns (each replica and witness on a host of its own)
+    link_mbit: float | None = None    # with netns: each host's link limited to this rate (tc tbf)
 
     def validate(self) -> None:
         if self.replicas < 2:
@@ -62,6 +67,12 @@ class ChaosConfig:
             raise ValueError(f"--fault must be one of {', '.join(FAULTS)}")
         if self.workload not in WORKLOADS:
             raise ValueError(f"--workload must be one of {', '.join(WORKLOADS)}")
+        if self.hosts not in HOSTS:
+            raise ValueError(f"--hosts must be one of {', '.join(HOSTS)}")
+        if self.fault == "host" and self.hosts != "netns":
+            raise ValueError("--fault host needs --hosts netns (a host's link goes down)")
+        if self.link_mbit is not None and (self.hosts != "netns" or self.link_mbit <= 0):
+            raise ValueError("--link-mbit needs --hosts netns and a positive rate")
         if self.kill_every < self.restart_after + 1.0:
             raise ValueError("--kill-every must exceed --restart-after by at least 1 s")
 
@@ -110,6 +121,15 @@ class Cluster:
         self.ports = free_ports(self.size + self.cfg.witnesses)
         self.addrs = [f"127.0.0.1:{p}" for p in self.ports[:self.size]]
         self.witness_addrs = [f"127.0.0.1:{p}" for p in self.ports[self.size:]]
+        # --hosts netns: replica i on host i; the hosts after them carry what is never a victim
+        # (witnesses here, torchft's lighthouse), `extra_hosts` of them.
+        self.net: Hosts | None = None
+        self.link_down: set[int] = set()
+        if self.cfg.hosts == "netns":
+            self.net = Hosts(self.size + self.extra_hosts(), link_mbit=self.cfg.link_mbit).create()
+            self.addrs = [f"{self.net[i].ip}:{REPLICA_PORT}" for i in range(self.size)]
+            self.witness_addrs = [f"{self.net[self.size + k].ip}:{WITNESS_PORT}"
+                                  for k in range(min(self.cfg.witnesses, self.extra_hosts()))]
         self.witness_procs: list[Proc] = []
         self.group = ProcGroup()
         self.incarnations = [0] * self.size
@@ -119,6 +139,20 @@ class Cluster:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.go_file = self.workdir / "go"
         self.t0 = time.time()
+
+    def extra_hosts(self) -> int:
+        """Hosts beyond one per replica (witnesses; torchft: its lighthouse)."""
+        return self.cfg.witnesses
+
+    def on_host(self, i: int, cmd: list[str]) -> list[str]:
+        """`cmd` run on host i with --hosts netns (a victim's host comes back with its fresh
+        process); unchanged on loopback."""
+        if self.net is None:
+            return cmd
+        if i in self.link_down:
+            self.net.link(i, True)
+            self.link_down.discard(i)
+        return self.net.cmd(i, cmd)
 
     # ------------------------------------------------------------------ processes
     def spawn(self, i: int) -> None:
@@ -143,7 +177,7 @@ class Cluster:
                     str(cfg.checkpoint_every)]
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         err = open(self.workdir / f"r{i}-{inc}.log", "wb")
-        p = self.group.spawn(cmd, stdout=subprocess.DEVNULL, stderr=err, env=env)
+        p = self.group.spawn(self.on_host(i, cmd), stdout=subprocess.DEVNULL, stderr=err, env=env)
         err.close()
         now = time.time()
         # A restarted p2pft replica joins as a joiner; a restarted sync job starts all over.
@@ -164,9 +198,9 @@ class Cluster:
         for k, addr in enumerate(self.witness_addrs):
             seeds = ",".join(a for a in everyone if a != addr)
             log = open(self.workdir / f"w{k}.log", "wb")
-            p = self.group.spawn([sys.executable, "-m", "p2pft.cli", "--log-level", "INFO", "peer", "--listen",
-                                  addr, "--seeds", seeds, "--replica-id", f"w{k}"], stdout=subprocess.DEVNULL,
-                                 stderr=log)
+            cmd = [sys.executable, "-m", "p2pft.cli", "--log-level", "INFO", "peer", "--listen", addr, "--seeds",
+                   seeds, "--replica-id", f"w{k}"]
+            p = self.group.spawn(self.on_host(self.size + k, cmd), stdout=subprocess.DEVNULL, stderr=log)
             log.close()
             self.witness_procs.append(Proc(-1 - k, 0, p, time.time(), self.workdir / f"w{k}.log", kind="witness"))
 
@@ -193,6 +227,19 @@ class Cluster:
         if sig == signal.SIGKILL:
             pr.running(timeout=5)
             self.finished.append(self.procs.pop(i))
+
+    def lose_host(self, i: int) -> None:
+        """--fault host: replica i's host disappears (its link goes down: packets vanish, no
+        reset), then its processes die; the restart brings the link back (see spawn). Where the
+        system runs on loopback, a plain SIGKILL."""
+        self.host_down(i)
+        self.signal(i, signal.SIGKILL, "kill")
+
+    def host_down(self, i: int) -> None:
+        if self.net is not None and i in self.procs and i not in self.link_down:
+            self.net.link(i, False)
+            self.link_down.add(i)
+            self.events.append({"t": time.time(), "kind": "host_down", "replica": i})
 
     def kill_job(self, targets: list[int]) -> None:
         """A failure stops a job that restarts as a whole: SIGKILL every replica at once (so that
@@ -245,6 +292,11 @@ class Cluster:
             stop_procs(self.witness_procs, 5.0)
         finally:
             self.group.kill()
+            self.close_hosts()
+
+    def close_hosts(self) -> None:
+        if self.net is not None:
+            self.net.close()
 
     def cpu_by_kind(self) -> dict[str, float]:
         """CPU seconds of every process that exited, summed per kind (replica, joiner, witness...)."""

@@ -32,7 +32,8 @@ class DdpCluster(Cluster):
     def start(self) -> None:
         """Every rank, with a new rendezvous port: the first start and each whole-job restart."""
         self.generation += 1
-        self.master = f"127.0.0.1:{free_ports(1)[0]}"
+        host = self.net[0].ip if self.net is not None else "127.0.0.1"
+        self.master = f"{host}:{free_ports(1)[0]}"
         for i in range(self.cfg.replicas):
             self.spawn(i)
 
@@ -48,12 +49,17 @@ class DdpCluster(Cluster):
                "--loss-every", "10", "--seed", str(cfg.seed), "--go-file", str(self.go_file), "--generation",
                str(self.generation), *cfg.extra_args]
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        if self.net is not None:
+            env["GLOO_SOCKET_IFNAME"] = self.net[i].inner   # Gloo on the host's own link
         log = open(self.workdir / f"r{i}-{inc}.log", "wb")
-        p = self.group.spawn(cmd, stdout=subprocess.DEVNULL, stderr=log, env=env)
+        p = self.group.spawn(self.on_host(i, cmd), stdout=subprocess.DEVNULL, stderr=log, env=env)
         log.close()
         now = time.time()
         self.procs[i] = Proc(i, inc, p, now, stats)
         self.events.append({"t": now, "kind": "start" if inc == 0 else "restart", "replica": i})
+
+    def extra_hosts(self) -> int:
+        return 0   # no witnesses, no coordinator: rank 0 hosts the rendezvous
 
     def leader(self) -> int | None:
         return None  # no leader: every rank is as fatal as any other

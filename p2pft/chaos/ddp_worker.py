@@ -53,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel
 
+    from p2pft.transport.addr import parse_hostport
     from p2pft.trainer.data import TextDataset
     from p2pft.trainer.model import model_config_for
     from p2pft.trainer.state import state_digest
@@ -78,8 +79,8 @@ def main(argv: list[str] | None = None) -> int:
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optim"])
         step = int(state["step"])
-    host, port = args.master.rsplit(":", 1)
-    dist.init_process_group("gloo", init_method=f"tcp://{host}:{port}", rank=args.rank, world_size=args.world,
+    master = parse_hostport(args.master, "--master")
+    dist.init_process_group("gloo", init_method=f"tcp://{master}", rank=args.rank, world_size=args.world,
                             timeout=timedelta(seconds=args.timeout))
     net = DistributedDataParallel(model)
     fh = open(args.stats, "a", buffering=1)

@@ -50,6 +50,8 @@ from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Iterable
 
+from ..transport.addr import parse_hostport
+
 log = logging.getLogger(__name__)
 
 ANY = "*"
@@ -77,8 +79,7 @@ BLACKHOLE = Rule(blackhole=True)
 
 
 def _split(addr: str) -> tuple[str, int]:
-    host, _, port = addr.rpartition(":")
-    return host.strip("[]"), int(port)
+    return parse_hostport(addr, "proxy address")
 
 
 class _Pipe:

@@ -165,7 +165,7 @@ def replay(history: History, targets: dict[str, tuple[int, dict[str, Any]]],
     import torch
 
     from ..trainer.examples.gpt import Recipe, build, clip, forward_backward
-    from ..trainer.shardstate import ShardStepBuffer
+    from ..trainer.stepbuf import StepBuffer
     t0 = time.monotonic()
     r = Recipe.from_dict(history.recipe)
     last = max((s for s, _ in targets.values()), default=0)
@@ -174,7 +174,7 @@ def replay(history: History, targets: dict[str, tuple[int, dict[str, Any]]],
     torch.set_num_threads(1)   # as the replicas: the same kernels, the same float sums
     model, opt, sched, scaler, data = build(r, data_dir)
     params = [p for p in model.parameters() if p.requires_grad]
-    ring_size = ShardStepBuffer(params).flat.numel()   # the allreduced buffer: its segments
+    ring_size = StepBuffer(params).flat.numel()   # the allreduced buffer: its segments
     peak, lr_diff, in_ring_order = 0, 0.0, 0
     diffs: list[tuple[float, float]] = []
     by_step: dict[int, float] = {}

@@ -50,10 +50,14 @@ steps replayed in one plain PyTorch process (rel: per tensor, over its largest w
 def title(config: dict[str, Any], failures: int) -> str:
     """The run in one line; a schedule without failures says so instead of announcing them."""
     head = "p2pft chaos: {replicas} replicas, {duration:g} s".format(**config)
+    if config.get("hosts") == "netns":
+        mbit = config.get("link_mbit")
+        head += ", a network namespace per host" + (f" ({mbit:g} Mbit/s links)" if mbit else "")
     if not failures:
         return head + ", no failures scheduled"
     what = {"kill": "SIGKILL", "pause": "SIGSTOP ({pause_for:g} s)", "leader": "SIGKILL of the leader's replica",
-            "two": "SIGKILL of two replicas"}[config["fault"]].format(**config)
+            "two": "SIGKILL of two replicas",
+            "host": "host loss (link down, then SIGKILL)"}[config["fault"]].format(**config)
     tail = "" if config["fault"] == "pause" else ", restart after {restart_after:g} s".format(**config)
     return head + f", a {what} every {config['kill_every']:g} s" + tail
 

@@ -191,6 +191,9 @@ def _inject(cfg: ChaosConfig, clusters: dict[str, Cluster], schedule: Schedule, 
         own = _map_targets(targets, c.cfg.replicas + getattr(c, "spares", 0))
         if c.restarts_all:
             # Any failure stops the synchronous job: every replica restarts from the checkpoint.
+            if cfg.fault == "host":
+                for i in own:
+                    c.host_down(i)
             c.kill_job(own)
             pending_restarts.append((now + cfg.restart_after, name, -1))
             continue
@@ -201,5 +204,8 @@ def _inject(cfg: ChaosConfig, clusters: dict[str, Cluster], schedule: Schedule, 
                     c.procs[i].paused = True
                 pending_resumes.append((now + cfg.pause_for, name, i))
             elif i in c.live():
-                c.signal(i, signal.SIGKILL, "kill")
+                if cfg.fault == "host":
+                    c.lose_host(i)
+                else:
+                    c.signal(i, signal.SIGKILL, "kill")
                 pending_restarts.append((now + cfg.restart_after, name, i))

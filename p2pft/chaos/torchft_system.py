@@ -83,7 +83,9 @@ class TorchftCluster(Cluster):
             raise ValueError(f"P2PFT_TORCHFT_GRADS must be one of {', '.join(GRAD_MODES)}, got {self.grads!r}")
         if self.max_restarts < 0:
             raise ValueError("P2PFT_TORCHFT_MAX_RESTARTS must be >= 0")
-        self.lighthouse_addr = f"127.0.0.1:{free_ports(1)[0]}"
+        # --hosts netns: the lighthouse on a host of its own, after the replicas' hosts.
+        lh_host = self.net[self.cfg.replicas].ip if self.net is not None else "127.0.0.1"
+        self.lighthouse_addr = f"{lh_host}:{free_ports(1)[0]}"
         self.crash_restarts = [0] * self.cfg.replicas
         self.pending_crash_restarts: dict[int, float] = {}
 
@@ -102,11 +104,15 @@ class TorchftCluster(Cluster):
             return
         log = open(self.workdir / "lighthouse.log", "ab")
         env = dict(os.environ, RUST_BACKTRACE="1")
-        p = self.group.spawn(lighthouse_command(self.lighthouse_addr), stdout=log, stderr=subprocess.STDOUT, env=env)
+        p = self.group.spawn(self.on_host(self.cfg.replicas, lighthouse_command(self.lighthouse_addr)), stdout=log,
+                             stderr=subprocess.STDOUT, env=env)
         log.close()
         self.lighthouse = p
         self.lighthouse_proc = Proc(-1, 0, p, time.time(), self.workdir / "lighthouse.log", kind="lighthouse")
         self.lighthouse_down = False
+
+    def extra_hosts(self) -> int:
+        return 1   # the lighthouse's
 
     def start(self) -> None:
         """Lighthouse and replicas; no p2pft witness peers (torchft's coordinator is the lighthouse)."""
@@ -125,14 +131,16 @@ class TorchftCluster(Cluster):
                "--digest-every", str(cfg.digest_every), "--seed", str(cfg.seed), "--loss-every", "10",
                "--go-file", str(self.go_file), "--grads", self.grads, *self.worker_args,
                *cfg.extra_args]
+        if self.net is not None:
+            cmd += ["--host", self.net[i].ip]
         env: dict[str, Any] = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
                                    TORCHFT_LIGHTHOUSE=self.lighthouse_url, REPLICA_GROUP_ID=str(i),
                                    NUM_REPLICA_GROUPS=str(cfg.replicas))
-        ifname = loopback_ifname()
+        ifname = self.net[i].inner if self.net is not None else loopback_ifname()
         if ifname:
             env["GLOO_SOCKET_IFNAME"] = ifname
         err = open(self.workdir / f"r{i}-{inc}.log", "wb")
-        p = self.group.spawn(cmd, stdout=err, stderr=subprocess.STDOUT, env=env)
+        p = self.group.spawn(self.on_host(i, cmd), stdout=err, stderr=subprocess.STDOUT, env=env)
         err.close()
         now = time.time()
         self.procs[i] = Proc(i, inc, p, now, stats, kind="replica" if inc == 0 else "joiner")
@@ -169,6 +177,10 @@ class TorchftCluster(Cluster):
             super().stop()
         finally:
             self.stop_lighthouse()
+            super().close_hosts()
+
+    def close_hosts(self) -> None:
+        """Cluster.stop's: the hosts stay until the lighthouse has stopped (see stop)."""
 
     def stop_lighthouse(self) -> None:
         lh = self.lighthouse_proc

@@ -157,7 +157,9 @@ def main(argv: list[str] | None = None) -> int:
         return {"model": model.state_dict(), "optim": opt.state_dict()}
 
     # One rank per replica group: this process hosts the group's store (torchrun's job otherwise).
-    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    # The manager tells the other replicas this store's address (for their process group): it
+    # must be the one they reach, --host, not loopback, once replicas are on separate hosts.
+    store = TCPStore(args.host, 0, is_master=True, wait_for_workers=False)
     pg = ProcessGroupGloo(timeout=timedelta(seconds=args.pg_timeout))
     timeout = timedelta(seconds=args.timeout)
     transport = (PGTransport(pg, timeout=timeout, device=torch.device("cpu")) if args.transport == "pg"
@@ -171,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         quorum_timeout=timedelta(seconds=args.quorum_timeout),
         rank=0,
         world_size=1,
-        store_addr="127.0.0.1",
+        store_addr=args.host,
         store_port=store.port,
         lighthouse_addr=args.lighthouse,
         replica_id=f"p2pft_chaos_{args.replica}",

@@ -1,6 +1,8 @@
 """Failure targets: training replicas, never the last copy of the model state."""
 from __future__ import annotations
 
+import pytest
+
 from p2pft.chaos.cluster import ChaosConfig, Schedule
 
 
@@ -35,3 +37,13 @@ def test_a_pause_may_hit_the_only_training_replica() -> None:
 def test_leader_fault_hits_the_leader() -> None:
     s = Schedule(ChaosConfig(fault="leader"))
     assert s.targets(training=[0, 1, 2], live=[0, 1, 2], leader=2) == [2]
+
+
+def test_host_options_are_checked() -> None:
+    ChaosConfig(hosts="netns", fault="host", link_mbit=100).validate()
+    for kw, needle in (({"fault": "host"}, "--fault host needs --hosts netns"),
+                       ({"hosts": "vm"}, "--hosts must be one of"),
+                       ({"link_mbit": 10.0}, "--link-mbit needs --hosts netns"),
+                       ({"hosts": "netns", "link_mbit": 0.0}, "--link-mbit needs")):
+        with pytest.raises(ValueError, match=needle):
+            ChaosConfig(**kw).validate()

@@ -12,7 +12,8 @@ from torch.distributed.fsdp import fully_shard
 
 from p2pft.ports import free_ports
 from p2pft.trainer.model import ModelConfig
-from p2pft.trainer.shardstate import ShardStepBuffer, capture_shard, local, restore_shard, shard_digest
+from p2pft.trainer.shardstate import capture_shard, restore_shard, shard_digest
+from p2pft.trainer.stepbuf import StepBuffer, local
 
 CFG = ModelConfig(vocab_size=32, d_model=16, n_layers=1, n_heads=2, seq_len=8)
 
@@ -32,12 +33,12 @@ def _sharded(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 
-def _train(model: torch.nn.Module, opt: torch.optim.Optimizer, buf: ShardStepBuffer, steps: int) -> None:
+def _train(model: torch.nn.Module, opt: torch.optim.Optimizer, buf: StepBuffer, steps: int) -> None:
     for s in range(steps):
         opt.zero_grad(set_to_none=True)
         tokens = torch.randint(0, CFG.vocab_size, (2, CFG.seq_len + 1), generator=torch.Generator().manual_seed(s))
         model.loss(tokens).backward()
-        buf.pack_step(0, s)
+        buf.pack(0, s)
         buf.unpack(1.0)
         opt.step()
 
@@ -46,10 +47,10 @@ def test_buffer_packs_local_grad_shards_and_step_metadata(group: None) -> None:
     model, opt = _sharded()
     params = list(model.parameters())
     assert type(params[0]).__name__ == "DTensor"
-    buf = ShardStepBuffer(params, max_slots=4)
+    buf = StepBuffer(params, max_slots=4)
     model.loss(torch.randint(0, CFG.vocab_size, (2, CFG.seq_len + 1))).backward()
     want = torch.cat([local(p.grad).reshape(-1) for p in params])
-    buf.pack_step(2, 7)
+    buf.pack(2, 7)
     assert torch.equal(buf.flat[:buf.grad_numel], want)
     assert buf.slot_steps() == {2: 7} and buf.contributors() == 1
     buf.flat[:buf.grad_numel] *= 4
@@ -62,14 +63,14 @@ def test_buffer_packs_local_grad_shards_and_step_metadata(group: None) -> None:
 
 def test_shard_snapshot_restores_bitwise_into_a_fresh_replica(group: None) -> None:
     model, opt = _sharded(0)
-    _train(model, opt, ShardStepBuffer(list(model.parameters())), 3)
+    _train(model, opt, StepBuffer(list(model.parameters())), 3)
     meta, tensors = capture_shard(model, opt, {"x": 1})
     fresh, fresh_opt = _sharded(1)  # other weights, no optimizer state yet
     assert shard_digest(fresh, fresh_opt) != shard_digest(model, opt)
     restore_shard(fresh, fresh_opt, meta, tensors)
     assert shard_digest(fresh, fresh_opt) == shard_digest(model, opt)
     # Both keep training identically after the restore (the state is live, not a copy).
-    bufs = ShardStepBuffer(list(model.parameters())), ShardStepBuffer(list(fresh.parameters()))
+    bufs = StepBuffer(list(model.parameters())), StepBuffer(list(fresh.parameters()))
     _train(model, opt, bufs[0], 2)
     _train(fresh, fresh_opt, bufs[1], 2)
     assert shard_digest(fresh, fresh_opt) == shard_digest(model, opt)

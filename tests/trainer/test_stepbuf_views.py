@@ -12,7 +12,7 @@ import copy
 import pytest
 import torch
 
-from p2pft.trainer.shardstate import ShardStepBuffer
+from p2pft.trainer.stepbuf import StepBuffer
 from p2pft.trainer.state import state_digest
 
 
@@ -31,7 +31,7 @@ def _params(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
-def _bound(buf: ShardStepBuffer, model: torch.nn.Module) -> bool:
+def _bound(buf: StepBuffer, model: torch.nn.Module) -> bool:
     assert buf.grads is not None
     lo, hi = buf.grads.data_ptr(), buf.grads.data_ptr() + buf.grads.numel() * 4
     return all(p.grad is not None and lo <= p.grad.data_ptr() < hi for p in _params(model))
@@ -39,10 +39,10 @@ def _bound(buf: ShardStepBuffer, model: torch.nn.Module) -> bool:
 
 def test_gradients_become_views_and_backward_accumulates_into_them() -> None:
     model = _model()
-    buf = ShardStepBuffer(_params(model))
+    buf = StepBuffer(_params(model))
     _backward(model, 0)
     assert not buf.grads_bound()          # backward allocated its own gradients
-    buf.pack_step(0, 0)
+    buf.pack(0, 0)
     buf.unpack(1.0)
     assert buf.grads_bound() and _bound(buf, model)
     assert buf.zero_grads()
@@ -53,11 +53,11 @@ def test_gradients_become_views_and_backward_accumulates_into_them() -> None:
 
 def test_fast_pack_is_bitwise_the_per_parameter_pack() -> None:
     model = _model()
-    fast, ref_model = ShardStepBuffer(_params(model)), copy.deepcopy(model)
-    slow = ShardStepBuffer(_params(ref_model))
+    fast, ref_model = StepBuffer(_params(model)), copy.deepcopy(model)
+    slow = StepBuffer(_params(ref_model))
     for m in (model, ref_model):
         _backward(m, 0)
-    fast.pack_step(0, 0)
+    fast.pack(0, 0)
     fast.unpack(1.0)                      # binds the views
     fast.zero_grads()
     for p in ref_model.parameters():
@@ -65,8 +65,8 @@ def test_fast_pack_is_bitwise_the_per_parameter_pack() -> None:
     for m in (model, ref_model):
         _backward(m, 1)
     assert fast.grads_bound() and not slow.grads_bound()
-    fast.pack_step(2, 7)
-    slow.pack_step(2, 7)
+    fast.pack(2, 7)
+    slow.pack(2, 7)
     assert torch.equal(fast.flat, slow.flat)
 
 
@@ -75,10 +75,10 @@ def test_training_through_the_views_equals_a_plain_pytorch_loop() -> None:
     model, plain = _model(), _model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref = torch.optim.AdamW(plain.parameters(), lr=1e-2)
-    buf = ShardStepBuffer(_params(model))
+    buf = StepBuffer(_params(model))
     for step in range(6):
         _backward(model, step)
-        buf.pack_step(0, step)
+        buf.pack(0, step)
         buf.save()
         buf.unpack(float(buf.contributors()))
         opt.step()
@@ -92,13 +92,13 @@ def test_training_through_the_views_equals_a_plain_pytorch_loop() -> None:
 
 def test_retry_packs_the_contribution_again_instead_of_copying_it() -> None:
     model = _model()
-    buf = ShardStepBuffer(_params(model))
+    buf = StepBuffer(_params(model))
     _backward(model, 0)
-    buf.pack_step(0, 0)
+    buf.pack(0, 0)
     buf.unpack(1.0)
     buf.zero_grads()
     _backward(model, 1)
-    buf.pack_step(1, 5)
+    buf.pack(1, 5)
     packed = buf.flat.clone()
     buf.save()
     buf.flat.mul_(3.0).add_(1.0)          # a half-reduced sum after a failed allreduce
@@ -111,9 +111,9 @@ def test_retry_packs_the_contribution_again_instead_of_copying_it() -> None:
 
 def test_a_bystander_restores_zeros_even_after_the_gradients_changed() -> None:
     model = _model()
-    buf = ShardStepBuffer(_params(model))
+    buf = StepBuffer(_params(model))
     _backward(model, 0)
-    buf.pack_step(None, 3)
+    buf.pack(None, 3)
     buf.save()
     buf.flat.fill_(2.0)
     buf.unpack(1.0)                       # a catch-up wrote the gradients meanwhile
@@ -124,15 +124,15 @@ def test_a_bystander_restores_zeros_even_after_the_gradients_changed() -> None:
 def test_gradients_the_user_replaced_take_the_per_parameter_path() -> None:
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    buf = ShardStepBuffer(_params(model))
+    buf = StepBuffer(_params(model))
     _backward(model, 0)
-    buf.pack_step(0, 0)
+    buf.pack(0, 0)
     buf.unpack(1.0)
     opt.zero_grad(set_to_none=True)       # the user drops the views
     _backward(model, 1)
     assert not buf.grads_bound() and not buf.zero_grads()
     expect = torch.cat([p.grad.reshape(-1) for p in _params(model)])
-    buf.pack_step(1, 1)
+    buf.pack(1, 1)
     assert torch.equal(buf.flat[:buf.grad_numel], expect)
     saved = buf.flat.clone()
     buf.save()                            # per-parameter pack: saved by copy
@@ -146,11 +146,11 @@ def test_gradients_the_user_replaced_take_the_per_parameter_path() -> None:
 
 def test_other_dtypes_keep_their_own_gradients() -> None:
     model = _model().to(torch.bfloat16)
-    buf = ShardStepBuffer(_params(model))
+    buf = StepBuffer(_params(model))
     assert buf.grads is None
     x = torch.randn(4, 6, dtype=torch.bfloat16)
     model(x).float().pow(2).mean().backward()
-    buf.pack_step(0, 0)
+    buf.pack(0, 0)
     buf.unpack(1.0)
     assert not buf.grads_bound()
     assert all(p.grad is not None and p.grad.dtype == torch.bfloat16 for p in model.parameters())

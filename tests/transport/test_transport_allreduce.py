@@ -274,7 +274,7 @@ def test_bad_inputs_raise_clear_errors() -> None:
     try:
         with pytest.raises(ValueError, match="rank"):
             s.communicator(1, 0, 3, [s.addr])
-        with pytest.raises(ValueError, match="host:port"):
+        with pytest.raises(ValueError, match="HOST:PORT"):
             s.communicator(1, 0, 0, ["nohost"])
         s.communicator(2, 0, 0, [s.addr])
         with pytest.raises(ValueError, match="already exists"):

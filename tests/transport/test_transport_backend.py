@@ -21,7 +21,7 @@ REAL = probe_nccl()
 
 
 @pytest.mark.parametrize("plane,device,support,want", [
-    (DataPlane.AUTO, "cuda", OK, Backend.NCCL),
+    (DataPlane.AUTO, "cuda", OK, Backend.NCCL_AUTO),
     (DataPlane.AUTO, "cpu", OK, Backend.TCP),
     (DataPlane.AUTO, "cuda", NO_CUPY, Backend.TCP),
     (DataPlane.AUTO, "cuda", NO_NCCL, Backend.TCP),

@@ -8,10 +8,12 @@ import torch
 from prometheus_client import CollectorRegistry, generate_latest
 
 from p2pft.driver import NodeServer
-from p2pft.metrics import StepMetrics, parse_metrics_addr, state_bytes
+from p2pft.metrics import parse_metrics_addr
+from p2pft.trainer.metrics import StepMetrics, state_bytes
 from p2pft.observe import family, rejected_counts
 from p2pft.top import build_frame, render_plain
 from p2pft.trainer.ft import StepResult
+from p2pft.view import View
 
 
 def value(reg: CollectorRegistry, name: str, labels: dict[str, str] | None = None) -> float:
@@ -110,7 +112,7 @@ def test_observer_turns_views_into_events() -> None:
     v3 = {"epoch": 3, "members": [member("b.1", "participant"), member("w.1", "witness")], "left": []}
     for v in (v1, v2, v3):
         for cb in server.on_view:
-            cb(v)
+            cb(View.from_wire(v))
     texts = [e.text for e in obs.events]
     assert texts[0] == "e1: first view here, 2 member(s)"
     assert "e2: b joined as joiner" in texts

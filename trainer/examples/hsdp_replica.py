@@ -101,7 +101,7 @@ def worker(args: argparse.Namespace) -> int:
         from torch.distributed._composable.fsdp import fully_shard  # type: ignore[no-redef]
 
     from p2pft.log import setup_logging
-    from p2pft.metrics import StepMetrics
+    from p2pft.trainer.metrics import StepMetrics
     from p2pft.trainer.data import TextDataset
     from p2pft.trainer.hsdp import HSDP, Stopped
     from p2pft.trainer.progress import Progress

@@ -30,7 +30,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--advertise", default=os.environ.get("P2PFT_ADVERTISE"),
                    help="HOST:PORT peers use for the control port, if not --listen (env P2PFT_ADVERTISE)")
     p.add_argument("--data-listen", default=os.environ.get("P2PFT_DATA_LISTEN"),
-                   help="HOST:PORT of the data port (default: 127.0.0.1, any port; env P2PFT_DATA_LISTEN)")
+                   help="HOST:PORT of the data port (default: the --listen host, any port; env P2PFT_DATA_LISTEN)")
     p.add_argument("--advertise-data", default=os.environ.get("P2PFT_ADVERTISE_DATA"),
                    help="HOST:PORT peers use for the data port, if not its own (env P2PFT_ADVERTISE_DATA)")
     p.add_argument("--mlp-params", type=int, default=0, help="use a plain MLP of about this many parameters")
@@ -51,6 +51,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--comm-timeout", type=float, default=10.0, help="data-plane operation timeout (s)")
     p.add_argument("--loop-timeout", type=float, default=60.0,
                    help="the leader leaves this replica out when its training loop stalls this long (s)")
+    p.add_argument("--step-timeout", type=float, default=120.0,
+                   help="a commit that finds no view to commit in for this long raises StepTimeout (s)")
+    p.add_argument("--pause-at-step", type=int, default=0,
+                   help="at this committed step, step out for --pause-s seconds (ft.pause): the others go on")
+    p.add_argument("--pause-s", type=float, default=0.0, help="length of the pause of --pause-at-step (s)")
     p.add_argument("--hang-at-step", type=int, default=0,
                    help="fault injection: at this committed step the training loop hangs (the process "
                         "keeps gossiping) until SIGTERM")
@@ -95,9 +100,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from p2pft import Runtime
     from p2pft.log import setup_logging
-    from p2pft.metrics import StepMetrics
+    from p2pft.trainer.metrics import StepMetrics
     from p2pft.trainer import FaultTolerant
-    from p2pft.trainer.ft import Stopped
+    from p2pft.trainer.ft import StepTimeout, Stopped
     from p2pft.trainer.progress import Progress
     from p2pft.trainer.data import TextDataset
     from p2pft.trainer.model import build_mlp_for_params, model_config_for
@@ -140,11 +145,13 @@ def main(argv: list[str] | None = None) -> int:
                 return float(model.loss(held_out))
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.99))
     seeds = [s for s in args.seeds.split(",") if s]
+    t_model = time.time()
     rt = Runtime(replica_id=args.replica_id, listen=args.listen, seeds=seeds,
                  secret=load_secret(args.secret_file), advertise=args.advertise, data_listen=args.data_listen,
                  advertise_data=args.advertise_data, comm_timeout=args.comm_timeout,
                  metrics_port=args.metrics_port, data_plane=args.data_plane,
                  max_participants=args.max_participants).start()
+    t_runtime = time.time()
     stop = {"flag": False}
 
     ft_box: list[FaultTolerant] = []
@@ -159,8 +166,9 @@ def main(argv: list[str] | None = None) -> int:
     ft = FaultTolerant(rt, model, opt, batch_per_replica=args.batch, nominal_replicas=args.replicas,
                        lr_policy=args.lr_policy, checkpoint_dir=args.checkpoint_dir,
                        checkpoint_every=args.checkpoint_every, state_rate_limit=args.state_rate_limit or None,
-                       loop_timeout=args.loop_timeout or None)
+                       loop_timeout=args.loop_timeout or None, step_timeout=args.step_timeout)
     ft_box.append(ft)
+    t_engine = time.time()
     steps = StepMetrics.attach(rt, ft)   # per-step metrics; a no-op without --metrics-port
     progress = Progress(args.replica_id, mode=args.progress)
     if args.min_replicas > 1 and ft.step == 0:
@@ -171,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         rt.wait_view(lambda v: len(v.participants) >= args.min_replicas
                      or v.role_of(rt.node_id) == "joiner", timeout=30.0)
     stats.write({"t": time.time(), "kind": "start", "t_process": T_START, "t_imported": t_imported,
+                 "t_model": t_model, "t_runtime": t_runtime, "t_engine": t_engine,
                  "node": rt.node_id, "step": ft.step, "pid": os.getpid()})
     stats.flush()
     if args.go_file:
@@ -179,6 +188,15 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(0.02)
     deadline = time.monotonic() + args.duration if args.duration else float("inf")
     last_epoch = -1
+    paused = False
+    first_view_written = False
+
+    def write_events() -> None:
+        while ft.events:  # popleft: the catch-up worker appends concurrently
+            ev = ft.events.popleft()
+            stats.write({**ev, "kind": "event", "event": ev["kind"]})
+            progress.event(ev)
+        stats.flush()
     while not stop["flag"] and time.monotonic() < deadline and (not args.steps or ft.step < args.steps):
         if args.hang_at_step and ft.step >= args.hang_at_step:
             stats.write({"t": time.time(), "kind": "event", "event": "hang", "step": ft.step})
@@ -186,6 +204,15 @@ def main(argv: list[str] | None = None) -> int:
             while not stop["flag"]:  # a wedged loop: the runtime thread keeps gossiping
                 time.sleep(0.05)
             break
+        if args.pause_at_step and not paused and ft.step >= args.pause_at_step:
+            paused = True
+            with ft.pause("eval"):  # evaluation on this replica only: the others commit meanwhile
+                write_events()
+                pause_end = time.monotonic() + args.pause_s
+                while time.monotonic() < pause_end and not stop["flag"]:
+                    time.sleep(0.05)
+            write_events()
+            continue
         idx = ft.begin()
         ft.zero_grad()
         loss_val = None
@@ -203,7 +230,17 @@ def main(argv: list[str] | None = None) -> int:
             res = ft.commit()
         except Stopped:
             break
+        except StepTimeout as exc:
+            print(f"replica {args.replica_id}: {exc}", file=sys.stderr)
+            stats.write({"t": time.time(), "kind": "exit", "step": ft.step, "error": "step_timeout"})
+            stats.close()
+            ft.close()
+            rt.close(leave=True)
+            return 3
         steps.observe_step(res)
+        if rt.view_log and not first_view_written:  # start-up phases (bench/startup.py)
+            first_view_written = True
+            stats.write({"t": time.time(), "kind": "first_view", "t_view": rt.view_log[0][0]})
         view = rt.view
         progress.step(res, view.epoch if view else None, loss_val)
         rec = {"t": time.time(), "step": res.step, "c": int(res.committed), "role": res.role,

@@ -1,11 +1,11 @@
-"""GradBuffer: gradients and the contribution mask in one flat tensor."""
+"""StepBuffer: gradients, the contribution mask, the count and the slot steps in one flat tensor."""
 from __future__ import annotations
 
 
 import pytest
 import torch
 
-from p2pft.trainer.gradbuf import GradBuffer, SlotCollisionError
+from p2pft.trainer.stepbuf import MAX_EXACT_STEP, SlotCollisionError, StepBuffer
 from p2pft.trainer.model import TinyLM
 
 
@@ -21,7 +21,7 @@ def _replica(seed: int) -> tuple[TinyLM, list[torch.Tensor]]:
     return model, [p.grad.clone() for p in model.parameters()]
 
 
-def _allreduce(buffers: list[GradBuffer]) -> None:
+def _allreduce(buffers: list[StepBuffer]) -> None:
     """What a sum-allreduce leaves in every participant's buffer."""
     total = torch.stack([b.flat for b in buffers]).sum(0)
     for b in buffers:
@@ -30,15 +30,15 @@ def _allreduce(buffers: list[GradBuffer]) -> None:
 
 def test_layout() -> None:
     model, _ = _replica(1)
-    buf = GradBuffer(model.parameters(), max_slots=MAX_SLOTS)
+    buf = StepBuffer(model.parameters(), max_slots=MAX_SLOTS)
     n = sum(p.numel() for p in model.parameters())
-    assert buf.flat.shape == (n + MAX_SLOTS + 1,) and buf.flat.dtype == torch.float32
-    assert buf.grad_numel == n and buf.tail.shape == (MAX_SLOTS,)
+    assert buf.flat.shape == (n + MAX_SLOTS + 1 + MAX_SLOTS,) and buf.flat.dtype == torch.float32
+    assert buf.grad_numel == n and buf.tail.shape == (MAX_SLOTS,) and buf.steps_region.shape == (MAX_SLOTS,)
 
 
 def test_pack_allreduce_unpack_gives_mean_of_contributors() -> None:
     replicas = [_replica(seed) for seed in (1, 2, 3)]
-    buffers = [GradBuffer(m.parameters(), max_slots=MAX_SLOTS) for m, _ in replicas]
+    buffers = [StepBuffer(m.parameters(), max_slots=MAX_SLOTS) for m, _ in replicas]
     buffers[0].pack(5)
     buffers[1].pack(0)
     buffers[2].pack(None)  # a joiner: takes part, contributes nothing
@@ -61,9 +61,9 @@ def test_missing_grads_pack_as_zeros_and_unpack_allocates() -> None:
     a = torch.nn.Parameter(torch.ones(2, 3))
     b = torch.nn.Parameter(torch.ones(4))
     a.grad = torch.full((2, 3), 6.0)
-    buf = GradBuffer([a, b], max_slots=2)
-    buf.pack(1)
-    assert buf.flat.tolist() == [6.0] * 6 + [0.0] * 4 + [0.0, 1.0, 1.0]
+    buf = StepBuffer([a, b], max_slots=2)
+    buf.pack(1, step=6)
+    assert buf.flat.tolist() == [6.0] * 6 + [0.0] * 4 + [0.0, 1.0] + [1.0] + [0.0, 7.0]
     buf.unpack(3.0)
     assert torch.equal(a.grad, torch.full((2, 3), 2.0))
     assert b.grad is not None and torch.equal(b.grad, torch.zeros(4))
@@ -71,7 +71,7 @@ def test_missing_grads_pack_as_zeros_and_unpack_allocates() -> None:
 
 def test_non_contributor_packs_all_zeros_even_with_grads() -> None:
     model, _ = _replica(1)
-    buf = GradBuffer(model.parameters(), max_slots=MAX_SLOTS)
+    buf = StepBuffer(model.parameters(), max_slots=MAX_SLOTS)
     buf.pack(2)
     buf.pack(None)
     assert not buf.flat.any()
@@ -80,7 +80,7 @@ def test_non_contributor_packs_all_zeros_even_with_grads() -> None:
 def test_low_precision_grads_round_trip() -> None:
     p = torch.nn.Parameter(torch.zeros(5, dtype=torch.bfloat16))
     p.grad = torch.tensor([1.0, -2.0, 0.5, 4.0, 8.0], dtype=torch.bfloat16)
-    buf = GradBuffer([p], max_slots=1)
+    buf = StepBuffer([p], max_slots=1)
     buf.pack(0)
     buf.unpack(2.0)
     assert p.grad.dtype == torch.bfloat16
@@ -89,7 +89,7 @@ def test_low_precision_grads_round_trip() -> None:
 
 def test_retry_restores_the_saved_local_contribution() -> None:
     model, grads = _replica(1)
-    buf = GradBuffer(model.parameters(), max_slots=MAX_SLOTS)
+    buf = StepBuffer(model.parameters(), max_slots=MAX_SLOTS)
     buf.pack(3)
     packed = buf.flat.clone()
     buf.save()
@@ -99,7 +99,7 @@ def test_retry_restores_the_saved_local_contribution() -> None:
     assert torch.equal(buf.flat, packed)
     # The retry on the next view reduces the restored contribution.
     other_model, other_grads = _replica(2)
-    other = GradBuffer(other_model.parameters(), max_slots=MAX_SLOTS)
+    other = StepBuffer(other_model.parameters(), max_slots=MAX_SLOTS)
     other.pack(4)
     _allreduce([buf, other])
     buf.unpack(buf.contributors())
@@ -110,14 +110,14 @@ def test_retry_restores_the_saved_local_contribution() -> None:
 
 def test_restore_without_save_is_an_error() -> None:
     model, _ = _replica(1)
-    buf = GradBuffer(model.parameters())
+    buf = StepBuffer(model.parameters())
     with pytest.raises(RuntimeError, match="before save"):
         buf.restore()
 
 
 def test_slot_collision_is_detected() -> None:
     replicas = [_replica(seed) for seed in (1, 2)]
-    buffers = [GradBuffer(m.parameters(), max_slots=MAX_SLOTS) for m, _ in replicas]
+    buffers = [StepBuffer(m.parameters(), max_slots=MAX_SLOTS) for m, _ in replicas]
     for b in buffers:
         b.pack(1)
     _allreduce(buffers)
@@ -128,7 +128,7 @@ def test_slot_collision_is_detected() -> None:
 @pytest.mark.parametrize("slot", [-1, MAX_SLOTS, True, 1.0])
 def test_bad_slot_is_rejected(slot: object) -> None:
     model, _ = _replica(1)
-    buf = GradBuffer(model.parameters(), max_slots=MAX_SLOTS)
+    buf = StepBuffer(model.parameters(), max_slots=MAX_SLOTS)
     with pytest.raises(ValueError, match="slot must be None or an int"):
         buf.pack(slot)  # type: ignore[arg-type]
 
@@ -136,16 +136,16 @@ def test_bad_slot_is_rejected(slot: object) -> None:
 @pytest.mark.parametrize("divisor", [0, -1.0, float("nan")])
 def test_bad_divisor_is_rejected(divisor: float) -> None:
     model, _ = _replica(1)
-    buf = GradBuffer(model.parameters())
+    buf = StepBuffer(model.parameters())
     with pytest.raises(ValueError, match="divisor"):
         buf.unpack(divisor)
 
 
 def test_bad_construction_is_rejected() -> None:
     with pytest.raises(ValueError, match="at least one parameter"):
-        GradBuffer([])
+        StepBuffer([])
     with pytest.raises(ValueError, match="max_slots"):
-        GradBuffer([torch.nn.Parameter(torch.ones(1))], max_slots=0)
+        StepBuffer([torch.nn.Parameter(torch.ones(1))], max_slots=0)
 
 
 def test_unpack_from_another_buffer_leaves_flat_alone_and_matches() -> None:
@@ -153,13 +153,13 @@ def test_unpack_from_another_buffer_leaves_flat_alone_and_matches() -> None:
     params = [torch.nn.Parameter(torch.randn(3, 5)), torch.nn.Parameter(torch.randn(7))]
     for p in params:
         p.grad = torch.randn_like(p)
-    buf = GradBuffer(params, max_slots=4)
+    buf = StepBuffer(params, max_slots=4)
     buf.pack(1)
     logged = buf.flat.clone() * 3.0
     before = buf.flat.clone()
     buf.unpack(3.0, source=logged)
     assert torch.equal(buf.flat, before)  # the training thread's buffer is untouched
-    ref = GradBuffer(params, max_slots=4)
+    ref = StepBuffer(params, max_slots=4)
     ref.flat.copy_(logged)
     expect = [p.grad.clone() for p in params]
     ref.unpack(3.0)
@@ -167,3 +167,21 @@ def test_unpack_from_another_buffer_leaves_flat_alone_and_matches() -> None:
         assert torch.equal(p.grad, e)  # bit-identical to unpacking a copy in place
     with pytest.raises(ValueError, match="does not match"):
         buf.unpack(1.0, source=torch.zeros(5))
+
+
+def test_slot_steps_read_each_contributors_step_from_the_sum() -> None:
+    replicas = [_replica(seed) for seed in (1, 2, 3)]
+    buffers = [StepBuffer(m.parameters(), max_slots=MAX_SLOTS) for m, _ in replicas]
+    buffers[0].pack(2, step=41)
+    buffers[1].pack(6, step=40)    # behind: a step committed at some replicas only
+    buffers[2].pack(None, step=41)
+    _allreduce(buffers)
+    assert all(b.slot_steps() == {2: 41, 6: 40} for b in buffers)
+
+
+@pytest.mark.parametrize("step", [-1, MAX_EXACT_STEP + 1, 1.0])
+def test_a_step_that_cannot_travel_exactly_is_rejected(step: object) -> None:
+    model, _ = _replica(1)
+    buf = StepBuffer(model.parameters(), max_slots=MAX_SLOTS)
+    with pytest.raises(ValueError, match="step must be an int"):
+        buf.pack(0, step)  # type: ignore[arg-type]

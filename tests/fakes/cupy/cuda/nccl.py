@@ -1,0 +1,491 @@
+"""A fake ``cupy.cuda.nccl`` over host memory and loopback sockets, between real processes.
+
+It keeps the API of CuPy's binding (``cupy_backends/cuda/libs/nccl.pyx``) and the behaviour of
+NCCL that p2pft's failure handling depends on:
+
+* ``get_unique_id()`` starts a bootstrap root in the calling process (as ncclGetUniqueId does)
+  and returns its address in 128 bytes: ``bytes`` as CuPy 14 does, or, with
+  ``$FAKE_CUPY_VERSION=13``, a tuple of C ``char`` values whose signedness is the platform's
+  (signed on x86_64, unsigned on aarch64; ``$FAKE_CHAR_SIGNED`` overrides). CuPy 13's
+  ``NcclCommunicator`` takes only such a tuple (``TypeError`` for bytes) and converts each item
+  to a C char (``OverflowError`` out of range); CuPy 14's takes only ``bytes`` and a config.
+* ``NcclCommunicator(ndev, commId, rank)`` blocks until all ``ndev`` ranks reached the root
+  (rendezvous); two ranks on one device fail all of them with ``ncclInvalidUsage`` ("Duplicate
+  GPU detected"). With ``NCCL_RUNTIME_CONNECT`` unset or 1 (NCCL >= 2.22) peers are connected
+  by the first collective, *inside the host call*, which blocks until every peer has made its
+  first collective too; with 0, inside init.
+* Collectives are kernels queued on the caller's stream (the stand-in's streams). A peer's death
+  sets the communicator's async error (``check_async_error`` raises it) and leaves the kernel
+  stuck, as a kernel spinning on a dead peer is, until ``abort()``. Mismatched element counts
+  across ranks hang the same way (NCCL does not check them).
+* ``abort()`` wakes stuck kernels and host calls and sets the handle to 0; later calls raise
+  ``ncclInvalidArgument``. ``destroy()`` waits for the queued kernels first (it never returns
+  while one is stuck).
+* A guard records every call made while another call on the same communicator is in progress
+  (``abort`` takes 50 ms and ``check_async_error`` 5 ms: race windows widened so that
+  unsynchronised calls do overlap),
+  or after abort/destroy, in `VIOLATIONS` (and in the file ``$FAKE_NCCL_VIOLATIONS``): NCCL
+  forbids both (a use after free in the real library).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import socket
+import struct
+import threading
+import time
+from typing import Any
+
+import torch
+
+import fakedevice
+
+CUPY_MAJOR = int(os.environ.get("FAKE_CUPY_VERSION", "14"))   # at import; _major() reads it again per call
+
+
+def _major() -> int:
+    return int(os.environ.get("FAKE_CUPY_VERSION", "14"))
+NCCL_UNIQUE_ID_BYTES = 128
+available = True
+
+NCCL_INT8, NCCL_UINT8, NCCL_INT32, NCCL_UINT32, NCCL_INT64, NCCL_UINT64 = 0, 1, 2, 3, 4, 5
+NCCL_FLOAT16, NCCL_FLOAT32, NCCL_FLOAT64, NCCL_BFLOAT16 = 6, 7, 8, 9
+NCCL_SUM = 0
+_TORCH = {0: torch.int8, 1: torch.uint8, 2: torch.int32, 4: torch.int64, 6: torch.float16, 7: torch.float32,
+          8: torch.float64, 9: torch.bfloat16}
+
+ncclSuccess, ncclUnhandledCudaError, ncclSystemError, ncclInternalError = 0, 1, 2, 3
+ncclInvalidArgument, ncclInvalidUsage, ncclRemoteError = 4, 5, 6
+_NAMES = {1: "NCCL_ERROR_UNHANDLED_CUDA_ERROR", 2: "NCCL_ERROR_SYSTEM_ERROR", 3: "NCCL_ERROR_INTERNAL_ERROR",
+          4: "NCCL_ERROR_INVALID_ARGUMENT", 5: "NCCL_ERROR_INVALID_USAGE", 6: "NCCL_ERROR_REMOTE_ERROR"}
+
+ABORT_S = 0.05
+CHECK_S = 0.005   # check_async_error and abort take this long, so races between threads show
+_MAGIC = b"FAKENCCL"
+_SLICE = 0.05
+_HDR = struct.Struct("<4sBqqqiq")   # magic, op, seq, count, dtype/root, rank, payload bytes
+_OP_AR, _OP_AG, _OP_BC = 1, 2, 3
+
+VIOLATIONS: list[str] = []
+_vlock = threading.Lock()
+
+
+class NcclError(RuntimeError):
+    """cupy_backends.cuda.libs.nccl.NcclError."""
+
+    def __init__(self, status: int, detail: str = "") -> None:
+        self.status = status
+        super().__init__(f"{_NAMES.get(status, status)}: {detail or 'see NCCL_DEBUG=WARN'}")
+
+
+def _violation(text: str) -> None:
+    with _vlock:
+        VIOLATIONS.append(text)
+        path = os.environ.get("FAKE_NCCL_VIOLATIONS")
+        if path:
+            with open(path, "a") as f:
+                f.write(f"{os.getpid()} {text}\n")
+
+
+def _char_signed() -> bool:
+    env = os.environ.get("FAKE_CHAR_SIGNED")
+    if env is not None:
+        return env == "1"
+    return platform.machine() not in ("aarch64", "arm64", "ppc64le", "s390x")
+
+
+def _to_char(v: Any, signed: bool) -> int:
+    v = int(v)
+    lo, hi = (-128, 127) if signed else (0, 255)
+    if v < lo:
+        raise OverflowError(f"can't convert negative value to {'char' if signed else 'unsigned char'}")
+    if v > hi:
+        raise OverflowError("value too large to convert to char")
+    return v & 0xFF
+
+
+# ---------------------------------------------------------------------------------- bootstrap root
+def _serve_root(listener: socket.socket) -> None:
+    """Collect every rank's (rank, nranks, device identity, data address); answer all at once."""
+    listener.settimeout(600)
+    conns: dict[int, tuple[socket.socket, str, str]] = {}
+    nranks = None
+    try:
+        while nranks is None or len(conns) < nranks:
+            c, _ = listener.accept()
+            c.settimeout(600)
+            rank, n, ident, addr = _recv_obj(c).split("|")
+            nranks = int(n)
+            conns[int(rank)] = (c, ident, addr)
+    except OSError:
+        return
+    finally:
+        listener.close()
+    idents = [conns[r][1] for r in range(nranks)]
+    dup = len(set(idents)) != len(idents)
+    table = "DUP" if dup else "|".join(conns[r][2] for r in range(nranks))
+    for c, _i, _a in conns.values():
+        try:
+            _send_obj(c, table)
+        except OSError:
+            pass
+        c.close()
+
+
+def _send_obj(s: socket.socket, text: str) -> None:
+    b = text.encode()
+    s.sendall(struct.pack("<I", len(b)) + b)
+
+
+def _recv_obj(s: socket.socket) -> str:
+    n = struct.unpack("<I", _recv_exact(s, 4))[0]
+    return _recv_exact(s, n).decode()
+
+
+def _recv_exact(s: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = s.recv(n - len(buf))
+        if not chunk:
+            raise EOFError("peer closed")
+        buf += chunk
+    return bytes(buf)
+
+
+def get_unique_id() -> Any:
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    threading.Thread(target=_serve_root, args=(listener,), daemon=True, name="fake-nccl-root").start()
+    raw = _MAGIC + struct.pack("<H", port) + os.urandom(NCCL_UNIQUE_ID_BYTES - len(_MAGIC) - 2)
+    if _major() >= 14:
+        return raw
+    signed = _char_signed()
+    return tuple((b - 256 if signed and b > 127 else b) for b in raw)
+
+
+def get_version() -> int:
+    return 22205
+
+
+def get_build_version() -> int:
+    return 22205
+
+
+def _raw(t: torch.Tensor) -> bytes:
+    return t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b""
+
+
+# ---------------------------------------------------------------------------------- communicator
+class NcclConfig:
+    def __init__(self, split_share: int = 0) -> None:
+        self.split_share = split_share
+
+
+class NcclCommunicator:
+    """ncclComm_t of one rank (see the module docstring for the semantics kept)."""
+
+    def __init__(self, ndev: int, commId: Any, rank: int, config: Any = None) -> None:  # noqa: N803
+        if _major() >= 14:
+            if not isinstance(commId, bytes):
+                raise TypeError(f"Argument 'commId' has incorrect type (expected bytes, got {type(commId).__name__})")
+            if len(commId) != NCCL_UNIQUE_ID_BYTES:
+                raise ValueError(f"commId length {len(commId)} != {NCCL_UNIQUE_ID_BYTES}.")
+            raw = commId
+        else:
+            if config is not None:
+                raise TypeError("__init__() takes exactly 3 positional arguments (4 given)")
+            if not isinstance(commId, tuple):
+                raise TypeError(f"Argument 'commId' has incorrect type (expected tuple, got {type(commId).__name__})")
+            assert len(commId) == NCCL_UNIQUE_ID_BYTES
+            signed = _char_signed()
+            raw = bytes(_to_char(v, signed) for v in commId)
+        if raw[:len(_MAGIC)] != _MAGIC:
+            raise NcclError(ncclInvalidArgument, "not a unique id")
+        self._comm = 1
+        self.rank, self.ndev = int(rank), int(ndev)
+        self._aborted = threading.Event()
+        self._guard = threading.Lock()
+        self._active: list[str] = []
+        self._async_error = ncclSuccess
+        self._outstanding = 0
+        self._out_cv = threading.Condition()
+        self._seq = 0
+        self._peers: dict[int, socket.socket] = {}
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self._listener.settimeout(_SLICE)
+        root_port = struct.unpack_from("<H", raw, len(_MAGIC))[0]
+        ident = fakedevice.DEVICE.identity()
+        me = f"127.0.0.1:{self._listener.getsockname()[1]}"
+        deadline = time.monotonic() + 600
+        while True:   # the root may not listen yet? it does: it listens before the id exists
+            try:
+                root = socket.create_connection(("127.0.0.1", root_port), timeout=5)
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise NcclError(ncclSystemError, "bootstrap root unreachable") from None
+                time.sleep(0.01)
+        root.settimeout(None)
+        _send_obj(root, f"{rank}|{ndev}|{ident}|{me}")
+        try:
+            table = _recv_obj(root)
+        except (OSError, EOFError):
+            raise NcclError(ncclSystemError, "bootstrap root went away") from None
+        finally:
+            root.close()
+        if table == "DUP":
+            self._listener.close()
+            self._comm = 0
+            raise NcclError(ncclInvalidUsage, "Duplicate GPU detected")
+        self._addrs = table.split("|")
+        self._connected = False
+        if os.environ.get("NCCL_RUNTIME_CONNECT", "1") == "0":
+            self._connect()
+
+    # ------------------------------------------------------------------ guard
+    def _enter(self, what: str) -> None:
+        with self._guard:
+            if self._comm == 0:
+                _violation(f"use after abort/destroy: {what}")
+                raise NcclError(ncclInvalidArgument, f"{what} on a NULL communicator")
+            if self._active:
+                _violation(f"concurrent calls on one communicator: {what} during {self._active}")
+            self._active.append(what)
+
+    def _leave(self, what: str) -> None:
+        with self._guard:
+            self._active.remove(what)
+
+    # ------------------------------------------------------------------ connect
+    def _connect(self) -> None:
+        """Connect every pair (lower rank connects); blocks until every peer does the same."""
+        for j in range(self.rank + 1, self.ndev):
+            host, port = self._addrs[j].rsplit(":", 1)
+            while True:
+                if self._aborted.is_set():
+                    raise NcclError(ncclSystemError, "aborted while connecting")
+                try:
+                    s = socket.create_connection((host, int(port)), timeout=_SLICE)
+                    s.sendall(struct.pack("<i", self.rank))
+                    got = self._read(s, 4)
+                    if got is None:
+                        raise NcclError(ncclSystemError, "aborted while connecting")
+                    self._peers[j] = s
+                    break
+                except (OSError, EOFError):
+                    time.sleep(0.01)   # peer not there yet (or dead): NCCL retries
+        while len(self._peers) < self.ndev - 1:
+            if self._aborted.is_set():
+                raise NcclError(ncclSystemError, "aborted while connecting")
+            try:
+                s, _ = self._listener.accept()
+            except (socket.timeout, TimeoutError):
+                continue
+            except OSError:
+                raise NcclError(ncclSystemError, "aborted while connecting") from None
+            s.settimeout(_SLICE)
+            got = self._read(s, 4)
+            if got is None:
+                raise NcclError(ncclSystemError, "aborted while connecting")
+            s.sendall(b"ok!!")
+            self._peers[struct.unpack("<i", got)[0]] = s
+        for s in self._peers.values():
+            s.settimeout(_SLICE)
+        self._connected = True
+
+    def _read(self, s: socket.socket, n: int) -> bytes | None:
+        """n bytes, or None once aborted; EOF raises."""
+        s.settimeout(_SLICE)
+        buf = bytearray()
+        while len(buf) < n:
+            if self._aborted.is_set():
+                return None
+            try:
+                chunk = s.recv(n - len(buf))
+            except (socket.timeout, TimeoutError):
+                continue
+            if not chunk:
+                raise EOFError("peer closed")
+            buf += chunk
+        return bytes(buf)
+
+    def _write(self, s: socket.socket, data: bytes) -> bool:
+        view = memoryview(data)
+        while view:
+            if self._aborted.is_set():
+                return False
+            try:
+                n = s.send(view)
+            except (socket.timeout, TimeoutError):
+                continue
+            view = view[n:]
+        return True
+
+    # ------------------------------------------------------------------ kernels
+    def _stuck(self) -> None:
+        """A kernel that cannot finish spins until abort."""
+        self._aborted.wait()
+
+    def _exchange(self, op: int, seq: int, payload: bytes, count: int, arg: int, senders: list[int],
+                  receivers: list[int]) -> dict[int, bytes] | None:
+        """Send payload to `receivers`, read one message from each of `senders`; None when stuck."""
+        head = _HDR.pack(b"FNCD", op, seq, count, arg, self.rank, len(payload))
+
+        def send_all() -> None:
+            for j in receivers:
+                try:
+                    if not self._write(self._peers[j], head + payload):
+                        return
+                except OSError:
+                    self._async_error = ncclRemoteError
+                    return
+        th = threading.Thread(target=send_all, daemon=True)
+        th.start()
+        got: dict[int, bytes] = {}
+        for j in senders:
+            try:
+                h = self._read(self._peers[j], _HDR.size)
+                if h is None:
+                    return None
+                _m, op2, seq2, count2, arg2, _r, nbytes = _HDR.unpack(h)
+                if (op2, seq2, count2, arg2) != (op, seq, count, arg):
+                    return None           # NCCL does not check: the ranks wait on each other
+                body = self._read(self._peers[j], nbytes)
+                if body is None:
+                    return None
+                got[j] = body
+            except (OSError, EOFError):
+                self._async_error = ncclRemoteError
+                return None
+        th.join()
+        return got
+
+    def _launch(self, stream: int, what: str, kernel: Any) -> None:
+        self._enter(what)
+        try:
+            if not self._connected:
+                self._connect()       # runtime connect: inside the host call
+            self._seq += 1
+            seq = self._seq
+            with self._out_cv:
+                self._outstanding += 1
+
+            def run() -> None:
+                try:
+                    if not kernel(seq):
+                        self._stuck()
+                finally:
+                    with self._out_cv:
+                        self._outstanding -= 1
+                        self._out_cv.notify_all()
+            fakedevice.STREAMS[stream].enqueue(run)
+        finally:
+            self._leave(what)
+
+    @staticmethod
+    def _view(ptr: int, count: int, dtype: int) -> torch.Tensor:
+        import ctypes
+
+        dt = _TORCH[dtype]
+        nbytes = count * torch.empty(0, dtype=dt).element_size()
+        if nbytes == 0:
+            return torch.empty(0, dtype=dt)
+        return torch.frombuffer((ctypes.c_char * nbytes).from_address(ptr), dtype=dt, count=count)
+
+    def allReduce(self, sendbuf: int, recvbuf: int, count: int, datatype: int, op: int,  # noqa: N802
+                  stream: int) -> None:
+        if op != NCCL_SUM:
+            raise NcclError(ncclInvalidArgument, "the stand-in sums only")
+
+        def kernel(seq: int) -> bool:
+            mine = self._view(sendbuf, count, datatype).clone()
+            others = list(self._peers)
+            got = self._exchange(_OP_AR, seq, _raw(mine), count, datatype, others, others)
+            if got is None:
+                return False
+            total = torch.zeros(count, dtype=mine.dtype)
+            for r in range(self.ndev):   # rank order: every rank gets the same bits
+                part = mine if r == self.rank else torch.frombuffer(bytearray(got[r]), dtype=mine.dtype,
+                                                                       count=count) if count else mine
+                total += part
+            self._view(recvbuf, count, datatype).copy_(total)
+            return True
+        self._launch(stream, "allReduce", kernel)
+
+    def allGather(self, sendbuf: int, recvbuf: int, count: int, datatype: int, stream: int) -> None:  # noqa: N802
+        def kernel(seq: int) -> bool:
+            mine = self._view(sendbuf, count, datatype).clone()
+            others = list(self._peers)
+            got = self._exchange(_OP_AG, seq, _raw(mine), count, datatype, others,
+                                 others)
+            if got is None:
+                return False
+            out = self._view(recvbuf, count * self.ndev, datatype)
+            for r in range(self.ndev):
+                part = mine if r == self.rank else torch.frombuffer(bytearray(got[r]), dtype=mine.dtype,
+                                                                       count=count)
+                out[r * count:(r + 1) * count].copy_(part)
+            return True
+        self._launch(stream, "allGather", kernel)
+
+    def bcast(self, buff: int, count: int, datatype: int, root: int, stream: int) -> None:
+        def kernel(seq: int) -> bool:
+            buf = self._view(buff, count, datatype)
+            data = _raw(buf.clone())
+            if self.rank == root:
+                got = self._exchange(_OP_BC, seq, data, count, datatype, [], list(self._peers))
+                return got is not None
+            got = self._exchange(_OP_BC, seq, b"", count, datatype, [root], [])
+            if got is None:
+                return False
+            if got[root]:
+                buf.view(torch.uint8).copy_(torch.frombuffer(bytearray(got[root]), dtype=torch.uint8))
+            return True
+        self._launch(stream, "bcast", kernel)
+
+    def check_async_error(self) -> None:
+        self._enter("check_async_error")
+        try:
+            time.sleep(CHECK_S)   # widened: an unsynchronised abort from another thread overlaps it
+            if self._async_error != ncclSuccess:
+                raise NcclError(self._async_error, "remote process exited or there was a network error")
+        finally:
+            self._leave("check_async_error")
+
+    def abort(self) -> None:
+        if self._comm == 0:
+            return
+        self._enter("abort")
+        try:
+            self._aborted.set()
+            self._close_sockets()
+            time.sleep(ABORT_S)   # ncclCommAbort tears down proxies and frees memory: it takes a while
+        finally:
+            self._leave("abort")
+            self._comm = 0
+
+    def destroy(self) -> None:
+        if self._comm == 0:
+            return
+        self._enter("destroy")
+        try:
+            with self._out_cv:      # ncclCommDestroy flushes the queued work first
+                while self._outstanding:
+                    self._out_cv.wait(_SLICE)
+            self._close_sockets()
+        finally:
+            self._leave("destroy")
+            self._comm = 0
+
+    def _close_sockets(self) -> None:
+        for s in list(self._peers.values()) + [self._listener]:
+            try:
+                s.close()
+            except OSError:
+                pass
+
+    @property
+    def comm(self) -> int:
+        return self._comm

@@ -1,0 +1,194 @@
+"""A CPU stand-in for a CUDA device, behind p2pft's device seam (`p2pft.transport.device`).
+
+"Device memory" is host memory (CPU torch tensors). What makes it a device is the ordering:
+
+* every stream is a queue run by a worker thread of its own; work queued on it (copies, zeroing,
+  NCCL kernels, `slow_kernel`) runs later, in order, and is visible only through events;
+* copies are a deferred copy engine: each waits a random 0-3 ms before it copies, and reads its
+  source when it runs, not when it was queued, so a missing wait between streams corrupts data
+  instead of passing by accident;
+* the default stream stands for the compute stream: torch ops run on the host at once, so a
+  `wait(event)` on it blocks the host thread (the host is that stream) as well as queueing the
+  wait for later kernels on it.
+
+The device's identity is ``fake:<host>:<index>`` with the index from ``$P2PFT_FAKE_GPU``
+(default: one device per process), so two processes given the same index share a "GPU".
+Selected by p2pft through the ``P2PFT_DEVICE_MODULE`` attribute of the fake ``cupy`` package.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import queue
+import random
+import socket
+import threading
+import time
+import weakref
+from typing import Any, Callable
+
+import torch
+
+MAX_COPY_DELAY_S = float(os.environ.get("P2PFT_FAKE_COPY_DELAY_S", "0.003"))
+_QUEUE_CAP = 100_000
+
+
+class FakeEvent:
+    def __init__(self) -> None:
+        self._done = threading.Event()
+
+    def query(self) -> bool:
+        return self._done.is_set()
+
+    def synchronize(self) -> None:
+        self._done.wait()
+
+    def wait_for(self, timeout: float) -> bool:
+        return self._done.wait(timeout)
+
+
+class _Queue:
+    """A stream's queue and its worker's state (the worker holds this, not the stream, so a stream
+    nobody references any more is collected and its worker exits)."""
+
+    def __init__(self) -> None:
+        self.q: queue.Queue[Callable[[], None] | None] = queue.Queue(_QUEUE_CAP)
+        self.pending = 0
+        self.cv = threading.Condition()
+
+    def run(self) -> None:
+        while True:
+            fn = self.q.get()
+            if fn is None:
+                return
+            try:
+                fn()
+            except BaseException as e:  # noqa: BLE001 - a failing kernel is a device error, kept
+                ERRORS.append(e)
+            finally:
+                with self.cv:
+                    self.pending -= 1
+                    self.cv.notify_all()
+
+
+class FakeStream:
+    """A queue of work run in order by a worker thread."""
+
+    _ids = itertools.count(1)
+
+    def __init__(self, default: bool = False) -> None:
+        self.handle = next(self._ids)
+        self.default = default
+        self._w = _Queue()
+        STREAMS[self.handle] = self
+        threading.Thread(target=self._w.run, daemon=True, name=f"fake-stream-{self.handle}").start()
+
+    def __del__(self) -> None:
+        try:
+            self._w.q.put_nowait(None)
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+    def enqueue(self, fn: Callable[[], None]) -> None:
+        with self._w.cv:
+            self._w.pending += 1
+        self._w.q.put(fn, timeout=60)
+
+    def record(self) -> FakeEvent:
+        ev = FakeEvent()
+        self.enqueue(ev._done.set)
+        return ev
+
+    def wait(self, event: Any) -> None:
+        self.enqueue(event.synchronize)
+        if self.default:
+            event.synchronize()   # the host thread is the compute stream
+
+    def query(self) -> bool:
+        with self._w.cv:
+            return self._w.pending == 0
+
+    def synchronize(self) -> None:
+        with self._w.cv:
+            while self._w.pending:
+                self._w.cv.wait(0.05)
+
+
+STREAMS: "weakref.WeakValueDictionary[int, FakeStream]" = weakref.WeakValueDictionary()   # by NCCL handle
+ERRORS: list[BaseException] = []
+
+
+class FakeDevice:
+    """The stand-in's DeviceApi (see p2pft.transport.device)."""
+
+    name = "fake"
+    accelerator_type = "cpu"
+
+    def __init__(self) -> None:
+        self._default: FakeStream | None = None
+        self._current = threading.local()   # like torch's: the current stream is per thread
+        self._lock = threading.Lock()
+
+    def probe(self) -> tuple[bool, bool, int, str]:
+        return True, True, 1, "fake device"
+
+    def nccl(self) -> Any:
+        from cupy.cuda import nccl
+
+        return nccl
+
+    def is_device_tensor(self, t: Any) -> bool:
+        return isinstance(t, torch.Tensor) and t.device.type == "cpu"
+
+    def current_device(self) -> int | None:
+        return 0
+
+    def use_device(self, index: int | None) -> None:
+        pass
+
+    def device_index(self, t: Any) -> int | None:
+        return 0
+
+    def identity(self, index: int | None = None) -> str:
+        return f"fake:{socket.gethostname()}:{os.environ.get('P2PFT_FAKE_GPU') or f'pid{os.getpid()}'}"
+
+    def default_stream(self) -> FakeStream:
+        with self._lock:
+            if self._default is None:
+                self._default = FakeStream(default=True)
+            return self._default
+
+    def current_stream(self, t: Any = None) -> FakeStream:
+        return getattr(self._current, "stream", None) or self.default_stream()
+
+    def set_current_stream(self, stream: FakeStream | None) -> None:
+        """This thread trains on a side stream (None: the default one), as torch.cuda.set_stream
+        would: then a wait on the current stream no longer blocks the host."""
+        self._current.stream = stream
+
+    def new_stream(self, t: Any = None) -> FakeStream:
+        return FakeStream()
+
+    def pinned(self, nbytes: int) -> Any:
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def copy_async(self, dst: Any, src: Any, stream: Any) -> None:
+        delay = random.uniform(0, MAX_COPY_DELAY_S)
+
+        def run() -> None:
+            time.sleep(delay)
+            dst.copy_(src)
+        stream.enqueue(run)
+
+    def zero_async(self, t: Any, stream: Any) -> None:
+        stream.enqueue(t.zero_)
+
+    # ------------------------------------------------------------------ test hooks
+    def slow_kernel(self, seconds: float, stream: Any = None) -> None:
+        """Queue `seconds` of "compute" on a stream (default: the compute stream) without
+        blocking the host, as a long first step's kernels would be."""
+        (stream or self.default_stream()).enqueue(lambda: time.sleep(seconds))
+
+
+DEVICE = FakeDevice()

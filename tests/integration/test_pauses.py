@@ -1,0 +1,129 @@
+"""Pauses that are not failures, with real processes on loopback (``ft.pause()``).
+
+- One replica evaluates for twice its loop timeout inside ``with ft.pause("eval")``: it is not
+  left out as a stalled loop, the others commit without it meanwhile (no waiting on its data),
+  and it comes back with the same weights as theirs.
+- A joiner starts while every participant sits in a pause: it catches up from a paused donor
+  and is ready before they come back.
+- A lone joiner that can make no progress (its only peer's loop is wedged and out of the view)
+  backs off and raises ``StepTimeout`` after its bound instead of spinning, and the leader says
+  once, not at every tick, that it would resume below the high-water step.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+from replica_harness import Replicas, check_invariants, records, steps
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+
+FAST = ["--comm-timeout", "2", "--loop-timeout", "3"]
+
+
+def _event(rs: Replicas, name: str, kind: str) -> dict | None:
+    return next((r for r in records(rs.stats[name]) if r.get("event") == kind), None)
+
+
+def test_pause_longer_than_loop_timeout_is_not_a_failure(tmp_path: Path) -> None:
+    base = ["--min-replicas", "3", *FAST]
+    rs = Replicas(tmp_path, 3, base, witnesses=1)
+    # The lowest address bootstraps the cluster and leads it; a leader never leaves itself
+    # out, so the replica that pauses is another one.
+    lowest = min(rs.addrs + rs.witness_addrs)
+    p = next(i for i, a in enumerate(rs.addrs) if a != lowest)
+    name = f"r{p}"
+    others = [f"r{i}" for i in range(3) if i != p]
+    rs.spawn_witness(0)
+    for i in range(3):
+        rs.extra = base + (["--pause-at-step", "8", "--pause-s", "6"] if i == p else [])
+        rs.spawn(i, f"r{i}")
+    try:
+        rs.wait(lambda: _event(rs, name, "pause") is not None, 50, f"{name} to pause")
+        t_pause = _event(rs, name, "pause")["t"]  # type: ignore[index]
+        rs.wait(lambda: any(r["c"] and r["n"] == 2 and r["t"] > t_pause for r in steps(rs.stats[others[0]])), 10,
+                f"{others} to commit without the paused {name}")
+        t_alone = min(r["t"] for r in steps(rs.stats[others[0]]) if r["c"] and r["n"] == 2 and r["t"] > t_pause)
+        rs.wait(lambda: _event(rs, name, "resume") is not None, 15, f"{name} to come back")
+        resume = _event(rs, name, "resume")
+        assert resume is not None
+        rs.wait(lambda: any(r["c"] and r["n"] == 3 and r["t"] > resume["t"] for r in steps(rs.stats[name])), 30,
+                f"{name} to contribute again")
+        target = max(rs.last_step(f"r{i}") for i in range(3)) + 6
+        rs.wait(lambda: all(rs.last_step(f"r{i}") >= target for i in range(3)), 30, "6 more steps everywhere")
+    finally:
+        rcs = rs.stop_all()
+    assert all(rc == 0 for rc in rcs.values()), rcs
+    digests = check_invariants(rs.stats)
+    during = [r for r in steps(rs.stats[others[0]]) if r["c"] and t_pause < r["t"] < resume["t"]]
+    assert len(during) >= 5, f"the others committed only {len(during)} steps during {name}'s 6 s pause"
+    assert all(r["n"] == 2 for r in during[1:]), f"a step during the pause counted {name}"
+    logs = "".join((tmp_path / f"{n}.log").read_text() for n in ("w0", "r0", "r1", "r2"))
+    assert "has not run for" not in logs, "the paused replica was treated as a stalled loop"
+    assert "no data from rank" not in logs, "a replica waited for the paused one's data"
+    assert _event(rs, name, "excluded") is None
+    assert any(s > int(resume["step"]) for s in digests), f"no digest compared after {name} came back"
+    print(f"\npause: the others committed without {name} {t_alone - t_pause:.2f} s after the pause began; "
+          f"{len(during)} steps during the 6 s pause")
+
+
+def test_joiner_catches_up_while_the_others_are_paused(tmp_path: Path) -> None:
+    base = ["--min-replicas", "2", *FAST]
+    rs = Replicas(tmp_path, 3, base, witnesses=1)
+    rs.spawn_witness(0)
+    for i in range(2):
+        rs.extra = base + ["--pause-at-step", "8", "--pause-s", "20"]
+        rs.spawn(i, f"r{i}")
+    try:
+        rs.wait(lambda: all(_event(rs, f"r{i}", "pause") for i in range(2)), 50, "r0 and r1 to pause")
+        t_paused = max(_event(rs, f"r{i}", "pause")["t"] for i in range(2))  # type: ignore[index]
+        rs.extra = list(FAST)
+        rs.spawn(2, "r2")
+        rs.wait(lambda: _event(rs, "r2", "catchup_done") is not None, 30, "r2 to catch up during the pause")
+        done = _event(rs, "r2", "catchup_done")
+        assert done is not None and done["snapshot_step"] >= 8, done
+        assert all(_event(rs, f"r{i}", "resume") is None for i in range(2)), "the pause ended before the catch-up"
+        rs.wait(lambda: all(_event(rs, f"r{i}", "resume") for i in range(2)), 25, "r0 and r1 to come back")
+        t_back = max(_event(rs, f"r{i}", "resume")["t"] for i in range(2))  # type: ignore[index]
+        rs.wait(lambda: all(any(r["c"] and r["n"] == 3 and r["t"] > t_back for r in steps(rs.stats[f"r{i}"]))
+                            for i in range(3)), 40, "all three to commit together")
+    finally:
+        rcs = rs.stop_all()
+    assert all(rc == 0 for rc in rcs.values()), rcs
+    check_invariants(rs.stats)
+    print(f"\njoiner during a pause: caught up {done['t'] - t_paused:.2f} s after the others paused "
+          f"(snapshot of step {done['snapshot_step']})")
+
+
+def test_lone_joiner_backs_off_and_raises_step_timeout(tmp_path: Path) -> None:
+    rs = Replicas(tmp_path, 2, list(FAST), witnesses=2)  # voters enough to elect a leader without r0
+    rs.spawn_witness(0)
+    rs.spawn_witness(1)
+    rs.extra = [*FAST, "--hang-at-step", "5"]
+    rs.spawn(0, "r0")
+    rs.wait(lambda: _event(rs, "r0", "hang") is not None, 50, "r0's loop to hang")
+    rs.wait(lambda: any("has not run for" in (tmp_path / f"w{k}.log").read_text() for k in range(2)), 20,
+            "the leader to leave r0 out")
+    rs.extra = [*FAST, "--step-timeout", "8"]
+    rs.spawn(1, "r1")
+    try:
+        rs.wait(lambda: rs.procs["r1"].poll() is not None, 45, "the lone joiner to give up", allow_exit=("r1",))
+    finally:
+        rcs = rs.stop_all()
+    assert rcs["r1"] == 3, rcs
+    recs = records(rs.stats["r1"])
+    start = next(r for r in recs if r.get("kind") == "start")
+    end = next(r for r in recs if r.get("kind") == "exit")
+    assert end.get("error") == "step_timeout", end
+    alive = end["t"] - start["t"]
+    assert 7.0 <= alive <= 25.0, alive
+    calls = len(steps(rs.stats["r1"]))
+    assert calls / alive < 2.0, f"{calls} commit() returns in {alive:.1f} s: the lone joiner spun"
+    log = (tmp_path / "r1.log").read_text()
+    assert "no view to commit step" in log
+    assert log.count("nobody contributes") <= 2, log[-3000:]
+    leaders = "".join((tmp_path / f"w{k}.log").read_text() for k in range(2))
+    assert leaders.count("no replica holds step") <= 2, "the leader repeated its resume warning at every tick"
+    print(f"\nlone joiner: StepTimeout after {alive:.1f} s, {calls} commit() returns, "
+          f"{log.count('nobody contributes')} 'nobody contributes' line(s)")

@@ -1,0 +1,105 @@
+"""One rank of a defect scenario on the NCCL stand-in (run with tests/fakes first on PYTHONPATH).
+
+argv: rank world. Prints its data address, reads the peers' addresses (one line, space
+separated) from stdin, then runs one scenario per stdin line (JSON: scenario, epoch, env to set)
+and prints one JSON line for each: {"ok": ..., "err": class, "msg": ..., "s": seconds, ...}.
+One process serves many scenarios, so the suite pays for starting Python and torch once.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+from typing import Any
+
+import torch
+
+import fakedevice
+from p2pft.transport import CommError, DataServer
+
+
+def result(t0: float, **kw: Any) -> None:
+    print(json.dumps({"s": round(time.monotonic() - t0, 3), **kw}), flush=True)
+
+
+def run(scenario: str, epoch: int, rank: int, ds: DataServer, peers: list[str]) -> None:
+    backend = "nccl-auto" if scenario.endswith("_auto") else "nccl"
+    comm = ds.communicator(epoch, 0, rank, peers, timeout=2.0, connect_timeout=5.0, backend=backend)
+    t0 = time.monotonic()
+    try:
+        if scenario == "kill_after_init":
+            comm.wait_init(20)
+            print("inited", flush=True)
+            if rank == 1:
+                time.sleep(60)      # killed by the test
+            time.sleep(0.5)
+            t0 = time.monotonic()
+            comm.allreduce(torch.ones(8), timeout=2.0)
+        elif scenario in ("abort_during", "close_during"):
+            if rank == 1:
+                comm.wait_init(20)
+                time.sleep(2)       # takes no part: rank 0's collective is stuck on it
+                return result(t0, ok=True)
+            errs: list[BaseException] = []
+
+            def op() -> None:
+                try:
+                    comm.allreduce(torch.ones(8), timeout=30.0)
+                except BaseException as e:  # noqa: BLE001 - reported
+                    errs.append(e)
+            th = threading.Thread(target=op)
+            th.start()
+            time.sleep(0.7)
+            t0 = time.monotonic()
+            if scenario == "abort_during":
+                comm.abort("test")
+            else:
+                comm.close()
+            closed_s = time.monotonic() - t0
+            th.join(5)
+            return result(t0, ok=not th.is_alive(), returned_s=round(closed_s, 3),
+                          err=type(errs[0]).__name__ if errs else None)
+        elif scenario == "slow_first_step":
+            fakedevice.DEVICE.slow_kernel(1.5)
+            x = torch.full((16,), float(rank + 1))
+            n = comm.allreduce(x, timeout=1.0)
+            return result(t0, ok=True, n=n, x=x[0].item())
+        elif scenario == "mismatch_count":
+            comm.allreduce(torch.ones(10 + 2 * rank), timeout=2.0)
+        elif scenario in ("sum", "sum_auto"):
+            x = torch.arange(16, dtype=torch.float32) * (rank + 1)
+            n = comm.allreduce(x, tag=7)
+            m = comm.allreduce(x, contribute=rank == 0, tag=8)
+            return result(t0, ok=True, n=n, m=m, x=x.tolist(), tcp=getattr(comm, "tcp", None) is not None)
+        else:
+            raise SystemExit(f"unknown scenario {scenario}")
+        result(t0, ok=True)
+    except CommError as e:
+        result(t0, ok=False, err=type(e).__name__, msg=str(e))
+    except Exception as e:  # noqa: BLE001 - reported
+        result(t0, ok=False, err=type(e).__name__, msg=repr(e))
+    finally:
+        comm.close()
+
+
+def main() -> None:
+    import os
+
+    rank, world = int(sys.argv[1]), int(sys.argv[2])
+    ds = DataServer("127.0.0.1", 0, secret=b"s")
+    print(ds.addr, flush=True)
+    peers = sys.stdin.readline().split()
+    assert len(peers) == world
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        os.environ.update(cmd.get("env") or {})
+        run(cmd["scenario"], int(cmd["epoch"]), rank, ds, peers)
+        for k in cmd.get("env") or {}:
+            os.environ.pop(k, None)
+    ds.close()
+
+
+if __name__ == "__main__":
+    main()

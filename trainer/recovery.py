@@ -1,0 +1,82 @@
+"""Rank 0's side of a failed attempt, and log lines that may repeat for a long time.
+
+After an allreduce fails, rank 0 reports the peers the ranks blamed and waits (bounded) for a
+view with a newer data epoch; if none comes (nobody died: a peer was slow or paused briefly),
+it asks for a fresh one. A replica that cannot make progress may go through this many times a
+second until its step timeout: its log says so once per interval with a count, not every time.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from typing import Any, Callable
+
+from ..runtime import Runtime
+from ..step import FRESH_EPOCH_WAIT_S, NEXT_VIEW_WAIT_S, view_wait_after_failure
+from .attempt import Verdict
+
+log = logging.getLogger("p2pft.trainer.engine")
+
+REPEAT_LOG_S = 10.0   # the same kind of line at most once per this many seconds
+
+
+class LogLimiter:
+    """At most one line per key per `every` seconds; the next one says how many were held back."""
+
+    def __init__(self, every: float = REPEAT_LOG_S, clock: Callable[[], float] = time.monotonic) -> None:
+        self.every = every
+        self.clock = clock
+        self._last: dict[str, float] = {}
+        self._held: dict[str, int] = {}
+
+    def __call__(self, logger: logging.Logger, level: int, key: str, msg: str, *args: Any) -> bool:
+        """Log `msg % args` unless a line of `key` went out less than `every` seconds ago."""
+        now = self.clock()
+        last = self._last.get(key)
+        if last is not None and now - last < self.every:
+            self._held[key] = self._held.get(key, 0) + 1
+            return False
+        if len(self._last) > 256:  # keys are a few fixed names; bound it anyway
+            self._last.clear()
+            self._held.clear()
+        self._last[key] = now
+        held = self._held.pop(key, 0)
+        if held:
+            msg += " (%d more like this in the last %.0f s)"
+            args = (*args, held, now - last if last is not None else 0.0)
+        logger.log(level, msg, *args)
+        return True
+
+
+def recover(rt: Runtime, view: Any, bad: list[Verdict], step: int, deadline: float, stopping: Callable[[], bool],
+            loop_timeout: float | None, events: deque[dict[str, Any]], say: LogLimiter) -> None:
+    """Report the peers the ranks blamed, then wait (bounded by `deadline`) for a newer data
+    epoch; if none comes ask for a fresh one."""
+    d = view.data_epoch
+    for v in bad:
+        peer = view.member_at_data_addr(v.peer)
+        if v.comm and not v.aborted and peer is not None and peer.node != rt.node_id:
+            rt.report_failure(peer.node)
+        events.append({"t": time.time(), "kind": "comm_error", "error": v.error[:80],
+                       "peer": peer.node if peer else None, "epoch": view.epoch})
+    say(log, logging.INFO, "failed", "step %d failed on data epoch %d (%s); waiting for the next view", step, d,
+        "; ".join(v.error for v in bad)[:300])
+
+    def newer(v: Any) -> bool:
+        return v.data_epoch > d or stopping()
+
+    def left(cap: float) -> float:
+        return max(0.0, min(deadline - time.monotonic(), cap))
+    if not any(v.comm for v in bad):
+        rt.wait_view(newer, NEXT_VIEW_WAIT_S, loop_timeout=loop_timeout)
+        return
+    wait = left(view_wait_after_failure(rt.profile.suspicion_min))
+    if rt.wait_view(newer, wait, loop_timeout=loop_timeout) is None and not stopping():
+        say(log, logging.WARNING, "fresh", "no new view after a failure on data epoch %d; asking for a fresh "
+            "data epoch", d)
+        rt.request_new_data_epoch(d)
+        rt.wait_view(newer, left(FRESH_EPOCH_WAIT_S), loop_timeout=loop_timeout)
+
+
+__all__ = ["LogLimiter", "REPEAT_LOG_S", "recover"]

@@ -1,0 +1,230 @@
+"""The device seam: everything the NCCL plane and the CUDA staging ask of the accelerator.
+
+Current stream, side streams, events, pinned host buffers, asynchronous copies, the NCCL module
+and the device's identity go through one small interface, `DeviceApi`, so that the code that
+orders copies and collectives on a GPU is the code the tests run without one. Two
+implementations: `CudaDevice` (torch + CuPy, imported lazily) and a CPU stand-in that lives with
+the tests. The stand-in is never imported by path: a process selects it by naming its module in
+``$P2PFT_DEVICE_MODULE``, or by having a ``cupy`` package first on ``sys.path`` whose
+``P2PFT_DEVICE_MODULE`` attribute names it (the fake ``cupy`` of ``tests/fakes`` does).
+
+Streams and events are wrapped (`Stream`, `Event`) so that both implementations hand the same
+small surface to the transport; the NCCL module gets the raw stream handle (`Stream.handle`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+import threading
+from typing import Any, Protocol
+
+__all__ = ["ENV_DEVICE_MODULE", "CudaDevice", "DeviceApi", "Event", "Stream", "device_api", "reset_device_api"]
+
+ENV_DEVICE_MODULE = "P2PFT_DEVICE_MODULE"
+
+
+class Event(Protocol):
+    """A point in a stream's queue."""
+
+    def query(self) -> bool: ...          # True once the work queued before it has finished
+    def synchronize(self) -> None: ...    # block the host until then
+
+
+class Stream(Protocol):
+    """An ordered queue of device work."""
+
+    handle: int                           # the raw handle NCCL calls take (cudaStream_t)
+
+    def record(self) -> Event: ...        # an event at the current end of the queue
+    def wait(self, event: Event) -> None: ...   # later work on this stream runs after `event`
+    def query(self) -> bool: ...          # True when all queued work has finished
+    def synchronize(self) -> None: ...
+
+
+class DeviceApi(Protocol):
+    """What the transport needs of a device backend."""
+
+    name: str
+    accelerator_type: str     # the torch device type whose tensors this backend treats as device memory
+
+    def probe(self) -> tuple[bool, bool, int, str]: ...     # (cupy, nccl, devices, detail)
+    def nccl(self) -> Any: ...                               # the cupy.cuda.nccl module (or its stand-in)
+    def is_device_tensor(self, t: Any) -> bool: ...
+    def current_device(self) -> int | None: ...
+    def use_device(self, index: int | None) -> None: ...     # on this thread (NCCL binds to it)
+    def device_index(self, t: Any) -> int | None: ...
+    def identity(self, index: int | None) -> str: ...         # PCI bus id / UUID: equal iff the same physical device
+    def current_stream(self, t: Any) -> Stream: ...         # the stream the caller's kernels on `t` run on
+    def new_stream(self, t: Any) -> Stream: ...
+    def pinned(self, nbytes: int) -> Any: ...                # a uint8 host tensor the copy engine can read/write
+    def copy_async(self, dst: Any, src: Any, stream: Stream) -> None: ...
+    def zero_async(self, t: Any, stream: Stream) -> None: ...
+
+
+class _CudaEvent:
+    def __init__(self, torch: Any, raw: Any) -> None:
+        self.torch = torch
+        self.raw = raw
+
+    def query(self) -> bool:
+        return bool(self.raw.query())
+
+    def synchronize(self) -> None:
+        self.raw.synchronize()
+
+
+class _CudaStream:
+    def __init__(self, torch: Any, raw: Any) -> None:
+        self.torch = torch
+        self.raw = raw
+        self.handle = int(raw.cuda_stream)
+
+    def record(self) -> Event:
+        ev = self.torch.cuda.Event()
+        ev.record(self.raw)
+        return _CudaEvent(self.torch, ev)
+
+    def wait(self, event: Event) -> None:
+        assert isinstance(event, _CudaEvent)
+        self.raw.wait_event(event.raw)
+
+    def query(self) -> bool:
+        return bool(self.raw.query())
+
+    def synchronize(self) -> None:
+        self.raw.synchronize()
+
+
+class CudaDevice:
+    """CUDA through torch (streams, events, copies) and CuPy (the NCCL binding)."""
+
+    name = "cuda"
+    accelerator_type = "cuda"
+
+    def probe(self) -> tuple[bool, bool, int, str]:
+        try:
+            import cupy
+        except Exception as e:  # noqa: BLE001 - ImportError, or a broken CUDA install
+            return False, False, 0, f"{type(e).__name__}: {e}"[:200]
+        try:
+            from cupy.cuda import nccl
+            if not getattr(nccl, "available", True):
+                return True, False, 0, "cupy.cuda.nccl.available is False"
+        except Exception as e:  # noqa: BLE001
+            return True, False, 0, f"{type(e).__name__}: {e}"[:200]
+        try:
+            n = int(cupy.cuda.runtime.getDeviceCount())
+        except Exception as e:  # noqa: BLE001 - no driver, driver too old, no device
+            return True, True, 0, f"{type(e).__name__}: {e}"[:200]
+        return True, True, n, "" if n else "getDeviceCount() is 0"
+
+    def nccl(self) -> Any:
+        from cupy.cuda import nccl
+
+        return nccl
+
+    def is_device_tensor(self, t: Any) -> bool:
+        torch = sys.modules.get("torch")
+        return torch is not None and isinstance(t, torch.Tensor) and t.device.type == "cuda"
+
+    def current_device(self) -> int | None:
+        torch = sys.modules.get("torch")
+        try:
+            if torch is not None and torch.cuda.is_available():
+                return int(torch.cuda.current_device())
+            from cupy.cuda import runtime
+
+            return int(runtime.getDevice())
+        except Exception:  # noqa: BLE001 - no CUDA: the first operation reports it
+            return None
+
+    def use_device(self, index: int | None) -> None:
+        if index is None:
+            return
+        import torch
+
+        torch.cuda.set_device(index)
+        try:
+            import cupy
+
+            cupy.cuda.Device(index).use()
+        except ImportError:
+            pass
+
+    def device_index(self, t: Any) -> int | None:
+        return t.device.index if t.device.index is not None else self.current_device()
+
+    def identity(self, index: int | None) -> str:
+        import torch
+
+        i = self.current_device() if index is None else index
+        props = torch.cuda.get_device_properties(i)
+        uuid = getattr(props, "uuid", None)
+        if uuid is not None:
+            return f"GPU-{uuid}"
+        bus = f"{getattr(props, 'pci_domain_id', 0):04x}:{getattr(props, 'pci_bus_id', 0):02x}:" \
+              f"{getattr(props, 'pci_device_id', 0):02x}"
+        return f"pci-{bus}"
+
+    def current_stream(self, t: Any) -> Stream:
+        import torch
+
+        return _CudaStream(torch, torch.cuda.current_stream(t.device))
+
+    def new_stream(self, t: Any) -> Stream:
+        import torch
+
+        return _CudaStream(torch, torch.cuda.Stream(t.device))
+
+    def pinned(self, nbytes: int) -> Any:
+        import torch
+
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    def copy_async(self, dst: Any, src: Any, stream: Stream) -> None:
+        import torch
+
+        assert isinstance(stream, _CudaStream)
+        with torch.cuda.stream(stream.raw):
+            dst.copy_(src, non_blocking=True)
+
+    def zero_async(self, t: Any, stream: Stream) -> None:
+        import torch
+
+        assert isinstance(stream, _CudaStream)
+        with torch.cuda.stream(stream.raw):
+            t.zero_()
+
+
+_lock = threading.Lock()
+_api: DeviceApi | None = None
+
+
+def _stand_in_module() -> str | None:
+    name = os.environ.get(ENV_DEVICE_MODULE)
+    if name:
+        return name
+    try:
+        import cupy
+    except Exception:  # noqa: BLE001 - no cupy at all: CUDA (which then reports what is missing)
+        return None
+    return getattr(cupy, "P2PFT_DEVICE_MODULE", None)
+
+
+def device_api() -> DeviceApi:
+    """The process's device backend, chosen once (see the module docstring)."""
+    global _api
+    with _lock:
+        if _api is None:
+            name = _stand_in_module()
+            _api = importlib.import_module(name).DEVICE if name else CudaDevice()
+        return _api
+
+
+def reset_device_api() -> None:
+    """Choose again at the next call (tests that change the environment)."""
+    global _api
+    with _lock:
+        _api = None
