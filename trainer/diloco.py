@@ -30,7 +30,7 @@ from .group import LocalGroup
 from .optstep import GradHook, OptimizerStep
 from .outer import FragmentSchedule, merge, outer_sgd, pseudo_gradient, split_fragments
 from .pgcodec import Compression, PseudoGradCodec
-from .shardstate import ShardStepBuffer
+from .stepbuf import StepBuffer
 from .userstate import Stateful
 
 log = logging.getLogger(__name__)
@@ -114,7 +114,7 @@ class DiLoCo(StepEngine):
         self._start_control()
 
     # ------------------------------------------------------------------ layout
-    def _fragment_buffers(self, max_slots: int) -> list[ShardStepBuffer]:
+    def _fragment_buffers(self, max_slots: int) -> list[StepBuffer]:
         """One step buffer per fragment, all of one size (a zero pad parameter fills the
         smaller ones): a replica that catches up answers a sync with zeros before it knows
         which fragment the others send."""
@@ -128,7 +128,7 @@ class DiLoCo(StepEngine):
             params = [self._gparams[i] for i in g]
             if size < top:
                 params.append(torch.nn.Parameter(torch.zeros(top - size, device=dev)))
-            bufs.append(ShardStepBuffer(params, max_slots=max_slots))
+            bufs.append(StepBuffer(params, max_slots=max_slots))
         return bufs
 
     @property
@@ -188,11 +188,11 @@ class DiLoCo(StepEngine):
         """Fragment `frag`'s gradient slots of the global copy <- global - local."""
         idx = self._groups[frag]
         gp = [self._gparams[i] for i in idx]
-        for p in self.bufs[frag].dparams:
+        for p in self.bufs[frag].params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         pseudo_gradient([p.detach() for p in gp], [self._lparams[i].detach() for i in idx], [p.grad for p in gp])
-        for p in self.bufs[frag].dparams[len(idx):]:   # the pad, if any
+        for p in self.bufs[frag].params[len(idx):]:   # the pad, if any
             assert p.grad is not None
             p.grad.zero_()
 
@@ -287,7 +287,7 @@ class DiLoCo(StepEngine):
             for p, g in others:
                 p.grad = g
         if not buf.zero_grads():
-            for p in buf.dparams:
+            for p in buf.params:
                 p.grad = None
         self.cursor.commit(e.mask)
         self.step += 1
