@@ -72,9 +72,10 @@ def read(path: Path) -> list[dict[str, Any]]:
 def run_one(system: str, kill: bool, a: argparse.Namespace, tmp: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """One cluster of `a.replicas` workers for `a.duration` s; every incarnation's records."""
     n = a.replicas
-    ctl = [f"127.0.0.1:{p}" for p in free_ports(n)]
+    ctl_ports = free_ports(n)
     data = free_ports(n)
-    links = open_links([("127.0.0.1", p) for p in data], a.rate_mbit)
+    links = open_links([("127.0.0.1", p) for p in data], a.rate_mbit, a.links)
+    ctl = [f"{links.ip(i)}:{p}" for i, p in enumerate(ctl_ports)]
     until = time.time() + a.startup + a.duration   # the workers' own limit; the run ends earlier
     deadline = until
     procs: dict[str, tuple[int, subprocess.Popen[bytes]]] = {}
@@ -85,12 +86,12 @@ def run_one(system: str, kill: bool, a: argparse.Namespace, tmp: Path) -> tuple[
     def spawn(i: int, inc: int) -> str:
         name = f"{system}-{'kill' if kill else 'none'}-r{i}-{inc}"
         cmd = [sys.executable, str(WORKER), "--system", system, "--replica-id", f"r{i}", "--listen", ctl[i],
-               "--seeds", ",".join(c for j, c in enumerate(ctl) if j != i), "--data-listen", f"127.0.0.1:{data[i]}",
+               "--seeds", ",".join(c for j, c in enumerate(ctl) if j != i), "--data-listen", f"{links.ip(i)}:{data[i]}",
                "--advertise-data", links.advertise[i], "--stats", str(tmp / f"{name}.jsonl"), "--until", str(until),
                "--min-replicas", str(n), "--d-model", str(a.d_model), "--layers", str(a.layers), *sysargs]
         log = open(tmp / f"{name}.log", "wb")
-        procs[name] = (i, subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log,
-                                           env=dict(os.environ, OMP_NUM_THREADS="1")))
+        procs[name] = (i, links.spawn(i, cmd, stdout=subprocess.DEVNULL, stderr=log,
+                                      env=dict(os.environ, OMP_NUM_THREADS="1")))
         log.close()
         return name
 
@@ -136,6 +137,7 @@ def run_one(system: str, kill: bool, a: argparse.Namespace, tmp: Path) -> tuple[
             except subprocess.TimeoutExpired:
                 p.kill()
                 rcs[name] = None
+        carried = links.bytes_total()   # before close: namespace links count until removed
         links.close()
     recs = []
     for name in procs:
@@ -146,7 +148,7 @@ def run_one(system: str, kill: bool, a: argparse.Namespace, tmp: Path) -> tuple[
     print(f"  start-up {(t_first or t_stop) - t_spawn:.1f} s, stop {time.time() - t_stop:.1f} s, exit statuses "
           f"{ {k.rsplit('-', 2)[-2] + '-' + k.rsplit('-', 1)[-1]: v for k, v in rcs.items()} }", flush=True)
     info = {"kills": kills, "crashes": crashes, "killed": sorted(killed), "links": links.kind,
-            "bytes_per_replica": links.bytes_total() // n, "t_first": t_first}
+            "bytes_per_replica": carried // n, "t_first": t_first}
     return recs, info
 
 
@@ -230,6 +232,9 @@ def main() -> int:
     p.add_argument("--failures", default="none,kill")
     p.add_argument("--replicas", type=int, default=3)
     p.add_argument("--rate-mbit", type=float, default=50.0, help="each replica's link, Mbit/s per direction")
+    p.add_argument("--links", choices=["auto", "netns", "proxy"], default="auto",
+                   help="netns: a namespace per replica, tc tbf on its link (root); proxy: token-bucket proxies "
+                        "on loopback; auto: netns where it can be made")
     p.add_argument("--duration", type=float, default=None, help="seconds of training per run")
     p.add_argument("--sync-every", type=int, default=None, help="H, inner steps between syncs")
     p.add_argument("--fragments", type=int, default=2)

@@ -7,13 +7,16 @@ allreduce chunks, a joiner's snapshot request) and every byte it answers on thos
 receives from one neighbour, so each ring link runs at ``rate``. The control plane (gossip,
 Raft) is not limited.
 
-Network namespaces joined by veth pairs with ``tc qdisc ... tbf`` on each replica's link are
-the real thing; ``open_links`` is the one place that would create them instead and return the
-same ``Links`` (the addresses to advertise, the bytes carried, ``close``).
+Where network namespaces can be made (root, iproute2), ``open_links`` makes the real thing
+instead: each replica on a host of its own (``p2pft.chaos.hosts``: a namespace, a veth link to a
+shared bridge, ``tc tbf`` on the link at ``rate`` in both directions), every byte between
+replicas (control and data) crossing two limited links. Both give the same ``Links``: where to
+bind and what to advertise, how to start a process on a replica's host, the bytes carried.
 """
 from __future__ import annotations
 
 import socket
+import subprocess
 import threading
 import time
 from dataclasses import dataclass, field
@@ -109,7 +112,8 @@ class _Proxy:
 
 
 class Links:
-    """The links of one run: `advertise[i]` is what replica i announces as its data address."""
+    """Loopback links of one run: replica i binds `ip(i)`; `advertise[i]` is what it announces
+    as its data address (its proxy)."""
 
     def __init__(self, kind: str, targets: list[tuple[str, int]], rate_bytes: float) -> None:
         self.kind = kind
@@ -126,11 +130,14 @@ class Links:
             self._proxies.append(px)
             self.advertise.append(f"{host}:{ls.getsockname()[1]}")
 
-    def bytes_received(self, i: int) -> int:
-        """Bytes delivered to replica i through its link (what the others sent it)."""
-        return self._proxies[i].bytes_in
+    def ip(self, i: int) -> str:
+        return "127.0.0.1"
+
+    def spawn(self, i: int, argv: list[str], **popen: object) -> "subprocess.Popen[bytes]":
+        return subprocess.Popen(argv, **popen)  # type: ignore[call-overload]
 
     def bytes_total(self) -> int:
+        """Bytes carried by all links (each byte between replicas crosses one proxy)."""
         return sum(p.bytes_in + p.bytes_out for p in self._proxies)
 
     def close(self) -> None:
@@ -138,12 +145,50 @@ class Links:
             p.close()
 
 
-def open_links(targets: list[tuple[str, int]], rate_mbit: float) -> Links:
-    """Rate-limited links in front of each replica's data port (host, port).
+class NetnsLinks:
+    """Replicas on namespace hosts whose links are limited with tc tbf (p2pft.chaos.hosts)."""
 
-    Network namespaces with ``tc tbf`` would be created here; on this build the links are the
-    loopback token-bucket proxies above (``Links.kind`` says which)."""
+    kind = "netns-tc-tbf"
+
+    def __init__(self, n: int, data_ports: list[int], rate_mbit: float) -> None:
+        from p2pft.chaos.hosts import Hosts
+        self.hosts = Hosts(n, link_mbit=rate_mbit).create()
+        self.advertise = [f"{self.hosts[i].ip}:{p}" for i, p in enumerate(data_ports)]
+        self._base = [self._counter(i) for i in range(n)]
+
+    def ip(self, i: int) -> str:
+        return self.hosts[i].ip
+
+    def spawn(self, i: int, argv: list[str], **popen: object) -> "subprocess.Popen[bytes]":
+        return self.hosts.spawn(i, argv, **popen)
+
+    def _counter(self, i: int) -> int:
+        """Bytes host i sent into its link (received by the bridge's end of it)."""
+        with open(f"/sys/class/net/{self.hosts[i].veth}/statistics/rx_bytes") as f:
+            return int(f.read())
+
+    def bytes_total(self) -> int:
+        """Bytes all hosts sent (control and data, with headers)."""
+        return sum(self._counter(i) - b for i, b in enumerate(self._base))
+
+    def close(self) -> None:
+        self.hosts.close()
+
+
+def open_links(targets: list[tuple[str, int]], rate_mbit: float, kind: str = "auto") -> "Links | NetnsLinks":
+    """Rate-limited links for replicas whose data ports are `targets` (host, port).
+
+    kind: 'netns' (namespaces + tc tbf), 'proxy' (loopback token buckets), or 'auto' (netns where
+    it can be made, else proxy; `kind` on the result says which)."""
+    if kind in ("auto", "netns"):
+        from p2pft.chaos.hosts import unavailable
+        why = unavailable()
+        if why is None:
+            return NetnsLinks(len(targets), [p for _, p in targets], rate_mbit)
+        if kind == "netns":
+            raise RuntimeError(f"network namespaces cannot be made here: {why}")
+        print(f"wanlink: {why}; falling back to rate-limited proxies on loopback")
     return Links("loopback-token-bucket", targets, rate_mbit * 1e6 / 8)
 
 
-__all__ = ["Bucket", "Links", "open_links"]
+__all__ = ["Bucket", "Links", "NetnsLinks", "open_links"]
