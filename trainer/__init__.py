@@ -7,12 +7,14 @@ importable on their own.
 from __future__ import annotations
 
 from .cursor import DataCursor
+from .diloco import DiLoCo, DiLoCoResult
 from .ft import FaultTolerant, StepResult, StepTimeout, Stopped
 from .job import InitialStateMismatch, JobConfigError, JobFinished, MissingStateError
 from .loader import StepLoader
 from .lr import LRPolicy, lr_scale
 from .state import capture, restore, state_digest
 
-__all__ = ["FaultTolerant", "StepResult", "StepTimeout", "Stopped", "JobFinished", "MissingStateError",
+__all__ = ["DiLoCo", "DiLoCoResult", "FaultTolerant", "StepResult", "StepTimeout", "Stopped", "JobFinished",
+           "MissingStateError",
            "JobConfigError", "InitialStateMismatch", "StepLoader", "DataCursor", "LRPolicy", "lr_scale",
            "capture", "restore", "state_digest"]

@@ -39,6 +39,9 @@ class ShardComms:
         self.device = device      # CUDA device index for nccl
         self.shard = shard
         self.comm_timeout = comm_timeout
+        # How long a new communicator's first operation waits for its ring neighbours to
+        # connect; DiLoCo raises it to comm_timeout (a joiner reaches a sync a span early).
+        self.connect_timeout = 5.0
         self._comms: dict[int, Any] = {}
         self._superseded_by = -1  # newest data epoch announced: older communicators are dead
         self._lock = threading.Lock()
@@ -58,7 +61,7 @@ class ShardComms:
             c.abort(f"replaced by data epoch {d}")
             c.close()
         comm = self.ds.communicator(d, self.shard, rank, peers, timeout=self.comm_timeout, backend=self.backend,
-                                    device=self.device)
+                                    device=self.device, connect_timeout=self.connect_timeout)
         with self._lock:
             if d < self._superseded_by:
                 # A newer data epoch was announced while this attempt was being planned: the new

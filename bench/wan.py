@@ -1,0 +1,288 @@
+"""Training over slow links: synchronous p2pft vs p2pft DiLoCo vs p2pft Streaming DiLoCo.
+
+The same transformer LM (about 0.8M parameters in --quick, 3.2M otherwise), data, inner AdamW
+and per-replica batch, three replicas whose data links are rate-limited (``bench/wanlink.py``:
+namespaces + ``tc tbf`` where they exist, else a token-bucket proxy on loopback; the JSON says
+which). Each system runs for the same wall time, without failures and with a SIGKILL of a
+random replica (never r0, which evaluates) every ``--kill-every`` seconds, restarted 2 s later.
+
+Reported per system and failure setting: wall time to the target validation loss (the loss
+synchronous training reaches without failures at the end of its run), the validation loss at
+the samples synchronous training trained, samples trained, bytes through the links per replica,
+the longest stall, survivors' work kept (inner steps, or steps, that ended in a committed mean
+over the ones they computed), crashes and divergent steps.
+
+    python bench/wan.py --quick --json results/wan.json --plot results/wan.png
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from statistics import median
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from wanlink import open_links  # noqa: E402
+
+from p2pft.ports import free_ports  # noqa: E402
+
+WORKER = Path(__file__).resolve().parent / "wan_worker.py"
+
+
+@dataclass
+class Row:
+    system: str
+    failures: str
+    time_to_target_s: float | None
+    val_loss_equal_samples: float | None
+    val_loss_final: float | None
+    samples: int
+    target: float | None
+    bytes_sent_per_replica: int
+    survivor_work_kept: float | None
+    survivor_crashes: int
+    divergent_steps: int
+    stall_max_s: float
+    kills: int
+    links: str
+    curve: list[tuple[float, int, float]]   # (seconds since the first commit, samples, val loss)
+
+
+def read(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+    return out
+
+
+def run_one(system: str, kill: bool, a: argparse.Namespace, tmp: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """One cluster of `a.replicas` workers for `a.duration` s; every incarnation's records."""
+    n = a.replicas
+    ctl_ports = free_ports(n)
+    data = free_ports(n)
+    links = open_links([("127.0.0.1", p) for p in data], a.rate_mbit, a.links)
+    ctl = [f"{links.ip(i)}:{p}" for i, p in enumerate(ctl_ports)]
+    until = time.time() + a.startup + a.duration   # the workers' own limit; the run ends earlier
+    deadline = until
+    procs: dict[str, tuple[int, subprocess.Popen[bytes]]] = {}
+    sysargs = {"sync": [], "diloco": ["--sync-every", str(a.sync_every)],
+               "streaming": ["--sync-every", str(a.sync_every), "--fragments", str(a.fragments), "--overlap", "1",
+                             "--alpha", "0.5", "--compression", a.compression]}[system]
+
+    def spawn(i: int, inc: int) -> str:
+        name = f"{system}-{'kill' if kill else 'none'}-r{i}-{inc}"
+        cmd = [sys.executable, str(WORKER), "--system", system, "--replica-id", f"r{i}", "--listen", ctl[i],
+               "--seeds", ",".join(c for j, c in enumerate(ctl) if j != i), "--data-listen", f"{links.ip(i)}:{data[i]}",
+               "--advertise-data", links.advertise[i], "--stats", str(tmp / f"{name}.jsonl"), "--until", str(until),
+               "--min-replicas", str(n), "--d-model", str(a.d_model), "--layers", str(a.layers), *sysargs]
+        log = open(tmp / f"{name}.log", "wb")
+        procs[name] = (i, links.spawn(i, cmd, stdout=subprocess.DEVNULL, stderr=log,
+                                      env=dict(os.environ, OMP_NUM_THREADS="1")))
+        log.close()
+        return name
+
+    t_spawn = time.time()
+    for i in range(n):
+        spawn(i, 0)
+    rng = random.Random(a.seed)
+    killed: set[str] = set()
+    kills = 0
+    inc = {i: 0 for i in range(n)}
+    t_first = None
+    try:
+        while time.time() < deadline:
+            time.sleep(0.2)
+            if t_first is None:
+                first = [r for r in read(tmp / f"{system}-{'kill' if kill else 'none'}-r0-0.jsonl")
+                         if r.get("kind") is None]
+                if first:
+                    t_first = first[0]["t"]
+                    deadline = t_first + a.duration   # equal training time for every system
+                    next_kill = t_first + a.kill_every
+                continue
+            if kill and time.time() >= next_kill and time.time() < deadline - 4:
+                i = rng.randrange(1, n)
+                name = next(k for k, (j, p) in procs.items() if j == i and p.poll() is None)
+                procs[name][1].send_signal(signal.SIGKILL)
+                procs[name][1].wait(timeout=10)
+                killed.add(name)
+                kills += 1
+                time.sleep(a.restart_after)
+                inc[i] += 1
+                spawn(i, inc[i])
+                next_kill = time.time() + a.kill_every
+    finally:
+        t_stop = time.time()
+        for _, p in procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        rcs = {}
+        for name, (_, p) in procs.items():
+            try:
+                rcs[name] = p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                rcs[name] = None
+        carried = links.bytes_total()   # before close: namespace links count until removed
+        links.close()
+    recs = []
+    for name in procs:
+        for r in read(tmp / f"{name}.jsonl"):
+            recs.append({**r, "proc": name})
+    # -SIGTERM: ended by the harness before its handler was installed (a restart still starting)
+    crashes = sum(1 for k, rc in rcs.items() if k not in killed and rc not in (0, -signal.SIGTERM))
+    print(f"  start-up {(t_first or t_stop) - t_spawn:.1f} s, stop {time.time() - t_stop:.1f} s, exit statuses "
+          f"{ {k.rsplit('-', 2)[-2] + '-' + k.rsplit('-', 1)[-1]: v for k, v in rcs.items()} }", flush=True)
+    info = {"kills": kills, "crashes": crashes, "killed": sorted(killed), "links": links.kind,
+            "bytes_per_replica": carried // n, "t_first": t_first}
+    return recs, info
+
+
+def summarize(system: str, kill: bool, recs: list[dict[str, Any]], info: dict[str, Any],
+              ref: Row | None) -> Row:
+    t0 = info["t_first"] or 0.0
+    evals = sorted((r["t"] - t0, r["samples"], r["val"]) for r in recs if r.get("kind") == "eval")
+    commits = [r for r in recs if r.get("kind") is None]
+    survivors = [r for r in commits if r["proc"] not in info["killed"]]
+    ran = sum(r["ran"] for r in survivors)
+    kept = sum(r["kept"] for r in survivors)
+    digests: dict[int, set[str]] = {}
+    for r in commits:
+        if "digest" in r:
+            digests.setdefault(r["step"], set()).add(r["digest"])
+    r0 = sorted(r["t"] for r in commits if r["proc"].endswith("-r0-0") and r["c"])
+    gaps = [b - a for a, b in zip(r0, r0[1:])]
+    stall = max(gaps) - median(gaps) if len(gaps) > 1 else 0.0
+    target = ref.val_loss_final if ref is not None else (evals[-1][2] if evals else None)
+    ttt = next((t for t, _, v in evals if target is not None and v <= target), None)
+    at_samples = None
+    if ref is not None and evals:
+        s_ref = ref.samples
+        prev = None
+        for t, s, v in evals:
+            if s >= s_ref:
+                if prev is None or s == prev[0]:
+                    at_samples = v
+                else:   # linear between the two evaluations around the reference's samples
+                    at_samples = prev[1] + (v - prev[1]) * (s_ref - prev[0]) / (s - prev[0])
+                break
+            prev = (s, v)
+    return Row(system=system, failures="kill" if kill else "none", time_to_target_s=ttt,
+               val_loss_equal_samples=at_samples, val_loss_final=evals[-1][2] if evals else None,
+               samples=evals[-1][1] if evals else 0, target=target,
+               bytes_sent_per_replica=int(info["bytes_per_replica"]),
+               survivor_work_kept=kept / ran if ran else None, survivor_crashes=info["crashes"],
+               divergent_steps=sum(1 for d in digests.values() if len(d) > 1), stall_max_s=round(stall, 2),
+               kills=info["kills"], links=info["links"], curve=evals)
+
+
+def fmt(v: Any, spec: str = "") -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def table(rows: list[Row]) -> str:
+    head = ("| system | failures | time to target | val loss at sync's samples | samples | MB/replica | "
+            "survivor work kept | stall max | crashes | divergent |")
+    lines = [head, "|" + "---|" * 10]
+    for r in rows:
+        lines.append(f"| {r.system} | {r.failures} ({r.kills} kills) | {fmt(r.time_to_target_s, '.1f')} s | "
+                     f"{fmt(r.val_loss_equal_samples, '.3f')} | {r.samples} | {r.bytes_sent_per_replica / 1e6:.1f} | "
+                     f"{fmt(r.survivor_work_kept and 100 * r.survivor_work_kept, '.1f')}% | {r.stall_max_s:.2f} s | "
+                     f"{r.survivor_crashes} | {r.divergent_steps} |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[Row], path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for r in rows:
+        if r.curve:
+            ax.plot([c[0] for c in r.curve], [c[2] for c in r.curve], label=f"{r.system}, {r.failures}",
+                    linestyle="-" if r.failures == "none" else "--")
+    if rows and rows[0].target is not None:
+        ax.axhline(rows[0].target, color="grey", linewidth=0.8, label="target")
+    ax.set_xlabel("wall time since the first commit (s)")
+    ax.set_ylabel("validation loss")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="smaller model, shorter runs (under 6 minutes on 2 cores)")
+    p.add_argument("--systems", default="sync,diloco,streaming")
+    p.add_argument("--failures", default="none,kill")
+    p.add_argument("--replicas", type=int, default=3)
+    p.add_argument("--rate-mbit", type=float, default=50.0, help="each replica's link, Mbit/s per direction")
+    p.add_argument("--links", choices=["auto", "netns", "proxy"], default="auto",
+                   help="netns: a namespace per replica, tc tbf on its link (root); proxy: token-bucket proxies "
+                        "on loopback; auto: netns where it can be made")
+    p.add_argument("--duration", type=float, default=None, help="seconds of training per run")
+    p.add_argument("--sync-every", type=int, default=None, help="H, inner steps between syncs")
+    p.add_argument("--fragments", type=int, default=2)
+    p.add_argument("--compression", default="bf16", choices=["none", "bf16", "int8"])
+    p.add_argument("--kill-every", type=float, default=None)
+    p.add_argument("--restart-after", type=float, default=2.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workdir", default=None, help="keep the replicas' records and logs here")
+    p.add_argument("--json", default=None)
+    p.add_argument("--plot", default=None)
+    a = p.parse_args()
+    a.d_model, a.layers = (128, 4) if a.quick else (256, 4)
+    a.duration = a.duration or (25.0 if a.quick else 120.0)
+    a.sync_every = a.sync_every or (10 if a.quick else 20)
+    a.kill_every = a.kill_every or (a.duration / 3)
+    a.startup = 90.0
+    systems = [s for s in a.systems.split(",") if s]
+    fails = [f == "kill" for f in a.failures.split(",") if f]
+    if "sync" not in systems or False not in fails:
+        p.error("the target and the equal-samples reference are synchronous training without failures: "
+                "keep 'sync' in --systems and 'none' in --failures")
+    rows: list[Row] = []
+    ref: Row | None = None
+    with tempfile.TemporaryDirectory(prefix="p2pft-wan-") as d:
+        tmp = Path(a.workdir or d)
+        tmp.mkdir(parents=True, exist_ok=True)
+        order = ["sync"] + [s for s in systems if s != "sync"]
+        for system in order:
+            for kill in sorted(fails):
+                t = time.time()
+                recs, info = run_one(system, kill, a, tmp)
+                row = summarize(system, kill, recs, info, ref)
+                if system == "sync" and not kill:
+                    ref = row
+                    row.val_loss_equal_samples = row.val_loss_final
+                rows.append(row)
+                print(f"{system:9s} {'kill' if kill else 'none':4s}: {row.samples} samples, val "
+                      f"{fmt(row.val_loss_final, '.3f')}, {time.time() - t:.0f} s", flush=True)
+    print(table(rows))
+    if a.json:
+        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+        meta = {"replicas": a.replicas, "rate_mbit": a.rate_mbit, "duration_s": a.duration, "sync_every": a.sync_every,
+                "fragments": a.fragments, "compression": a.compression, "d_model": a.d_model, "layers": a.layers}
+        Path(a.json).write_text(json.dumps({"config": meta, "rows": [asdict(r) for r in rows]}, indent=1))
+    if a.plot:
+        plot(rows, a.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,311 @@
+"""``DiLoCo``: semi-synchronous training on the step protocol (DiLoCo and Streaming DiLoCo).
+
+The same step engine as ``FaultTolerant`` at a coarser grain. The engine's model is a copy of
+the user's model holding the *global* weights and its optimizer is the *outer* optimizer; one
+engine step is one *sync*. Between two syncs every contributing replica runs ``span`` inner
+steps on its own (the user's) model with the user's optimizer; at the sync it packs the
+pseudo-gradient (global minus local) of the sync's fragment as the step's "gradient". The
+engine then does what it does for any step: the contributor count and mask travel in the
+reduced header, a failed allreduce is retried with the saved pseudo-gradient on the next data
+epoch, the mean is applied by the outer optimizer identically on every replica, the cursor
+commits the samples of the contributors' inner steps (the others' become holes), and a
+restarted replica catches up the global weights, the outer optimizer and the cursor from a
+snapshot in the background while taking part in each sync with zeros. See docs/diloco.md.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from ..runtime import Runtime
+from .attempt import Entry, StepResult, StepTimeout, Stopped
+from .engine import StepEngine
+from .ft import WHOLE_STATE
+from .group import LocalGroup
+from .optstep import GradHook, OptimizerStep
+from .outer import FragmentSchedule, merge, outer_sgd, pseudo_gradient, split_fragments
+from .pgcodec import Compression, PseudoGradCodec
+from .stepbuf import StepBuffer
+from .userstate import Stateful
+
+log = logging.getLogger(__name__)
+
+OuterFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
+JOIN_MARGIN_S = 30.0   # beyond the step timeout, how long span end waits for a sync in flight
+
+
+@dataclass
+class DiLoCoResult:
+    """What one ``DiLoCo.commit()`` did: an inner step, and at the end of a span, a sync."""
+
+    inner_step: int                 # inner steps in the replicated numbering after this call
+    syncs: int                      # committed syncs (outer steps; fragment syncs when streaming)
+    inner: bool                     # this call took an inner optimizer step
+    fragment: int | None = None     # the fragment the sync ending here carried (None: no sync)
+    outer: StepResult | None = None  # the engine's result of that sync (trained ranges, contributors)
+
+
+class DiLoCo(StepEngine):
+    """DiLoCo around an ordinary loop, for a replica of one rank (``p2pft.trainer.DiLoCo``).
+
+    ``begin()`` gives the samples of one inner step ([] while the replica contributes nothing);
+    ``commit()`` takes the inner optimizer step and, every ``span`` of them, the sync."""
+
+    def __init__(self, runtime: Runtime, model: torch.nn.Module, inner_optimizer: torch.optim.Optimizer, *,
+                 sync_every: int, batch_per_replica: int, outer_optimizer: OuterFactory = outer_sgd,
+                 fragments: int = 1, overlap: int = 0, alpha: float = 0.0, compression: str = "none",
+                 lr_policy: str = "none", nominal_replicas: int | None = None,
+                 lr_scheduler: Any = None, grad_scaler: Any = None, grad_hook: GradHook | None = None,
+                 after_step: GradHook | None = None, outer_lr_scheduler: Callable[[Any], Any] | None = None,
+                 outer_grad_hook: GradHook | None = None, state: dict[str, Stateful] | None = None,
+                 max_slots: int = 256, recent_keep: int = 2, replay_cap_bytes: int = 2 << 30,
+                 step_timeout: float = 120.0, state_rate_limit: float | None = None,
+                 loop_timeout: float | None = 120.0, data_plane: str | None = None) -> None:
+        # loop_timeout: the leader leaves out a replica whose loop is silent this long; a sync
+        # may wait in the ring up to comm_timeout, which DiLoCo needs longer than a step's.
+        self.schedule = FragmentSchedule(sync_every, fragments, overlap, alpha)
+        self.codec_kind = Compression.parse(compression)
+        if not callable(outer_optimizer):
+            raise TypeError("outer_optimizer must be a factory: params -> torch.optim.Optimizer")
+        self.local_model = model
+        self.inner_opt = inner_optimizer
+        glob = copy.deepcopy(model)  # the global weights: what syncs update and snapshots carry
+        for p in glob.parameters():
+            p.grad = None
+        self.global_model = glob
+        self._gparams = [p for p in glob.parameters() if p.requires_grad]
+        self._lparams = [p for p in model.parameters() if p.requires_grad]
+        outer = outer_optimizer(self._gparams)
+        if {id(p) for g in outer.param_groups for p in g["params"]} != {id(p) for p in self._gparams}:
+            raise ValueError("the outer optimizer must hold exactly the parameters it is given")
+        super().__init__(glob, outer, group=LocalGroup(), runtime=runtime, data_server=runtime.data,
+                         state_io=WHOLE_STATE, batch_per_replica=batch_per_replica * self.schedule.span,
+                         nominal_replicas=nominal_replicas, lr_policy=lr_policy, max_slots=max_slots,
+                         recent_keep=recent_keep, replay_cap_bytes=replay_cap_bytes, step_timeout=step_timeout,
+                         comm_timeout=runtime.comm_timeout, secret=runtime.secret,
+                         state_rate_limit=state_rate_limit, loop_timeout=loop_timeout,
+                         lr_scheduler=outer_lr_scheduler(outer) if outer_lr_scheduler is not None else None,
+                         grad_hook=outer_grad_hook, state=state, data_plane=data_plane)
+        self.batch = batch_per_replica
+        # A joiner answers each sync at once and a fast replica reaches it early: both wait in
+        # the ring for the others' span, so a new ring may take up to comm_timeout to connect.
+        self.comms.connect_timeout = self.comm_timeout
+        self.inner_step_fn = OptimizerStep(inner_optimizer, lr_policy="none", lr_scheduler=lr_scheduler,
+                                           grad_scaler=grad_scaler, grad_hook=grad_hook, after_step=after_step)
+        self.inner_scheduler = lr_scheduler
+        self._sched_steps = 0
+        self._groups = split_fragments(self._gparams, fragments)
+        self.bufs = self._fragment_buffers(max_slots)
+        self.buf = self.bufs[0]
+        self.codecs = [PseudoGradCodec(self.codec_kind, b.grad_numel, b.flat.device) for b in self.bufs]
+        self._k = 0                  # inner steps run in the current span
+        self._base = 0               # engine step at the start of the current span
+        self._span_idx: list[int] = []
+        self._contributing = False
+        self._fresh = True           # local weights must restart from the global ones
+        self._inflight: threading.Thread | None = None
+        self._inflight_out: list[Any] = []
+        self.inner_steps_run = 0     # inner steps this process ran (kept or not)
+        self._start_control()
+
+    # ------------------------------------------------------------------ layout
+    def _fragment_buffers(self, max_slots: int) -> list[StepBuffer]:
+        """One step buffer per fragment, all of one size (a zero pad parameter fills the
+        smaller ones): a replica that catches up answers a sync with zeros before it knows
+        which fragment the others send."""
+        if len(self._groups) == 1:
+            return [self.buf]
+        sizes = [sum(self._gparams[i].numel() for i in g) for g in self._groups]
+        top = max(sizes)
+        dev = self._gparams[0].device
+        bufs = []
+        for g, size in zip(self._groups, sizes):
+            params = [self._gparams[i] for i in g]
+            if size < top:
+                params.append(torch.nn.Parameter(torch.zeros(top - size, device=dev)))
+            bufs.append(StepBuffer(params, max_slots=max_slots))
+        return bufs
+
+    @property
+    def inner_step(self) -> int:
+        """Inner steps in the replicated numbering: syncs at the span's start x span + this span's."""
+        return self._base * self.schedule.span + self._k
+
+    # ------------------------------------------------------------------ the loop
+    def begin(self, stop: bool = False) -> list[int]:
+        """This inner step's sample indices ([] = the replica contributes nothing to the next
+        sync). At a span's start this is the engine's collective begin."""
+        self._beat()
+        if self._k == 0:
+            self._span_idx = super().begin(stop)
+            self._base = self.step
+            was = self._contributing
+            self._contributing = bool(self._span_idx)
+            if self._contributing and (self._fresh or not was):
+                self._restart_local()
+        elif stop or self.stopping:
+            raise Stopped("stop requested")
+        if not self._contributing:
+            return []
+        b = len(self._span_idx) // self.schedule.span
+        return self._span_idx[self._k * b:(self._k + 1) * b]
+
+    def zero_grad(self) -> None:
+        """Clear the local model's gradients (the inner optimizer's)."""
+        self.inner_opt.zero_grad(set_to_none=True)
+
+    def commit(self) -> DiLoCoResult:  # type: ignore[override]
+        """The inner optimizer step; at the end of a span, the sync (its allreduce in the
+        background during the last `overlap` inner steps)."""
+        if not self._contributing:
+            res = self._sync_now()
+            self._fresh = True
+            self._base = self.step
+            return DiLoCoResult(self.inner_step, self.step, False, _fragment_of(res, self), res)
+        self.inner_step_fn(1)
+        self._k += 1
+        self.inner_steps_run += 1
+        self._sched_steps += self.inner_scheduler is not None
+        s = self.schedule
+        if self._k == s.send_at and s.overlap:
+            self._launch()
+        if self._k < s.span:
+            return DiLoCoResult(self.inner_step, self.step, True)
+        frag = s.fragment(self._base)
+        res = self._join() if s.overlap else self._sync_now()
+        self._after_sync(frag, res)
+        self._k = 0
+        self._base = self.step
+        return DiLoCoResult(self.inner_step, self.step, True, frag, res)
+
+    # ------------------------------------------------------------------ syncs
+    def _load_pseudo_gradient(self, frag: int) -> None:
+        """Fragment `frag`'s gradient slots of the global copy <- global - local."""
+        idx = self._groups[frag]
+        gp = [self._gparams[i] for i in idx]
+        for p in self.bufs[frag].params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        pseudo_gradient([p.detach() for p in gp], [self._lparams[i].detach() for i in idx], [p.grad for p in gp])
+        for p in self.bufs[frag].params[len(idx):]:   # the pad, if any
+            assert p.grad is not None
+            p.grad.zero_()
+
+    def _sync_now(self) -> StepResult:
+        """The engine's commit of the current sync, on this thread."""
+        if self._contributing:
+            self._load_pseudo_gradient(self.schedule.fragment(self.step))
+        if self.synced:
+            self.buf = self.bufs[self.schedule.fragment(self.step)]
+        return super().commit()
+
+    def _launch(self) -> None:
+        """Take the pseudo-gradient now and reduce it on a thread while inner steps go on."""
+        self._load_pseudo_gradient(self.schedule.fragment(self.step))
+        self.buf = self.bufs[self.schedule.fragment(self.step)]
+        out: list[Any] = []
+
+        def run() -> None:
+            try:
+                out.append(StepEngine.commit(self))
+            except BaseException as exc:  # handed to the training thread at the span's end
+                out.append(exc)
+        self._inflight_out = out
+        self._inflight = threading.Thread(target=run, name=f"p2pft-sync-{self.step}", daemon=True)
+        self._inflight.start()
+
+    def _join(self) -> StepResult:
+        t = self._inflight
+        assert t is not None
+        t.join(self.step_timeout + JOIN_MARGIN_S)
+        if t.is_alive():
+            raise StepTimeout(f"the sync of step {self.step} did not end within {self.step_timeout} s")
+        self._inflight = None
+        got = self._inflight_out[0]
+        if isinstance(got, BaseException):
+            raise got
+        return got
+
+    def _after_sync(self, frag: int, res: StepResult) -> None:
+        """Merge the synced fragment into the local weights; restart all of them from the global
+        ones when the sync did not hold our pseudo-gradient or other syncs were applied too."""
+        if res.fast_forwarded or res.trained is None:
+            self._fresh = True
+            log.info("sync %d: our pseudo-gradient is not in a committed mean (fast-forwarded %d); local "
+                     "weights restart from the global ones", res.step, res.fast_forwarded)
+            return
+        idx = self._groups[frag]
+        merge([self._lparams[i].data for i in idx], [self._gparams[i].data for i in idx], self.schedule.alpha)
+
+    def _restart_local(self) -> None:
+        """Local weights <- global; the inner scheduler advanced to the replicated inner step."""
+        merge([p.data for p in self._lparams], [p.data for p in self._gparams], 0.0)
+        target = self.step * self.schedule.span
+        if self.inner_scheduler is not None:
+            while self._sched_steps < target:
+                self.inner_scheduler.step()
+                self._sched_steps += 1
+        self._fresh = False
+
+    # ------------------------------------------------------------------ the outer step
+    def _allreduce(self, att: Any) -> BaseException | None:
+        """The engine's allreduce of the current sync's buffer, through the codec."""
+        from ..transport import CommError
+        try:
+            comm = self.comms.get(att.data_epoch, att.rank, att.peers(self.shard))
+            codec = self.codecs[self.bufs.index(self.buf)]
+            codec.reduce(comm, self.buf.flat, contribute=att.contribute, timeout=self.comm_timeout,
+                         world=len(att.addrs))
+            return None
+        except CommError as exc:
+            return exc
+        except Exception as exc:  # e.g. a communicator of this epoch was just closed
+            log.debug("allreduce not possible: %r", exc)
+            return exc
+
+    def apply(self, e: Entry) -> None:
+        """The outer step of sync `e.step`: the mean pseudo-gradient of its fragment, through the
+        outer optimizer (parameters of other fragments hold no gradient, so it leaves them and
+        their momentum alone). Identical on every replica and in a replay."""
+        if e.step != self.step:
+            raise AssertionError(f"applying sync {e.step} at sync {self.step}")
+        frag = self.schedule.fragment(e.step)
+        buf = self.bufs[frag]
+        buf.unpack(float(e.count), source=e.flat)
+        mine = set(self._groups[frag])
+        others = [(p, p.grad) for i, p in enumerate(self._gparams) if i not in mine]
+        for p, _ in others:
+            p.grad = None
+        try:
+            self.optimizer_step(e.count)
+        finally:
+            for p, g in others:
+                p.grad = g
+        if not buf.zero_grads():
+            for p in buf.params:
+                p.grad = None
+        self.cursor.commit(e.mask)
+        self.step += 1
+        self.recent.append(e)
+
+    def bytes_reduced(self) -> int:
+        """Payload bytes this replica handed to the ring over all syncs (header excluded)."""
+        return sum(c.payload_bytes for c in self.codecs)
+
+    def close(self) -> None:
+        if self._inflight is not None:
+            self._inflight.join(self.step_timeout + JOIN_MARGIN_S)
+        super().close()
+
+
+def _fragment_of(res: StepResult, dl: DiLoCo) -> int | None:
+    """The fragment of the sync a result committed (None when it committed nothing)."""
+    return dl.schedule.fragment(res.step - 1) if res.committed and res.step > 0 else None
+
+
+__all__ = ["DiLoCo", "DiLoCoResult"]
