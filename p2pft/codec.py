@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import fields
 from typing import Any, Callable
 
-from .messages import (ALIVE, DEAD, LEFT, SUSPECT, Ack, Append, AppendResp, Envelope, GossipMessage, Message,
+from .messages import (ALIVE, DEAD, LEFT, SUSPECT, Ack, MemberState, Append, AppendResp, Envelope, GossipMessage, Message,
                        Nack, Ping, PreVote, PreVoteResp, ProbeRequest, PushPull, RaftMessage, Row, Snapshot,
                        Unknown, Update, Updates, ViewDelta, ViewFull, ViewRequest, Vote, VoteResp, Who)
 from .meta import MemberMeta
@@ -120,7 +120,7 @@ def update_from_wire(d: Any) -> Update | None:
         if kind == ALIVE:
             u = Update(ALIVE, node, inc, str(d["a"]), MemberMeta.from_wire(d.get("m") or None))
         elif kind in (SUSPECT, DEAD):
-            u = Update(kind, node, inc, accuser=str(d.get("f", "")))
+            u = Update(MemberState(kind), node, inc, accuser=str(d.get("f", "")))
         elif kind == LEFT:
             u = Update(LEFT, node, inc)
         else:
@@ -136,7 +136,7 @@ def _row_from_wire(r: Any) -> Row | None:
         node, addr, inc, state, meta = r
         if not isinstance(node, str) or not isinstance(state, str):
             return None
-        return Row(node, str(addr), int(inc), state, MemberMeta.from_wire(meta or None))
+        return Row(node, str(addr), int(inc), MemberState(state), MemberMeta.from_wire(meta or None))
     except (KeyError, TypeError, ValueError, OverflowError, IndexError):
         return None
 

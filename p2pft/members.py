@@ -11,7 +11,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Iterator
 
-from .messages import ALIVE, DEAD, LEFT, SUSPECT, Row
+from .messages import ALIVE, DEAD, LEFT, SUSPECT, MemberState, Row
 from .meta import MemberMeta
 
 _LIVE = (ALIVE, SUSPECT)
@@ -22,7 +22,7 @@ class GossipMember:
     node: str
     addr: str
     inc: int
-    state: str
+    state: MemberState
     meta: MemberMeta
     since: float                      # time of the last state change
     epoch: int = 0                    # last committed epoch this member told us about
@@ -100,7 +100,7 @@ class MemberTable:
             self._live_remove(node)
         self.gone.discard(node)
 
-    def set_state(self, m: GossipMember, state: str, now: float) -> None:
+    def set_state(self, m: GossipMember, state: MemberState, now: float) -> None:
         """Every state change goes through here so the live count and tombstone set stay exact."""
         was_live = m.state in _LIVE
         is_live = state in _LIVE

@@ -7,15 +7,28 @@ stamped by the layer that sends it.
 """
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Union
 
 from .meta import MemberMeta
 from .view import JobTarget, Member, View
 
-# Member states as gossip knows them (a piggybacked update names the state it announces).
-ALIVE, SUSPECT, DEAD, LEFT = "alive", "suspect", "dead", "left"
-STATES = (ALIVE, SUSPECT, DEAD, LEFT)
+class MemberState(str, enum.Enum):
+    """A member's state as gossip knows it (a piggybacked update names the state it announces).
+    ``str`` values: the wire and the logs carry the plain word."""
+
+    ALIVE = "alive"
+    SUSPECT = "suspect"
+    DEAD = "dead"
+    LEFT = "left"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+ALIVE, SUSPECT, DEAD, LEFT = MemberState.ALIVE, MemberState.SUSPECT, MemberState.DEAD, MemberState.LEFT
+STATES = tuple(MemberState)
 
 
 @dataclass(slots=True)
@@ -26,7 +39,7 @@ class Update:
     ``suspect``/``dead``. Never changed once made (not frozen only because thousands are
     decoded per simulated second, and a frozen dataclass is several times slower to build)."""
 
-    state: str
+    state: MemberState
     node: str
     inc: int
     addr: str = ""
@@ -42,7 +55,7 @@ class Row:
     node: str
     addr: str
     inc: int
-    state: str
+    state: MemberState
     meta: MemberMeta
 
 
@@ -233,7 +246,7 @@ ViewMsg = Union[ViewRequest, ViewFull, ViewDelta]
 Message = Union[GossipMsg, RaftMsg, ViewMsg, Unknown]
 
 
-__all__ = ["ALIVE", "SUSPECT", "DEAD", "LEFT", "STATES", "Update", "Row", "Envelope", "GossipMessage", "Ping",
+__all__ = ["ALIVE", "SUSPECT", "DEAD", "LEFT", "STATES", "MemberState", "Update", "Row", "Envelope", "GossipMessage", "Ping",
            "Ack", "Nack", "ProbeRequest", "PushPull", "Updates", "Who", "RaftMessage", "PreVote", "PreVoteResp",
            "Vote", "VoteResp", "Append", "AppendResp", "Snapshot", "ViewRequest", "ViewFull", "ViewDelta",
            "Unknown", "Message", "GossipMsg", "RaftMsg", "ViewMsg"]

@@ -18,6 +18,7 @@ same identity, which is the property Raft's stable storage exists to guarantee.
 """
 from __future__ import annotations
 
+import enum
 import random
 from dataclasses import replace
 from typing import Callable
@@ -26,7 +27,19 @@ from .config import Profile
 from .messages import (Append, AppendResp, PreVote, PreVoteResp, RaftMsg, Snapshot, Vote, VoteResp)
 from .view import View
 
-FOLLOWER, PRECANDIDATE, CANDIDATE, LEADER = "follower", "precandidate", "candidate", "leader"
+class RaftRole(str, enum.Enum):
+    """This voter's role in its current term (``str`` values: logs and reports read the word)."""
+
+    FOLLOWER = "follower"
+    PRECANDIDATE = "precandidate"
+    CANDIDATE = "candidate"
+    LEADER = "leader"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+FOLLOWER, PRECANDIDATE, CANDIDATE, LEADER = RaftRole.FOLLOWER, RaftRole.PRECANDIDATE, RaftRole.CANDIDATE, RaftRole.LEADER
 MAX_ENTRIES = 16
 
 
@@ -46,7 +59,7 @@ class Raft:
         self.rng = rng
         self.term = 0
         self.voted_for: str | None = None
-        self.role = FOLLOWER
+        self.role: RaftRole = FOLLOWER
         self.leader: str | None = None
         self.snap_index = 0
         self.snap_term = 0

@@ -19,7 +19,7 @@ from .dataprobe import DataProbe
 from .driver import NodeServer
 from .log import set_context
 from .node import TRAINER_KIND
-from .meta import MemberMeta
+from .meta import MemberMeta, Status
 from .step import view_wait_after_failure
 from .transport.addr import advertised, data_bind_host, parse_hostport
 from .view import JobTarget, Member, Role, View
@@ -46,7 +46,7 @@ class Runtime:
     def __init__(self, *, replica_id: str, listen: str = "127.0.0.1:0", seeds: list[str] | tuple[str, ...] = (),
                  data_host: str | None = None, data_addrs: list[str] | None = None, shards: int = 1,
                  secret: bytes | None = None, profile: Profile = DEFAULT, comm_timeout: float = 10.0,
-                 kind: str = TRAINER_KIND, status: str = "fresh", step: int = 0, advertise: str | None = None,
+                 kind: str = TRAINER_KIND, status: Status | str = Status.FRESH, step: int = 0, advertise: str | None = None,
                  data_listen: str | None = None, advertise_data: str | None = None,
                  metrics_port: int | str | None = None, data_plane: str | None = None,
                  max_participants: int | None = None) -> None:
@@ -68,7 +68,7 @@ class Runtime:
         self.profile = profile
         self.comm_timeout = comm_timeout
         self.kind = kind
-        self._status = status
+        self._status = Status(status)
         self._step = step
         self._extra_data_addrs = data_addrs
         # Addresses peers use when they differ from the bound ones (NAT, a fault proxy in tests).
@@ -289,9 +289,10 @@ class Runtime:
         self._next_beat = t + 0.25
         self._call(lambda now: self.server.node.loop_beat(now, timeout))  # type: ignore[union-attr]
 
-    def set_status(self, status: str, step: int | None = None) -> None:
-        """'fresh' (just started with its own state), 'ready' (holds the cluster's current
-        state) or 'joining' (needs catch-up)."""
+    def set_status(self, status: Status, step: int | None = None) -> None:
+        """This trainer's account of its state (``p2pft.meta.Status``): fresh, ready, joining,
+        paused or done, at `step`."""
+        status = Status(status)
         self._status = status
         self._call(lambda now: self.server.node.set_status(status, now, step))  # type: ignore[union-attr]
 
@@ -324,7 +325,7 @@ class Runtime:
         self._call(lambda now: self.server.node.set_step(step), poke=False)  # type: ignore[union-attr]
 
     @property
-    def status(self) -> str:
+    def status(self) -> Status:
         return self._status
 
 

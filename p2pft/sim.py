@@ -21,6 +21,7 @@ import msgpack
 
 from . import codec
 from .config import DEFAULT, Profile
+from .meta import Status
 from .node import WITNESS_KIND, Node
 from .view import View
 
@@ -95,7 +96,7 @@ class Simulator:
         node = Node(replica_id=spec["replica_id"], addr=addr, data_addr=addr, kind=spec["kind"],
                     shards=spec["shards"], seeds=spec["seeds"], profile=self.profile,
                     rng=random.Random(self.rng.getrandbits(64)), now=self.now,
-                    status="fresh" if spec["kind"] != WITNESS_KIND else None,
+                    status=Status.FRESH if spec["kind"] != WITNESS_KIND else None,
                     max_participants=spec.get("max_participants"))
         self.nodes[addr] = node
         self.crashed.pop(addr, None)

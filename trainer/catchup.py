@@ -22,6 +22,7 @@ from typing import Any, Protocol
 
 import torch
 
+from ..meta import Status
 from ..runtime import Runtime
 from ..step import ReplayLog
 from ..transport import CommError
@@ -94,7 +95,7 @@ class Catchup:
             self._held = None
             self._quiet = False
         if e.rt is not None:
-            e.rt.set_status("joining", e.step)
+            e.rt.set_status(Status.JOINING, e.step)
         e.events.append({"t": time.time(), "kind": "catchup_start", "step": e.step, "why": why})
 
     def ready_step(self) -> int | None:
@@ -126,7 +127,7 @@ class Catchup:
                 done = False
         if done:
             if e.rt is not None:
-                e.rt.set_status("ready", e.step)
+                e.rt.set_status(Status.READY, e.step)
             e.events.append({"t": time.time(), "kind": "catchup_done", "step": e.step,
                              "snapshot_step": self._held_done, "replayed": self._replayed,
                              "fetch_s": self._fetch_s})
@@ -158,7 +159,7 @@ class Catchup:
                 done = False
         if done:
             if e.rt is not None:
-                e.rt.set_status("ready", e.step)
+                e.rt.set_status(Status.READY, e.step)
             e.events.append({"t": time.time(), "kind": "catchup_done", "step": e.step,
                              "snapshot_step": self._held_done, "replayed": 0, "fetch_s": self._fetch_s})
             log.info("caught up at step %d while nobody contributed: snapshot from %s (%.2f s)", e.step,

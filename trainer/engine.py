@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from ..meta import Status
 from ..runtime import Runtime
 from ..step import RETRY_PAUSE_S, Action, Reduced, decide, idle_backoff
 from ..transport import CommAborted, CommError, DataServer
@@ -155,7 +156,7 @@ class StepEngine:
         self.serving.idle()
         if self.rt is None:
             return
-        self.rt.set_status("fresh", self.step)  # 'ready' once it commits, or catches up
+        self.rt.set_status(Status.FRESH, self.step)  # 'ready' once it commits, or catches up
         self.rt.publish_step(self.step)
         self._beat()
         self.comms.follow_views(self.rt, self._ranks)  # type: ignore[arg-type]
@@ -467,8 +468,8 @@ class StepEngine:
     def _after_commit(self) -> None:
         if self.rt is not None:
             self.rt.publish_step(self.step)
-            if self.rt.status == "fresh":  # it committed with the others: it holds their state
-                self.rt.set_status("ready", self.step)
+            if self.rt.status is Status.FRESH:  # it committed with the others: it holds their state
+                self.rt.set_status(Status.READY, self.step)
         self.serving.serve_queued()
 
     def restore_snapshot(self, snap: StateSnapshot) -> None:

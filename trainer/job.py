@@ -410,7 +410,7 @@ class JobLife:
         if not self.synced and not self._settle(deadline):
             log.info("at the end still catching up at step %d; waiting for the job to finish", self.step)
         else:
-            rt.set_status("done", self.step)
+            rt.set_status(Status.DONE, self.step)
             log.info("done at step %d: waiting for the others at the end barrier", self.step)
         self._finishing = True
         try:

@@ -27,6 +27,7 @@ import threading
 import time
 from typing import Any, Iterator
 
+from ..meta import Status
 from ..runtime import Runtime
 from ..transport import CommError
 from ..transport.stream import fetch_state
@@ -110,7 +111,7 @@ class Pauses:
         rt: Runtime | None = e.rt
         if rt is not None:
             self._status_before = rt.status
-            rt.set_status("paused", e.step if e.synced else -1)
+            rt.set_status(Status.PAUSED, e.step if e.synced else -1)
             if e.loop_timeout:
                 self._beat = PauseBeat(rt, e.loop_timeout)
         e.events.append({"t": time.time(), "kind": "pause", "why": why, "step": e.step})
