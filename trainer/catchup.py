@@ -30,6 +30,7 @@ from ..transport.stream import StateSnapshot, fetch_state
 from .attempt import Entry
 from .donor import lower_thread_priority
 from .recovery import LogLimiter
+from .requests import StateRequest
 
 log = logging.getLogger(__name__)
 
@@ -298,7 +299,7 @@ class Catchup:
                   "fetching a snapshot of step >= %d from %s (%s, shard %d)", min_step, replica, node, e.shard)
         e.events.append({"t": time.time(), "kind": "catchup_fetch", "donor": replica, "min_step": min_step})
         t0 = time.monotonic()
-        snap = fetch_state(addr, {"kind": "snapshot", "min_step": min_step, "shard": e.shard}, secret=e.secret,
+        snap = fetch_state(addr, StateRequest.snapshot(min_step, e.shard).to_wire(), secret=e.secret,
                            timeout=FETCH_TIMEOUT_S, rate_limit_bytes_per_s=e.state_rate_limit,
                            into=e.state_io.receive_into(e.model, e.opt) if e.state_io.receive_into else None)
         if int(snap.meta.get("shard", e.shard)) != e.shard:

@@ -22,6 +22,7 @@ import threading
 from typing import Any, Callable
 
 from ..transport.stream import StateSnapshot
+from .requests import RequestKind, StateRequest
 
 CATCHUP_NICE = 10  # weight ~1/10 of a normal thread: catch-up still progresses on a busy host
 # The donor's stream runs at the lowest priority (weight 15 against a training thread's 1024,
@@ -46,14 +47,14 @@ class SnapshotRequests:
     or a copy on the transport thread itself while the training loop is outside a step."""
 
     def __init__(self, cap: int = 16, wait_s: float = 60.0) -> None:
-        self._q: "queue.Queue[tuple[dict[str, Any], queue.Queue[StateSnapshot | None]]]" = queue.Queue(cap)
+        self._q: "queue.Queue[tuple[StateRequest, queue.Queue[StateSnapshot | None]]]" = queue.Queue(cap)
         self.wait_s = wait_s
         self._lock = threading.Lock()
         self._idle = False
-        self._can_serve: Callable[[dict[str, Any]], bool] | None = None
+        self._can_serve: Callable[[StateRequest], bool] | None = None
         self._take: Callable[[], StateSnapshot] | None = None
 
-    def request(self, req: dict[str, Any]) -> StateSnapshot | None:
+    def request(self, req: StateRequest) -> StateSnapshot | None:
         """Transport thread: a copy now when the loop is idle, else wait (bounded) for the
         training thread's answer; None = refused."""
         box: "queue.Queue[StateSnapshot | None]" = queue.Queue(1)
@@ -78,7 +79,7 @@ class SnapshotRequests:
         with self._lock:
             self._idle = False
 
-    def idle(self, can_serve: Callable[[dict[str, Any]], bool], take: Callable[[], StateSnapshot]) -> None:
+    def idle(self, can_serve: Callable[[StateRequest], bool], take: Callable[[], StateSnapshot]) -> None:
         """Training thread: the state is a committed one and the loop leaves it alone until the
         next ``busy``; answers what is queued, and lets transport threads copy from now on."""
         with self._lock:
@@ -86,12 +87,12 @@ class SnapshotRequests:
             self._idle = True
             self._drain(can_serve, take)
 
-    def serve(self, can_serve: Callable[[dict[str, Any]], bool], take: Callable[[], StateSnapshot]) -> None:
+    def serve(self, can_serve: Callable[[StateRequest], bool], take: Callable[[], StateSnapshot]) -> None:
         """Training thread, at a step boundary: answer every queued request without blocking."""
         with self._lock:
             self._drain(can_serve, take)
 
-    def _drain(self, can_serve: Callable[[dict[str, Any]], bool], take: Callable[[], StateSnapshot]) -> None:
+    def _drain(self, can_serve: Callable[[StateRequest], bool], take: Callable[[], StateSnapshot]) -> None:
         while True:
             try:
                 req, box = self._q.get_nowait()
@@ -108,33 +109,37 @@ class Donor:
     def __init__(self, engine: Any) -> None:
         self.e = engine
         self.requests = SnapshotRequests()
-        self._kinds: dict[str, Callable[[dict[str, Any]], StateSnapshot | None]] = {}
+        self._kinds: dict[RequestKind, Callable[[StateRequest], StateSnapshot | None]] = {}
 
-    def register(self, kind: str, provider: Callable[[dict[str, Any]], StateSnapshot | None]) -> None:
+    def register(self, kind: RequestKind, provider: Callable[[StateRequest], StateSnapshot | None]) -> None:
         """Serve requests of another kind too (the job's initial state at group formation)."""
         self._kinds[kind] = provider
 
-    def provide(self, request: dict[str, Any]) -> StateSnapshot | None:
+    def provide(self, wire: dict[str, Any]) -> StateSnapshot | None:
+        """Transport thread: the answer to a peer's request (None: refused, or malformed)."""
         e = self.e
-        if int(request.get("shard", e.shard)) != e.shard:
+        try:
+            req = StateRequest.from_wire(wire)
+        except (KeyError, TypeError, ValueError):
             return None
-        kind = request.get("kind")
-        if kind == "grads":
-            return e.recent.serve(int(request["from"]), int(request["to"]))
-        if kind == "snapshot":
-            return self.requests.request(request)
-        if kind == "sig":
-            sig = e.recent.signature(int(request["step"]))
+        if req.shard != e.shard:
+            return None
+        if req.kind is RequestKind.GRADS:
+            return e.recent.serve(req.lo, req.hi)
+        if req.kind is RequestKind.SNAPSHOT:
+            return self.requests.request(req)
+        if req.kind is RequestKind.SIG:
+            sig = e.recent.signature(req.step)
             return StateSnapshot(meta={"sig": sig}, tensors={}) if sig is not None else None
-        extra = self._kinds.get(str(kind))
-        return extra(request) if extra is not None else None
+        extra = self._kinds.get(req.kind)
+        return extra(req) if extra is not None else None
 
     def _take(self) -> StateSnapshot:
         meta, tensors = self.e.capture_state()
         return StateSnapshot(meta=meta, tensors=tensors)
 
-    def _can_serve(self, req: dict[str, Any]) -> bool:
-        return bool(self.e.synced) and self.e.step >= int(req.get("min_step", 0))
+    def _can_serve(self, req: StateRequest) -> bool:
+        return bool(self.e.synced) and self.e.step >= req.min_step
 
     def busy(self) -> None:
         """Training thread: the loop is about to mutate the state."""

@@ -20,6 +20,7 @@ from .checkpoint import AsyncCheckpointer
 from .engine import StateIO, StepEngine
 from .job import InitialStateMismatch, JobConfigError, JobFinished, JobLife, JobOptions, MissingStateError
 from .optstep import GradHook
+from .requests import RequestKind
 from .userstate import Stateful
 from .group import LocalGroup
 from .state import capture, restore, state_digest
@@ -78,7 +79,7 @@ class FaultTolerant(JobLife, StepEngine):
                          state_rate_limit=state_rate_limit, loop_timeout=loop_timeout,
                          lr_scheduler=lr_scheduler, grad_scaler=grad_scaler, grad_hook=grad_hook,
                          after_step=after_step, state=state, data_plane=data_plane)
-        self.serving.register("initial", self._initial_state)   # the job's step-0 state (job.py)
+        self.serving.register(RequestKind.INITIAL, self._initial_state)   # the job's step-0 state (job.py)
         if self.job.target is not None and self.job.target.kind is TargetKind.STEPS:
             self.catchup.end_step = self.job.target.n
         self.ckpt = AsyncCheckpointer(checkpoint_dir) if checkpoint_dir else None

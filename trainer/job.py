@@ -22,6 +22,7 @@ from ..meta import Status
 from ..transport.stream import StateSnapshot, fetch_state
 from ..view import JobTarget, Role, TargetKind, View
 from .attempt import Attempt, Plan, StepResult, StepTimeout, Stopped
+from .requests import StateRequest
 
 if TYPE_CHECKING:
     import torch
@@ -299,7 +300,7 @@ class JobLife:
             if lead is None or lead.node == rt.node_id:
                 return
             try:
-                snap = fetch_state(lead.data_addr, {"kind": "initial", "digest_only": mode is InitialState.CHECK},
+                snap = fetch_state(lead.data_addr, StateRequest.initial(mode is InitialState.CHECK).to_wire(),
                                    secret=self.secret, timeout=FETCH_INITIAL_TIMEOUT_S,
                                    into=self._receive_into() if mode is InitialState.BROADCAST else None)
             except Exception as exc:  # not held yet (the lead is still starting), or gone: look again
@@ -328,13 +329,13 @@ class JobLife:
         rin = self.state_io.receive_into
         return rin(self.model, self.opt) if rin is not None else None
 
-    def _initial_state(self, request: dict[str, Any]) -> StateSnapshot | None:
+    def _initial_state(self, request: StateRequest) -> StateSnapshot | None:
         """Transport thread: the state (or only its digest) the lead holds for step 0."""
         held = self._initial
         if held is None:
             return None
         snap, digest = held
-        if request.get("digest_only"):
+        if request.digest_only:
             return StateSnapshot(meta={"digest": digest}, tensors={})
         return StateSnapshot(meta={**snap.meta, "digest": digest}, tensors=snap.tensors)
 

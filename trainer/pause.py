@@ -32,6 +32,7 @@ from ..runtime import Runtime
 from ..transport import CommError
 from ..transport.stream import fetch_state
 from ..view import Role
+from .requests import StateRequest
 
 log = logging.getLogger("p2pft.trainer.engine")
 
@@ -69,7 +70,7 @@ def last_step_agreed(rt: Runtime, mine: str | None, step: int, secret: bytes | N
     peers = [m for m in view.members if m.role is not Role.WITNESS and m.node != rt.node_id and m.data_addrs]
     for m in peers[:SIG_PEERS]:
         try:
-            snap = fetch_state(m.data_addrs[0], {"kind": "sig", "step": step, "shard": 0}, secret=secret,
+            snap = fetch_state(m.data_addrs[0], StateRequest.signature(step).to_wire(), secret=secret,
                                timeout=SIG_TIMEOUT_S)
         except CommError:
             continue

@@ -18,6 +18,7 @@ import torch
 from ..transport import CommError
 from ..transport.stream import StateSnapshot, fetch_state
 from .attempt import Attempt, Entry
+from .requests import StateRequest
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +84,7 @@ def fetch_recent(lo: int, hi: int, att: Attempt, steps: dict[int, int], shard: i
             continue
         try:
             snap = fetch_state(addrs[min(shard, len(addrs) - 1)],
-                               {"kind": "grads", "from": lo, "to": hi, "shard": shard},
+                               StateRequest.grads(lo, hi, shard).to_wire(),
                                secret=secret, timeout=FAST_FORWARD_TIMEOUT_S)
         except CommError as exc:
             log.info("fast-forward from %s failed: %s", node, exc)

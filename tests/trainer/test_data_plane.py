@@ -47,3 +47,18 @@ def test_cpu_replica_builds_tcp_communicators(plane: str | None, monkeypatch: py
         if ft is not None:
             ft.close()
         rt.close()
+
+
+def test_state_requests_round_trip_and_malformed_ones_are_refused() -> None:
+    """The requests replicas send each other are typed on both sides of the wire edge."""
+    import pytest as _pytest
+
+    from p2pft.trainer.requests import RequestKind, StateRequest
+    for req in (StateRequest.snapshot(7, 1), StateRequest.grads(3, 5, 0), StateRequest.signature(9),
+                StateRequest.initial(True), StateRequest.initial(False)):
+        assert StateRequest.from_wire(req.to_wire()) == req
+    assert StateRequest.from_wire({"kind": "grads", "from": 1, "to": 2}).kind is RequestKind.GRADS
+    for bad in ({"kind": "nope"}, {"kind": "grads", "from": 1}, {"kind": "sig", "step": "3"},
+                {"kind": "snapshot", "min_step": True}, ["snapshot"]):
+        with _pytest.raises((KeyError, TypeError, ValueError)):
+            StateRequest.from_wire(bad)
