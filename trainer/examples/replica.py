@@ -237,6 +237,12 @@ def main(argv: list[str] | None = None) -> int:
             ft.close()
             rt.close(leave=True)
             return 3
+        except DataPlaneError:  # e.g. nccl with two replicas on one GPU: the engine logged it at ERROR
+            stats.write({"t": time.time(), "kind": "exit", "step": ft.step, "error": "data_plane"})
+            stats.close()
+            ft.close()
+            rt.close(leave=True)
+            return 2
         steps.observe_step(res)
         if rt.view_log and not first_view_written:  # start-up phases (bench/startup.py)
             first_view_written = True
