@@ -54,6 +54,7 @@ class Verdict:
     steps: tuple[tuple[int, int], ...] = ()   # slot -> step, read from the reduced buffer
     count: int = 0
     ready: int | None = None       # catching up and at the head of the replay log at this step
+    unusable: bool = False         # the data plane cannot work for this job (no retry can succeed)
 
 
 @dataclass

@@ -8,6 +8,11 @@ collective could not tell them), so rank 0 announces each new data epoch over a 
 channel, on which it also pings the ranks: a rank that is stopped or wedged keeps its sockets
 open, no peer sees an error, and without the ping the replica would stay in the view while the
 other replicas' allreduces time out again and again.
+
+On the NCCL plane a new communicator is a rendezvous of every rank (id hand-off,
+ncclCommInitRank, connect), so rank 0 builds this shard's communicator of a new data epoch as
+soon as the view announces it, on the view thread: the set-up overlaps the step being computed
+instead of following it, and the engine's next attempt finds it built.
 """
 from __future__ import annotations
 
@@ -19,8 +24,9 @@ import time
 from typing import Any, Callable
 
 from ..runtime import Runtime
-from ..transport import DataServer
+from ..transport import DataServer, SharedDevice
 from ..transport.backend import Backend
+from ..view import Role
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +49,8 @@ class ShardComms:
         # connect; DiLoCo raises it to comm_timeout (a joiner reaches a sync a span early).
         self.connect_timeout = 5.0
         self._comms: dict[int, Any] = {}
+        self._keys: dict[int, tuple[int, tuple[str, ...]]] = {}   # data epoch -> (rank, peers) it was built for
+        self._build = threading.Lock()   # the training thread and the view thread may build the same epoch
         self._superseded_by = -1  # newest data epoch announced: older communicators are dead
         self._lock = threading.Lock()
         self._listener: socket.socket | None = None
@@ -52,23 +60,58 @@ class ShardComms:
     # ------------------------------------------------------------------ communicators
     def get(self, d: int, rank: int, peers: list[str]) -> Any:
         """The communicator of data epoch `d` (built once; a failed one is replaced)."""
+        key = (rank, tuple(peers))
+        with self._build:
+            with self._lock:
+                comm = self._comms.get(d)
+                if comm is not None and self._keys.get(d) == key:
+                    if comm.failed is None:
+                        return comm
+                    if isinstance(comm.failed, SharedDevice):
+                        raise comm.failed   # prepared and refused: building it again cannot work
+                old = [self._comms.pop(k) for k in [k for k in self._comms if k <= d]]
+                for k in [k for k in self._keys if k <= d]:
+                    del self._keys[k]
+            for c in old:
+                c.abort(f"replaced by data epoch {d}")
+                c.close()
+            comm = self.ds.communicator(d, self.shard, rank, peers, timeout=self.comm_timeout, backend=self.backend,
+                                        device=self.device, connect_timeout=self.connect_timeout)
+            with self._lock:
+                if d < self._superseded_by:
+                    # A newer data epoch was announced while this attempt was being planned: the new
+                    # communicator must not wait out its connect timeout on a dead peer.
+                    comm.abort(f"superseded by data epoch {self._superseded_by} before first use")
+                if self._closed.is_set():   # closed while this was built (the view thread prepares)
+                    comm.abort("closing")
+                self._comms[d] = comm
+                self._keys[d] = key
+            return comm
+
+    def prepare(self, view: Any, node: str, world: int) -> None:
+        """Rank 0, when a view brings a new data epoch: build this shard's NCCL communicator of it
+        now, with the rank and peers the engine's attempt will ask for (the same view), so that its
+        set-up runs while the training thread still computes. The TCP ring connects lazily and
+        cheaply: nothing to prepare."""
+        if not self.backend.nccl or self._closed.is_set():
+            return
+        me = view.member(node)
+        members = view.data_members
+        if me is None or me.role not in (Role.PARTICIPANT, Role.JOINER) or any(
+                len(m.data_addrs) != world for m in members):
+            return
+        peers = [m.data_addrs[min(self.shard, len(m.data_addrs) - 1)] for m in members]
+        try:
+            self.get(view.data_epoch, view.data_rank(node), peers)
+        except Exception as exc:  # noqa: BLE001 - the training thread builds it, and reports, itself
+            log.debug("communicator of data epoch %d not prepared: %r", view.data_epoch, exc)
+
+    def unusable(self) -> BaseException | None:
+        """A communicator's failure that no retry can fix (two ranks on one device under an
+        explicit 'nccl'), seen by a prepared communicator before any attempt asked for one."""
         with self._lock:
-            comm = self._comms.get(d)
-            if comm is not None and comm.failed is None:
-                return comm
-            old = [self._comms.pop(k) for k in [k for k in self._comms if k <= d]]
-        for c in old:
-            c.abort(f"replaced by data epoch {d}")
-            c.close()
-        comm = self.ds.communicator(d, self.shard, rank, peers, timeout=self.comm_timeout, backend=self.backend,
-                                    device=self.device, connect_timeout=self.connect_timeout)
-        with self._lock:
-            if d < self._superseded_by:
-                # A newer data epoch was announced while this attempt was being planned: the new
-                # communicator must not wait out its connect timeout on a dead peer.
-                comm.abort(f"superseded by data epoch {self._superseded_by} before first use")
-            self._comms[d] = comm
-        return comm
+            comms = list(self._comms.values())
+        return next((c.failed for c in comms if isinstance(c.failed, SharedDevice)), None)
 
     def abort_below(self, d: int) -> None:
         with self._lock:
@@ -153,6 +196,7 @@ class ShardComms:
                 continue
             seen = v.data_epoch
             self.abort_below(seen)
+            self.prepare(v, rt.node_id, len(ranks) + 1)
             for i, addr in enumerate(ranks):
                 for _ in range(2):  # one reconnect: the rank may have restarted its accept
                     try:

@@ -27,7 +27,7 @@ import torch
 from ..meta import Status
 from ..runtime import Runtime
 from ..step import RETRY_PAUSE_S, Action, Reduced, decide, idle_backoff
-from ..transport import CommAborted, CommError, DataServer
+from ..transport import CommAborted, CommError, DataServer, SharedDevice
 from ..transport.addr import parse_hostport
 from ..transport.backend import choose_backend, data_plane_from
 from ..transport.stream import StateSnapshot
@@ -41,7 +41,7 @@ from .group import ReplicaGroup
 from .optstep import GradHook, OptimizerStep
 from .pause import Pauses
 from .recent import RecentSteps, fast_forward
-from .recovery import LogLimiter, recover
+from .recovery import LogLimiter, check_usable, recover
 from .stepbuf import StepBuffer
 from .userstate import Stateful, UserState
 
@@ -249,6 +249,7 @@ class StepEngine:
                 self.buf.save()
             self.catchup.donor = att.donor
             verdicts = self.group.agree(self._verdict(self._allreduce(att)))
+            check_usable(verdicts, self.rank, att.data_epoch)
             outcome = self._decide(att, verdicts, retries, slot)
             if outcome is not None:
                 return outcome
@@ -376,7 +377,8 @@ class StepEngine:
     def _verdict(self, err: BaseException | None) -> Verdict:
         if err is not None:
             return Verdict(ok=False, comm=isinstance(err, CommError), aborted=isinstance(err, CommAborted),
-                           peer=getattr(err, "peer_addr", None), error=f"{type(err).__name__}: {err}"[:300])
+                           peer=getattr(err, "peer_addr", None), error=f"{type(err).__name__}: {err}"[:300],
+                           unusable=isinstance(err, SharedDevice))
         try:
             steps = self.buf.slot_steps()
             count = self.buf.contributors()

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..meta import Status
+from ..transport.backend import DataPlaneError
 from ..transport.stream import StateSnapshot, fetch_state
 from ..view import JobTarget, Role, TargetKind, View
 from .attempt import Attempt, Plan, StepResult, StepTimeout, Stopped
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
     from ..runtime import Runtime
     from .catchup import Catchup
     from .cursor import DataCursor
+    from .comms import ShardComms
     from .donor import Donor
 
 log = logging.getLogger(__name__)
@@ -142,6 +144,8 @@ class JobLife:
         def load_state(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None: ...
         def digest(self) -> str: ...
         serving: Donor
+
+        comms: ShardComms
 
         def state_mutation(self) -> AbstractContextManager[None]: ...
     _started = False
@@ -296,6 +300,11 @@ class JobLife:
         end = min(deadline, time.monotonic() + FETCH_INITIAL_TIMEOUT_S)
         last: Exception | None = None
         while time.monotonic() < end and not self.stopping:
+            broken = self.comms.unusable()
+            if broken is not None:   # the data plane can never work here: say so, do not wait for the lead
+                err = DataPlaneError(f"the data plane cannot work for this job: {type(broken).__name__}: {broken}")
+                log.error("%s", err)
+                raise err
             lead = (rt.view or view).lead()
             if lead is None or lead.node == rt.node_id:
                 return

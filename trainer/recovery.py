@@ -1,5 +1,8 @@
 """Rank 0's side of a failed attempt, and log lines that may repeat for a long time.
 
+A failure that no retry can mend (the data plane cannot work for this job: two ranks of an
+explicit NCCL communicator on one device) ends the commit on every rank instead.
+
 After an allreduce fails, rank 0 reports the peers the ranks blamed and waits (bounded) for a
 view with a newer data epoch; if none comes (nobody died: a peer was slow or paused briefly),
 it asks for a fresh one. A replica that cannot make progress may go through this many times a
@@ -14,6 +17,7 @@ from typing import Any, Callable
 
 from ..runtime import Runtime
 from ..step import FRESH_EPOCH_WAIT_S, NEXT_VIEW_WAIT_S
+from ..transport.backend import DataPlaneError
 from .attempt import Verdict
 
 log = logging.getLogger("p2pft.trainer.engine")
@@ -49,6 +53,19 @@ class LogLimiter:
         return True
 
 
+def check_usable(verdicts: list[Verdict], rank: int, data_epoch: int) -> None:
+    """Raise DataPlaneError on every rank when a rank's verdict says the data plane cannot work
+    (the same verdicts on every rank: all raise together); rank 0 says it in one ERROR line.
+    Retrying would fail the same way for ever, and reporting the peer would blame a healthy one."""
+    bad = next((v for v in verdicts if v.unusable), None)
+    if bad is None:
+        return
+    err = DataPlaneError(f"the data plane cannot work for this job: {bad.error}")
+    if rank == 0:
+        log.error("data epoch %d: %s", data_epoch, err)
+    raise err
+
+
 def recover(rt: Runtime, view: Any, bad: list[Verdict], step: int, deadline: float, stopping: Callable[[], bool],
             loop_timeout: float | None, events: deque[dict[str, Any]], say: LogLimiter) -> None:
     """Report the peers the ranks blamed, then wait (bounded by `deadline`) for a newer data
@@ -79,4 +96,4 @@ def recover(rt: Runtime, view: Any, bad: list[Verdict], step: int, deadline: flo
         rt.wait_view(newer, left(FRESH_EPOCH_WAIT_S), loop_timeout=loop_timeout)
 
 
-__all__ = ["LogLimiter", "REPEAT_LOG_S", "recover"]
+__all__ = ["LogLimiter", "REPEAT_LOG_S", "check_usable", "recover"]

@@ -5,7 +5,7 @@ data addresses. torch is imported lazily, only by functions that need it.
 """
 
 from .base import Communicator
-from .errors import CommAborted, CommError, CommTimeout, PeerFailed, ProtocolMismatch
+from .errors import CommAborted, CommError, CommTimeout, PeerFailed, ProtocolMismatch, SharedDevice
 from .nccl import NcclCommunicator, nccl_available, nccl_unique_id
 from .server import DataServer
 from .stream import StateSnapshot, fetch_state
@@ -13,6 +13,6 @@ from .tcp import DEFAULT_CHUNK_BYTES, TcpCommunicator
 
 __all__ = [
     "CommAborted", "CommError", "CommTimeout", "Communicator", "DataServer", "DEFAULT_CHUNK_BYTES",
-    "NcclCommunicator", "PeerFailed", "ProtocolMismatch", "StateSnapshot", "TcpCommunicator",
+    "NcclCommunicator", "PeerFailed", "ProtocolMismatch", "SharedDevice", "StateSnapshot", "TcpCommunicator",
     "fetch_state", "nccl_available", "nccl_unique_id",
 ]

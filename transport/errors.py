@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Mapping
 
-__all__ = ["CommError", "PeerFailed", "CommTimeout", "CommAborted", "ProtocolMismatch"]
+__all__ = ["CommError", "PeerFailed", "CommTimeout", "CommAborted", "ProtocolMismatch", "SharedDevice"]
 
 
 class CommError(Exception):
@@ -74,6 +74,12 @@ class ProtocolMismatch(CommError):
     """A frame of another epoch/shard/op/tag, a bad handshake or a wrong cluster secret."""
 
 
+class SharedDevice(ProtocolMismatch):
+    """Two ranks of one NCCL communicator are on the same device (same PCI bus id / UUID), with
+    the data plane explicitly 'nccl': NCCL refuses that at init, so no retry can succeed. Carried
+    by name in error frames, so every rank learns it is this and not a peer failure."""
+
+
 ERROR_CLASSES: dict[str, type[CommError]] = {
-    c.__name__: c for c in (CommError, PeerFailed, CommTimeout, CommAborted, ProtocolMismatch)
+    c.__name__: c for c in (CommError, PeerFailed, CommTimeout, CommAborted, ProtocolMismatch, SharedDevice)
 }

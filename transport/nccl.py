@@ -49,6 +49,9 @@ logger = logging.getLogger(__name__)
 
 UNIQUE_ID_BYTES = 128
 _POLL_S = 0.0005
+#: ncclCommGetAsyncError is asked at most this often while a collective is polled: it takes the
+#: communicator's lock, and a dead peer is also seen through the star links and the timeout
+_ASYNC_CHECK_S = 0.01
 #: compute queued ahead of a collective may delay its start by this many timeouts before it counts as stuck
 _START_FACTOR = 10.0
 #: shard number of the TCP ring used instead when the ranks share a device (u32 on the wire)
@@ -230,6 +233,7 @@ class NcclCommunicator(Communicator):
         return uid, use_tcp
 
     def _init(self) -> None:
+        t0 = time.monotonic()
         try:
             api = self._api = device_api()
             uid, use_tcp = self._obtain_uid(self._identity(api) if self._star is not None else "")
@@ -256,10 +260,12 @@ class NcclCommunicator(Communicator):
         self.uid_known.set()
         comm = None
         try:
+            t_id = time.monotonic()
             os.environ.setdefault("NCCL_RUNTIME_CONNECT", "0")   # connect inside init, not the first collective
             api.use_device(self._device)
             nccl = api.nccl()
             comm = new_nccl_comm(nccl, self.world, uid, self.rank)
+            t_init = time.monotonic()
             if self.world > 1:
                 self._connect(api, comm)
             with self._lock:
@@ -267,6 +273,10 @@ class NcclCommunicator(Communicator):
                     with self._nccl_lock:
                         self._comm = comm
                     comm = None
+                    t_end = time.monotonic()
+                    logger.info("nccl communicator epoch=%d shard=%d rank=%d world=%d ready in %.3f s (id hand-off "
+                                "%.3f s, ncclCommInitRank %.3f s, connect %.3f s)", self.epoch, self.shard,
+                                self.rank, self.world, t_end - t0, t_id - t0, t_init - t_id, t_end - t_init)
         except BaseException as e:  # noqa: BLE001 - reported by the first operation
             self._init_error = e
         finally:
@@ -295,10 +305,13 @@ class NcclCommunicator(Communicator):
         stream = api.new_stream(one)
         api.copy_async(one, torch.ones(1, dtype=torch.int64), stream)   # not behind the caller's compute
         comm.allReduce(one.data_ptr(), one.data_ptr(), 1, _NCCL_DTYPES["int64"], _NCCL_SUM, stream.handle)
+        checked = time.monotonic()
         while not stream.query():
             if self._failed is not None:
                 raise self._failed
-            comm.check_async_error()
+            if time.monotonic() - checked >= _ASYNC_CHECK_S:
+                checked = time.monotonic()
+                comm.check_async_error()
             time.sleep(_POLL_S * 4)
         if int(one.item()) != self.world:
             raise CommError(f"NCCL warm-up allreduce gave {int(one.item())}, expected {self.world}")
@@ -367,7 +380,7 @@ class NcclCommunicator(Communicator):
     def _wait(self, start: Event, end: Event, timeout: float, what: str) -> None:
         """Poll until `end` (the collective and what precedes it on the stream) completed, NCCL
         reports an error, abort, or the collective made no progress for `timeout` from `start`."""
-        t0 = time.monotonic()
+        t0 = checked = time.monotonic()
         started: float | None = None
         while True:
             if end.query():   # finished everywhere it had to: a failure noticed meanwhile is for later ops
@@ -381,7 +394,9 @@ class NcclCommunicator(Communicator):
                 elif now - t0 > _START_FACTOR * timeout:
                     raise self._fail(CommTimeout(f"the work queued before {what} did not finish within "
                                                  f"{_START_FACTOR * timeout:g} s"))
-            self._call(what, lambda c: c.check_async_error())
+            if now - checked >= _ASYNC_CHECK_S:
+                checked = now
+                self._call(what, lambda c: c.check_async_error())
             if started is not None and now - started > timeout:
                 raise self._fail(CommTimeout(f"{what} made no progress within {timeout:g} s"))
             time.sleep(_POLL_S)

@@ -33,7 +33,7 @@ import threading
 import time
 from typing import Callable
 
-from .errors import CommAborted, CommError, CommTimeout, PeerFailed, ProtocolMismatch
+from .errors import CommAborted, CommError, CommTimeout, PeerFailed, ProtocolMismatch, SharedDevice
 from .failure import error_from_remote
 from .options import RingOptions
 from .sockutil import close_quietly, shutdown_quietly
@@ -54,10 +54,6 @@ _WATCH_SLICE_S = 0.1
 ACK = b"\x01"   # rank r -> rank 0: I hold the id
 GO = b"\x02"    # rank 0 -> every rank: everybody holds it, start ncclCommInitRank
 TCP = b"\x03"   # rank 0 -> every rank: two ranks share a device, use the TCP ring (data_plane auto)
-
-
-class SharedDevice(ProtocolMismatch):
-    """Two ranks of one NCCL communicator are on the same device (same PCI bus id / UUID)."""
 
 
 def _shared(idents: dict[int, str]) -> tuple[int, int] | None:

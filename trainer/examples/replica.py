@@ -206,6 +206,12 @@ def main(argv: list[str] | None = None) -> int:
         return _close(ft, rt, stats, 3)
     except (JobConfigError, InitialStateMismatch):  # logged as one ERROR
         return _close(ft, rt, stats, 2)
+    except DataPlaneError:  # e.g. nccl with two replicas on one GPU: logged as one ERROR
+        stats.write({"t": time.time(), "kind": "exit", "step": ft.step, "error": "data_plane"})
+        return _close(ft, rt, stats, 2)
+    except StepTimeout as exc:  # no group within the start timeout
+        print(f"replica {args.replica_id}: {exc}", file=sys.stderr)
+        return _close(ft, rt, stats, 3)
     stats.write({"t": time.time(), "kind": "start", "t_process": T_START, "t_imported": t_imported,
                  "t_model": t_model, "t_runtime": t_runtime, "t_engine": t_engine,
                  "node": rt.node_id, "step": ft.step, "pid": os.getpid(), "digest": ft.digest()})
@@ -226,6 +232,9 @@ def main(argv: list[str] | None = None) -> int:
         return _close(ft, rt, stats, 2)
     except MissingStateError:  # every participant died while this one was behind them
         return _close(ft, rt, stats, 3)
+    except DataPlaneError:  # e.g. nccl with two replicas on one GPU: the engine logged it at ERROR
+        stats.write({"t": time.time(), "kind": "exit", "step": ft.step, "error": "data_plane"})
+        return _close(ft, rt, stats, 2)
     except StepTimeout as exc:  # nothing to commit for --step-timeout (e.g. a lone joiner)
         print(f"replica {args.replica_id}: {exc}", file=sys.stderr)
         stats.write({"t": time.time(), "kind": "exit", "step": ft.step, "error": "step_timeout"})

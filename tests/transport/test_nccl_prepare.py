@@ -1,0 +1,62 @@
+"""Rank 0 builds the NCCL communicator of a new data epoch when the view announces it
+(`ShardComms.prepare`), and the engine's attempt then gets that same communicator, already set up.
+
+On the CPU stand-in (`tests/fakes` first on PYTHONPATH), in a process of its own.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+OWN_RING_LOOP = True   # the ring loop is not what this is about: run once
+FAKES = Path(__file__).resolve().parent.parent / "fakes"
+pytestmark = pytest.mark.slow
+
+_SCRIPT = r"""
+import torch
+from p2pft.transport import DataServer
+from p2pft.transport.backend import Backend
+from p2pft.trainer.comms import ShardComms
+from p2pft.view import Member, Role, View
+
+ds = DataServer("127.0.0.1", 0, secret=b"s")
+me = Member("r0.a", "r0", "127.0.0.1:1", (ds.addr,), Role.JOINER, None)
+view = View(7, (me,), data_epoch=5)
+paused = View(8, (Member("r0.a", "r0", "127.0.0.1:1", (ds.addr,), Role.PAUSED, None),), data_epoch=8)
+
+tcp = ShardComms(ds, 0, 5.0, backend=Backend.TCP)
+tcp.prepare(view, "r0.a", 1)
+assert not tcp._comms, "the TCP ring connects lazily: nothing to prepare"
+
+sc = ShardComms(ds, 0, 5.0, backend=Backend.NCCL)
+sc.prepare(paused, "r0.a", 1)
+assert not sc._comms, "a paused member is off the data plane"
+sc.prepare(view, "r0.a", 2)
+assert not sc._comms, "members without one address per rank of the replica: the engine waits"
+sc.prepare(view, "r0.a", 1)
+first = sc._comms[5]
+assert first.wait_init(10), "the prepared communicator sets itself up without the training thread"
+got = sc.get(5, 0, [ds.addr])
+assert got is first, "the attempt gets the prepared communicator"
+x = torch.ones(4)
+assert got.allreduce(x) == 1 and x.tolist() == [1.0] * 4
+other = sc.get(5, 0, [ds.addr, "127.0.0.1:9"])    # not what it was built for: rebuilt
+assert other is not first and first.failed is not None
+sc.close()
+tcp.close()
+ds.close()
+print("OK")
+"""
+
+
+def test_prepare_builds_the_communicator_the_attempt_then_gets() -> None:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(FAKES)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    out = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == "OK", out.stdout + out.stderr[-2000:]
