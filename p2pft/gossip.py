@@ -397,6 +397,8 @@ class Gossip:
         s = Suspicion(inc, now, min_t, min_t * self.p.suspicion_max_mult, origin=frm or self.me)
         self._susp[node] = s
         self.events.append(("suspect", node))
+        if frm and frm != self.me and not (self._probe and self._probe.target == node):
+            self.probes.next_up(node)  # a confirmation (or the suspect's news) one probe away
         self._bcast.push(u if frm else Update(SUSPECT, node, inc, accuser=self.me))
 
     def _apply_gone(self, u: Update, now: float) -> None:
