@@ -318,6 +318,12 @@ class Gossip:
             out = Updates()
             self._send(m.addr, out)
             self._prepend(out, upd)
+            # And a few others now, not at our next probe: each probes the suspect next
+            # (``ProbeOrder.next_up``), so a dead member's confirmations come a probe later.
+            for h in self.table.sample_alive(self.rng, self.p.indirect_probes, (self.me, p.target)):
+                tell = Updates()
+                self._send(h.addr, tell)
+                self._prepend(tell, upd)
 
     # ------------------------------------------------------------------ updates
     def _apply(self, upd: Update, now: float) -> None:
