@@ -116,10 +116,15 @@ class TorchftCluster(Cluster):
         if self.max_restarts < 0:
             raise ValueError("P2PFT_TORCHFT_MAX_RESTARTS must be >= 0")
         # --hosts netns: the lighthouse on a host of its own, after the replicas' hosts.
-        lh_host = self.net[self.size].ip if self.net is not None else "127.0.0.1"
+        lh_host = self.net[self.lighthouse_host].ip if self.net is not None else "127.0.0.1"
         self.lighthouse_addr = f"{lh_host}:{free_ports(1)[0]}"
         self.crash_restarts = [0] * self.size
         self.pending_crash_restarts: dict[int, float] = {}
+
+    @property
+    def lighthouse_host(self) -> int:
+        """The lighthouse's host: the one after every replica's, spares included."""
+        return self.size
 
     @property
     def lighthouse_url(self) -> str:
@@ -136,7 +141,7 @@ class TorchftCluster(Cluster):
             return
         log = open(self.workdir / "lighthouse.log", "ab")
         env = dict(os.environ, RUST_BACKTRACE="1")
-        p = self.group.spawn(self.on_host(self.cfg.replicas, lighthouse_command(self.lighthouse_addr)), stdout=log,
+        p = self.group.spawn(self.on_host(self.lighthouse_host, lighthouse_command(self.lighthouse_addr)), stdout=log,
                              stderr=subprocess.STDOUT, env=env)
         log.close()
         self.lighthouse = p
