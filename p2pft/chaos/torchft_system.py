@@ -121,6 +121,13 @@ class TorchftCluster(Cluster):
         self.crash_restarts = [0] * self.size
         self.pending_crash_restarts: dict[int, float] = {}
 
+    def lighthouse_cmd(self) -> list[str]:
+        """With spares the lighthouse forms no quorum smaller than the planned count: with
+        ``--min_replicas 1`` a restarted replica and the survivors formed separate quorums, none
+        of them big enough to commit (FIXED_WITH_SPARES), and never merged."""
+        return lighthouse_command(self.lighthouse_addr,
+                                  min_replicas=self.cfg.replicas if self.spares else LIGHTHOUSE_MIN_REPLICAS)
+
     @property
     def lighthouse_host(self) -> int:
         """The lighthouse's host: the one after every replica's, spares included."""
@@ -141,7 +148,7 @@ class TorchftCluster(Cluster):
             return
         log = open(self.workdir / "lighthouse.log", "ab")
         env = dict(os.environ, RUST_BACKTRACE="1")
-        p = self.group.spawn(self.on_host(self.lighthouse_host, lighthouse_command(self.lighthouse_addr)), stdout=log,
+        p = self.group.spawn(self.on_host(self.lighthouse_host, self.lighthouse_cmd()), stdout=log,
                              stderr=subprocess.STDOUT, env=env)
         log.close()
         self.lighthouse = p

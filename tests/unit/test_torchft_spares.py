@@ -45,10 +45,14 @@ def test_torchft_gets_the_spares_p2pft_gets(tmp_path: Path) -> None:
     tf = TorchftCluster("torchft", cfg, tmp_path / "torchft")
     assert (tf.spares, tf.size, len(tf.crash_restarts)) == (1, 4, 4)
     assert tf.lighthouse_host == 4   # --hosts netns: its own host, after the spare's
+    cmd = tf.lighthouse_cmd()
+    assert cmd[cmd.index("--min_replicas") + 1] == "3"   # no quorum below the planned count
     assert Cluster("p2pft", cfg, tmp_path / "p2pft").size == 4
     assert Cluster("ddp", cfg, tmp_path / "ddp").size == 3   # the baselines have no spare mode
     plain = TorchftCluster("torchft", ChaosConfig(replicas=3), tmp_path / "t0")
     assert (plain.size, plain.lighthouse_host) == (3, 3)
+    cmd = plain.lighthouse_cmd()
+    assert cmd[cmd.index("--min_replicas") + 1] == "1"
 
 
 def test_bad_spare_counts_are_refused() -> None:
