@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 @dataclass(frozen=True)
 class Profile:
     # --- gossip (SWIM + Lifeguard) ---
-    probe_interval: float = 0.2        # one direct probe per interval
+    probe_interval: float = 0.15       # one direct probe per interval (docs/control-plane.md: timing knobs)
     probe_timeout: float = 0.08        # wait for a direct ack before going indirect
     indirect_probes: int = 3           # k members asked to probe on our behalf
     suspicion_mult: float = 1.5        # min suspicion = mult * log10(N) * probe_interval

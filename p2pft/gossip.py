@@ -318,6 +318,12 @@ class Gossip:
             out = Updates()
             self._send(m.addr, out)
             self._prepend(out, upd)
+            # And a few others now, not at our next probe: each probes the suspect next
+            # (``ProbeOrder.next_up``), so a dead member's confirmations come a probe later.
+            for h in self.table.sample_alive(self.rng, self.p.indirect_probes, (self.me, p.target)):
+                tell = Updates()
+                self._send(h.addr, tell)
+                self._prepend(tell, upd)
 
     # ------------------------------------------------------------------ updates
     def _apply(self, upd: Update, now: float) -> None:
@@ -397,6 +403,8 @@ class Gossip:
         s = Suspicion(inc, now, min_t, min_t * self.p.suspicion_max_mult, origin=frm or self.me)
         self._susp[node] = s
         self.events.append(("suspect", node))
+        if frm and frm != self.me and not (self._probe and self._probe.target == node):
+            self.probes.next_up(node)  # a confirmation (or the suspect's news) one probe away
         self._bcast.push(u if frm else Update(SUSPECT, node, inc, accuser=self.me))
 
     def _apply_gone(self, u: Update, now: float) -> None:

@@ -396,6 +396,8 @@ class Node:
                 self._ask_view(node, now)
             else:
                 self._dirty = True
+                if kind != "update":  # suspect / dead / alive / left: when detection happened
+                    log.debug("gossip: %s %s", node, kind, extra={"node": self.id})
                 if kind in (DEAD, LEFT):
                     raft.leader_failed(node, now)
         g.events.clear()

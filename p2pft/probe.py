@@ -61,6 +61,13 @@ class ProbeOrder:
         self.order = order[len(order) - keep:]
         self.round_base = max(1, table.n_live)
 
+    def next_up(self, node: str) -> None:
+        """Probe `node` next (a fresh suspicion from someone else: our own probe of it either
+        confirms the suspicion or carries it to the suspect, who then refutes sooner)."""
+        if node in self.order:
+            self.order.remove(node)
+        self.order.append(node)
+
     def learned(self, node: str) -> None:
         """A member we did not know: probe it somewhere in this round, or re-randomize now if
         membership doubled (a join wave)."""

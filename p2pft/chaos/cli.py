@@ -55,8 +55,9 @@ def register(sub: Any) -> None:
                    "torchft when installed; sync: p2pft replicas restarted as a whole job, like ddp)")
     p.add_argument("--witnesses", type=int, default=2, help="witness peers per cluster (voters, never killed)")
     p.add_argument("--spares", type=int, default=0,
-                   help="p2pft only: this many extra replicas wait as hot spares (caught-up joiners) and take a "
-                        "dead participant's place in the view that removes it")
+                   help="this many extra replicas wait as spares: p2pft's as hot spares (caught-up joiners) that "
+                        "take a dead participant's place in the view that removes it, torchft's in its "
+                        "FIXED_WITH_SPARES mode (min_replica_size = --replicas: spares allreduce zeros)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="results/chaos", help="folder for chaos.json, timeline.png and logs")
     p.add_argument("--no-live", action="store_true", help="no live progress display")

@@ -29,6 +29,7 @@ from .records import read_stats
 
 FAULTS = ("kill", "pause", "leader", "two", "host")
 HOSTS = ("loopback", "netns")
+SPARE_SYSTEMS = ("p2pft", "torchft")  # the systems that run --spares extra replicas
 REPLICA_PORT, WITNESS_PORT = 7100, 7000      # on a host of its own every process can use the same port
 WORKLOADS = {"example": "p2pft.trainer.examples.replica", "gpt": "p2pft.trainer.examples.gpt"}
 
@@ -50,7 +51,7 @@ class ChaosConfig:
     witnesses: int = 2                # `p2pft peer` processes: cheap voters that are never killed
     extra_args: tuple[str, ...] = ()  # passed through to every replica process
     workload: str = "example"         # example (replica.py) | gpt (gpt.py, checked by the replay oracle)
-    spares: int = 0                   # p2pft only: extra replicas that wait as hot spares
+    spares: int = 0                   # p2pft and torchft: extra replicas that wait as spares
     hosts: str = "loopback"           # loopback | netns (each replica and witness on a host of its own)
     link_mbit: float | None = None    # with netns: each host's link limited to this rate (tc tbf)
 
@@ -115,8 +116,9 @@ class Cluster:
     stop_grace: float = field(default=8.0, init=False)  # seconds a replica has to exit at the end
 
     def __post_init__(self) -> None:
-        # p2pft runs `spares` extra replicas capped at `replicas` participants: hot spares.
-        self.spares = self.cfg.spares if self.system == "p2pft" else 0
+        # p2pft runs `spares` extra replicas capped at `replicas` participants: hot spares;
+        # torchft as many, in its FIXED_WITH_SPARES mode (torchft_system.py).
+        self.spares = self.cfg.spares if self.system in SPARE_SYSTEMS else 0
         self.size = self.cfg.replicas + self.spares
         self.ports = free_ports(self.size + self.cfg.witnesses)
         self.addrs = [f"127.0.0.1:{p}" for p in self.ports[:self.size]]

@@ -9,6 +9,11 @@ torchft's best mode, it survives a killed replica) or torchft's DDP wrapper (who
 crashes every survivor of a kill in 0.2.0); docs/torchft.md explains both. The lighthouse is torchft's central
 coordinator; it is started with the replicas and stopped after them, and is never a failure
 target (the schedule hits replicas only).
+
+With ``--spares N`` torchft gets what p2pft gets: N more replicas, run in torchft's
+``WorldSizeMode.FIXED_WITH_SPARES`` with ``min_replica_size`` = the planned replica count, so the
+replicas beyond it allreduce zeros and stay current, and one of them takes a lost participant's
+rank in the next quorum.
 """
 from __future__ import annotations
 
@@ -23,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from ..ports import free_ports
-from .cluster import Cluster, Proc, stop_procs
+from .cluster import ChaosConfig, Cluster, Proc, stop_procs
 
 # Lighthouse settings. torchft's README starts it with --min_replicas 1 --quorum_tick_ms 100
 # --join_timeout_ms 10000 (heartbeat timeout default 5000 ms). The two timeouts bound how long
@@ -52,6 +57,33 @@ def lighthouse_command(bind: str, min_replicas: int = LIGHTHOUSE_MIN_REPLICAS,
     # The console script is missing (e.g. a vendored install): call the same entry point.
     return [sys.executable, "-c", "import sys; from torchft._torchft import lighthouse_main; "
             "sys.argv[0] = 'torchft_lighthouse'; lighthouse_main()", *flags]
+
+
+def spare_args(replicas: int, spares: int) -> list[str]:
+    """The worker flags for a run with ``spares`` torchft spares (none without spares).
+
+    ``min_replica_size`` is the planned count: a step commits only with that many participants,
+    as p2pft's ``--max-participants`` caps its view at the same count.
+    """
+    if spares < 0:
+        raise ValueError("spares must be 0 or more")
+    if not spares:
+        return []
+    return ["--world-size-mode", "fixed_with_spares", "--min-replica-size", str(replicas)]
+
+
+def worker_command(cfg: ChaosConfig, i: int, stats: Path, lighthouse_url: str, go_file: Path, grads: str,
+                   spares: int = 0, host: str | None = None, worker_args: list[str] | None = None) -> list[str]:
+    """The command line of torchft replica ``i`` (``python -m p2pft.chaos.torchft_worker ...``)."""
+    cmd = [sys.executable, "-m", "p2pft.chaos.torchft_worker", "--replica", str(i),
+           "--replicas", str(cfg.replicas), "--lighthouse", lighthouse_url, "--model", cfg.model,
+           "--batch", str(cfg.batch), "--step-delay", str(cfg.step_delay), "--stats", str(stats),
+           "--digest-every", str(cfg.digest_every), "--seed", str(cfg.seed), "--loss-every", "10",
+           "--go-file", str(go_file), "--grads", grads, *spare_args(cfg.replicas, spares),
+           *(worker_args or []), *cfg.extra_args]
+    if host is not None:
+        cmd += ["--host", host]
+    return cmd
 
 
 def loopback_ifname() -> str | None:
@@ -84,10 +116,22 @@ class TorchftCluster(Cluster):
         if self.max_restarts < 0:
             raise ValueError("P2PFT_TORCHFT_MAX_RESTARTS must be >= 0")
         # --hosts netns: the lighthouse on a host of its own, after the replicas' hosts.
-        lh_host = self.net[self.cfg.replicas].ip if self.net is not None else "127.0.0.1"
+        lh_host = self.net[self.lighthouse_host].ip if self.net is not None else "127.0.0.1"
         self.lighthouse_addr = f"{lh_host}:{free_ports(1)[0]}"
-        self.crash_restarts = [0] * self.cfg.replicas
+        self.crash_restarts = [0] * self.size
         self.pending_crash_restarts: dict[int, float] = {}
+
+    def lighthouse_cmd(self) -> list[str]:
+        """With spares the lighthouse forms no quorum smaller than the planned count: with
+        ``--min_replicas 1`` a restarted replica and the survivors formed separate quorums, none
+        of them big enough to commit (FIXED_WITH_SPARES), and never merged."""
+        return lighthouse_command(self.lighthouse_addr,
+                                  min_replicas=self.cfg.replicas if self.spares else LIGHTHOUSE_MIN_REPLICAS)
+
+    @property
+    def lighthouse_host(self) -> int:
+        """The lighthouse's host: the one after every replica's, spares included."""
+        return self.size
 
     @property
     def lighthouse_url(self) -> str:
@@ -104,7 +148,7 @@ class TorchftCluster(Cluster):
             return
         log = open(self.workdir / "lighthouse.log", "ab")
         env = dict(os.environ, RUST_BACKTRACE="1")
-        p = self.group.spawn(self.on_host(self.cfg.replicas, lighthouse_command(self.lighthouse_addr)), stdout=log,
+        p = self.group.spawn(self.on_host(self.lighthouse_host, self.lighthouse_cmd()), stdout=log,
                              stderr=subprocess.STDOUT, env=env)
         log.close()
         self.lighthouse = p
@@ -117,7 +161,7 @@ class TorchftCluster(Cluster):
     def start(self) -> None:
         """Lighthouse and replicas; no p2pft witness peers (torchft's coordinator is the lighthouse)."""
         self.start_lighthouse()
-        for i in range(self.cfg.replicas):
+        for i in range(self.size):  # the planned replicas, then the spares
             self.spawn(i)
 
     def spawn(self, i: int) -> None:
@@ -125,14 +169,8 @@ class TorchftCluster(Cluster):
         inc = self.incarnations[i]
         self.incarnations[i] += 1
         stats = self.workdir / f"r{i}-{inc}.jsonl"
-        cmd = [sys.executable, "-m", "p2pft.chaos.torchft_worker", "--replica", str(i),
-               "--replicas", str(cfg.replicas), "--lighthouse", self.lighthouse_url, "--model", cfg.model,
-               "--batch", str(cfg.batch), "--step-delay", str(cfg.step_delay), "--stats", str(stats),
-               "--digest-every", str(cfg.digest_every), "--seed", str(cfg.seed), "--loss-every", "10",
-               "--go-file", str(self.go_file), "--grads", self.grads, *self.worker_args,
-               *cfg.extra_args]
-        if self.net is not None:
-            cmd += ["--host", self.net[i].ip]
+        cmd = worker_command(cfg, i, stats, self.lighthouse_url, self.go_file, self.grads, spares=self.spares,
+                             host=self.net[i].ip if self.net is not None else None, worker_args=self.worker_args)
         env: dict[str, Any] = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
                                    TORCHFT_LIGHTHOUSE=self.lighthouse_url, REPLICA_GROUP_ID=str(i),
                                    NUM_REPLICA_GROUPS=str(cfg.replicas))

@@ -62,6 +62,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--pg-timeout", type=float, default=5.0, help="Gloo collective timeout, seconds")
     p.add_argument("--timeout", type=float, default=30.0, help="Manager timeout (should_commit, healing), seconds")
     p.add_argument("--quorum-timeout", type=float, default=60.0, help="Manager quorum timeout, seconds")
+    p.add_argument("--world-size-mode", choices=["dynamic", "fixed_with_spares"], default="dynamic",
+                   help="torchft's WorldSizeMode: dynamic (every replica in the quorum trains) or fixed_with_spares "
+                   "(min_replica_size participants train; the others allreduce zeros and stay current)")
+    p.add_argument("--min-replica-size", type=int, default=1,
+                   help="the Manager's min_replica_size: a step commits only with this many participants")
     # The chaos harness passes the same extra flags to every system's replicas; options that only
     # p2pft's replica has are reported and ignored rather than fatal.
     args, unknown = p.parse_known_args(argv)
@@ -69,6 +74,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         print(f"torchft_worker: ignoring options for p2pft's replica: {' '.join(unknown)}", file=sys.stderr)
     if not args.lighthouse:
         p.error("--lighthouse is required (or set TORCHFT_LIGHTHOUSE)")
+    if args.min_replica_size < 1:
+        p.error("--min-replica-size must be at least 1")
     return args
 
 
@@ -131,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch.nn.functional as F
     from torch.distributed import TCPStore
     from torchft import DistributedDataParallel, Manager, ProcessGroupGloo
+    from torchft.manager import WorldSizeMode
     from torchft.checkpointing.http_transport import HTTPTransport
     from torchft.checkpointing.pg_transport import PGTransport
 
@@ -168,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
         pg=pg,
         load_state_dict=load_state_dict,
         state_dict=state_dict,
-        min_replica_size=1,
+        min_replica_size=args.min_replica_size,
+        world_size_mode=WorldSizeMode[args.world_size_mode.upper()],
         timeout=timeout,
         quorum_timeout=timedelta(seconds=args.quorum_timeout),
         rank=0,
@@ -185,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     net = DistributedDataParallel(manager, model) if args.grads == "ddp" else model
     grads = [p for p in model.parameters() if p.requires_grad]
 
+    spares = args.world_size_mode == "fixed_with_spares"
     stop = {"flag": False}
 
     def on_term(signum: int, frame: object) -> None:
@@ -203,12 +213,18 @@ def main(argv: list[str] | None = None) -> int:
     while not stop["flag"] and time.monotonic() < deadline and (not args.steps or manager.current_step() < args.steps):
         manager.start_quorum()  # asynchronous: the quorum (and any healing) overlaps the forward pass
         opt.zero_grad()
+        if spares and args.step_delay:
+            time.sleep(args.step_delay)  # overlaps the quorum, which the data slot below waits for
         step0 = manager.current_step()
-        base = (step0 * args.replicas + args.replica) * args.batch
+        # With spares a participant trains the slot of its rank in the quorum (a spare that took a
+        # lost replica's place takes its slot; a spare's own gradients are zeroed by allreduce).
+        rank = manager.participating_rank() if spares else None  # waits for the quorum
+        slot = rank if rank is not None else args.replica
+        base = (step0 * args.replicas + slot) * args.batch
         tokens = data.batch(list(range(base, base + args.batch)))
         logits = net(tokens[:, :-1])
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
-        if args.step_delay:
+        if args.step_delay and not spares:
             # Emulated accelerator time comes before the gradient exchange, as in p2pft's replica,
             # so a kill lands inside an exchange about as often in both systems.
             time.sleep(args.step_delay)
@@ -217,12 +233,14 @@ def main(argv: list[str] | None = None) -> int:
             allreduce_grads(manager, grads)
         participating = manager.is_participating()
         n = manager.num_participants()
+        # A spare is reported as p2pft's hot spares are: a joiner (current, no data slot).
+        role = "participant" if participating else "joiner"
         committed = manager.should_commit()  # every replica in the quorum must agree, else skip
         if committed:
             opt.step()
         step = manager.current_step()
         rec: dict[str, Any] = {"t": time.time(), "step": step, "c": int(committed),
-                               "role": "participant" if participating else "joiner", "n": n, "r": 0,
+                               "role": role, "n": n, "r": 0,
                                "e": int(getattr(manager, "_quorum_id", -1))}
         if manager.errored() is not None:
             rec["err"] = str(manager.errored())[:200]

@@ -337,3 +337,26 @@ def test_probe_rounds_cover_everyone_within_two_rounds_and_vary_in_length() -> N
     for a, b in zip(rounds[1:-1], rounds[2:-1]):
         assert set(a) | set(b) == {f"x{i}" for i in range(n)}
     assert all(len(r) == len(set(r)) for r in rounds)          # nobody twice in one round
+
+
+def test_a_suspicion_heard_from_another_member_is_probed_next() -> None:
+    """Our next probe goes to a member someone else just suspected: a dead one gets our
+    confirmation a probe later (shortening its suspicion), a live one hears of the suspicion
+    from us and refutes sooner."""
+    net = Net(6, seed=4)
+    net.run(2.0)
+    observer, target = net.addrs[1], net.addrs[4]
+    g = net.g[observer]
+    for _ in range(3):   # wherever the target sits in the observer's round
+        g.probes.order = [n for n in g.probes.order if n != net.id(target)]
+        inc = g.members[net.id(target)].inc
+        g.handle(wire_msg({"t": "g.upd", "pb": [{"k": SUSPECT, "n": net.id(target), "i": inc, "f": net.id(net.addrs[2])}]}),
+                 net.now)
+        net._drain(observer)
+        assert g.members[net.id(target)].state == SUSPECT
+        nxt = g.next_deadline()
+        net.run(nxt + 1e-6)
+        pings = [w for a, w in net.sent if a == observer and w.get("t") == "g.ping"]
+        assert pings and pings[-1]["to"] == net.id(target)
+        net.run(net.now + 2.0)   # the target refutes; everyone alive again
+        assert everyone_alive(net)
