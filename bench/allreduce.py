@@ -28,8 +28,8 @@ import sys
 import time
 from typing import Any
 
-from p2pft.procs import die_with_parent
-from p2pft.ports import free_ports
+from p2pft.deploy.procs import die_with_parent
+from p2pft.deploy.ports import free_ports
 
 MB = 1 << 20
 

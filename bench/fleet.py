@@ -298,14 +298,14 @@ def measure_view_change(n: int, *, crashes: int = 3, seed: int = 0, loss: float 
                         settle_s: float = 2.0, timeout_s: float = 120.0,
                         log: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Crash -> every live node holds a committed view without the crashed node, on the real
-    control-plane code (``p2pft.sim.Simulator``) with ``n`` replica leaders and packet loss.
+    control-plane code (``p2pft.sim.cluster.Simulator``) with ``n`` replica leaders and packet loss.
 
     Nodes join in batches through the first one (a launcher starts replicas in waves, and a
     thousand simultaneous joins through one seed is a storm nobody runs); each crash starts
     from a converged cluster and picks a random live node, the Raft leader included, so
     elections are part of the sample. Convergence is polled between slices of virtual time
     (``Simulator.converged`` is O(N^2)); the crash itself is timed to the event."""
-    from p2pft.sim import Simulator
+    from p2pft.sim.cluster import Simulator
 
     wall0 = time.perf_counter()
     sim = Simulator(seed, loss=loss)

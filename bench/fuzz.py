@@ -10,7 +10,7 @@ length prefixes, pure random bytes) and fed, split at random points, to
   (``find_error_frame``): ``parse_hello`` returns a status and never raises, ``parse_ack`` raises
   only ``ProtocolMismatch``, ``find_error_frame`` never raises; a mutated authenticated hello or
   ack is never accepted;
-- the message codec (``p2pft.codec.from_wire``), with real control messages whose bodies have one
+- the message codec (``p2pft.core.codec.from_wire``), with real control messages whose bodies have one
   value replaced, dropped or added: it raises only what the driver counts as ``bad_message``,
   and a message it accepts is handed to a ``Node`` that keeps running (what the node itself
   raises is counted by kind).
@@ -44,15 +44,14 @@ from p2pft.transport.stream import StateSnapshot, fetch_state
 from p2pft.transport.wire import (ACK_LEN, HELLO_LEN, KIND_RING, ST_AUTH, ST_OK, find_error_frame, pack_ack,
                                   pack_error_frame, pack_hello, parse_ack, parse_hello)
 from p2pft.transport.errors import PeerFailed
-from p2pft.procs import spawn as spawn_child
-from p2pft.ports import free_ports
-from p2pft import codec
-from p2pft.messages import (Append, AppendResp, Ping, PushPull, Row, Snapshot, Update, Updates, ViewDelta, ViewFull,
-                            ViewRequest)
-from p2pft.meta import Kind, MemberMeta, Status
-from p2pft.node import Node
-from p2pft.view import Member, Role, View
-from p2pft.wire import FrameDecoder, WireError, encode
+from p2pft.deploy.procs import spawn as spawn_child
+from p2pft.deploy.ports import free_ports
+from p2pft.core import codec
+from p2pft.core.messages import Append, AppendResp, Ping, PushPull, Row, Snapshot, Update, Updates, ViewDelta, ViewFull, ViewRequest
+from p2pft.core.meta import Kind, MemberMeta, Status
+from p2pft.core.node import Node
+from p2pft.core.view import Member, Role, View
+from p2pft.net.wire import FrameDecoder, WireError, encode
 
 SECRET = b"fuzz-secret-0123456789"
 

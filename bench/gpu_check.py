@@ -39,9 +39,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from p2pft.ports import free_ports
+from p2pft.deploy.ports import free_ports
 from p2pft.chaos.records import read_stats
-from p2pft.procs import spawn as spawn_child, terminate
+from p2pft.deploy.procs import spawn as spawn_child, terminate
 
 MiB = 1 << 20
 

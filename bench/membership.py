@@ -36,10 +36,10 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Sequence
 
-from p2pft.config import DEFAULT
-from p2pft.ports import free_ports
-from p2pft.procs import spawn as spawn_child
-from p2pft.sim import InvariantChecker, InvariantViolation, Simulator
+from p2pft.core.config import DEFAULT
+from p2pft.deploy.ports import free_ports
+from p2pft.deploy.procs import spawn as spawn_child
+from p2pft.sim.cluster import InvariantChecker, InvariantViolation, Simulator
 
 TARGETS = {
     "real_exclusion_p50_s": 0.5,
@@ -241,7 +241,7 @@ def _peer_cmd() -> list[str]:
 
 
 async def _ask(addr: str, mtype: str = "admin.members") -> dict[str, Any] | None:
-    from p2pft.driver import admin_request
+    from p2pft.net.driver import admin_request
     try:
         return await admin_request(addr, mtype, timeout=1.0)
     except (OSError, asyncio.TimeoutError, ConnectionError):

@@ -36,8 +36,8 @@ from pathlib import Path
 from typing import Any
 
 from p2pft.chaos.records import read_stats
-from p2pft.ports import free_ports
-from p2pft.procs import spawn as spawn_child, terminate
+from p2pft.deploy.ports import free_ports
+from p2pft.deploy.procs import spawn as spawn_child, terminate
 
 PHASES = ("spawn", "imports", "model", "runtime start", "engine", "first view", "to snapshot request",
           "snapshot + replay", "promotion")

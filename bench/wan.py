@@ -33,7 +33,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from wanlink import open_links  # noqa: E402
 
-from p2pft.ports import free_ports  # noqa: E402
+from p2pft.deploy.ports import free_ports  # noqa: E402
 
 WORKER = Path(__file__).resolve().parent / "wan_worker.py"
 

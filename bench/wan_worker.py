@@ -43,7 +43,7 @@ def main() -> int:
     a = p.parse_args()
 
     from p2pft import Runtime
-    from p2pft.log import setup_logging
+    from p2pft.ops.log import setup_logging
     from p2pft.trainer import DiLoCo, FaultTolerant, Stopped
     from p2pft.trainer.data import TextDataset
     from p2pft.trainer.model import ModelConfig

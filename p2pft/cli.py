@@ -18,11 +18,11 @@ import sys
 import time
 from typing import Any, Sequence
 
-from . import aio
-from .config import PROFILES
-from .launch import add_launch_args
-from .log import log_level, setup_logging
-from .wire import WireError, load_secret
+from .net import aio
+from .core.config import PROFILES
+from .deploy.launch import add_launch_args
+from .ops.log import log_level, setup_logging
+from .net.wire import WireError, load_secret
 
 log = logging.getLogger("p2pft.cli")
 
@@ -55,7 +55,7 @@ def _secret(args: argparse.Namespace) -> bytes | None:
 
 # ---------------------------------------------------------------------- peer
 def cmd_peer(args: argparse.Namespace) -> int:
-    from .driver import NodeServer
+    from .net.driver import NodeServer
     from .transport.addr import parse_hostport
     listen = args.listen or _env("LISTEN")
     if not listen:
@@ -89,11 +89,11 @@ def cmd_peer(args: argparse.Namespace) -> int:
             await server.start()
         except OSError as exc:
             raise CliError(f"cannot listen on {listen}: {exc.strerror or exc}") from None
-        from .log import set_context
+        from .ops.log import set_context
         set_context(node=server.node.id if server.node else "-")
         metrics = None
         if metrics_port is not None:
-            from .metrics import serve_node_metrics
+            from .ops.metrics import serve_node_metrics
             try:
                 metrics = serve_node_metrics(server, metrics_port)
             except OSError as exc:
@@ -119,7 +119,7 @@ def cmd_peer(args: argparse.Namespace) -> int:
 def _placement(args: argparse.Namespace, listen: str, advertise: str | None, seeds: list[str],
                replica_id: str | None) -> tuple[str, str | None, list[str], str | None, str | None]:
     """Seeds, identity and ports from the scheduler (--seeds-from); what the user gave wins."""
-    from .launch import LaunchError, cluster_args_from, offset_port
+    from .deploy.launch import LaunchError, cluster_args_from, offset_port
     try:
         ca = cluster_args_from(args, listen=listen, advertise=advertise, seeds=seeds, replica_id=replica_id, role="w")
     except (LaunchError, ValueError) as exc:
@@ -132,7 +132,7 @@ def _metrics_port(value: str | None, listen: str) -> str | None:
     """--metrics-port (or P2PFT_METRICS_PORT), checked before anything starts."""
     if not value:
         return None
-    from .metrics import parse_metrics_addr
+    from .ops.metrics import parse_metrics_addr
     from .transport.addr import parse_hostport
     try:
         parse_metrics_addr(value, parse_hostport(listen).host)
@@ -143,7 +143,7 @@ def _metrics_port(value: str | None, listen: str) -> str | None:
 
 # ---------------------------------------------------------------------- members
 def cmd_members(args: argparse.Namespace) -> int:
-    from .driver import admin_error, admin_request
+    from .net.driver import admin_error, admin_request
     from .transport.addr import parse_hostport
     try:
         parse_hostport(args.peer, "--peer")
@@ -178,7 +178,7 @@ def format_members(report: dict[str, Any]) -> str:
 
 # ---------------------------------------------------------------------- top
 def cmd_top(args: argparse.Namespace) -> int:
-    from .top import run_top
+    from .ops.top import run_top
     return run_top(args, _secret(args), CliError)
 
 
@@ -218,7 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
     mem.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the answer")
     mem.set_defaults(fn=cmd_members)
 
-    from .top import register as register_top
+    from .ops.top import register as register_top
     register_top(sub, cmd_top)
 
     _add_optional_commands(sub)

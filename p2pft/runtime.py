@@ -13,16 +13,16 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
-from . import aio
-from .config import DEFAULT, Profile
-from .dataprobe import DataProbe
-from .driver import NodeServer
-from .log import set_context
-from .node import TRAINER_KIND
-from .meta import MemberMeta, Status
-from .step import view_wait_after_failure
+from .net import aio
+from .core.config import DEFAULT, Profile
+from .net.dataprobe import DataProbe
+from .net.driver import NodeServer
+from .ops.log import set_context
+from .core.node import TRAINER_KIND
+from .core.meta import MemberMeta, Status
+from .core.step import view_wait_after_failure
 from .transport.addr import advertised, data_bind_host, parse_hostport
-from .view import JobTarget, Member, Role, View
+from .core.view import JobTarget, Member, Role, View
 
 if TYPE_CHECKING:
     from .transport.server import DataServer
@@ -87,7 +87,7 @@ class Runtime:
         self._next_beat = 0.0
         self.view_log: list[tuple[float, int, int]] = []   # (wall time, epoch, data_epoch), bounded
         self.metrics_port = metrics_port                   # PORT or HOST:PORT for /metrics (None: off)
-        self.metrics: Any = None                           # p2pft.metrics.MetricsEndpoint once served
+        self.metrics: Any = None                           # p2pft.ops.metrics.MetricsEndpoint once served
         self.probe: DataProbe | None = None                # data-port reachability of failed peers
 
     # ------------------------------------------------------------------ lifecycle
@@ -115,7 +115,7 @@ class Runtime:
         if self._start_error is not None:
             raise RuntimeStartError(f"cannot start the control plane on {self.listen}: {self._start_error}")
         if self.metrics_port is not None:
-            from .metrics import serve_runtime_metrics
+            from .ops.metrics import serve_runtime_metrics
             try:
                 self.metrics = serve_runtime_metrics(self, self.metrics_port)
             except (OSError, ValueError) as exc:
@@ -290,7 +290,7 @@ class Runtime:
         self._call(lambda now: self.server.node.loop_beat(now, timeout))  # type: ignore[union-attr]
 
     def set_status(self, status: Status, step: int | None = None) -> None:
-        """This trainer's account of its state (``p2pft.meta.Status``): fresh, ready, joining,
+        """This trainer's account of its state (``p2pft.core.meta.Status``): fresh, ready, joining,
         paused or done, at `step`."""
         status = Status(status)
         self._status = status

@@ -18,8 +18,8 @@ from typing import Any, Awaitable, Callable, Iterator
 
 import pytest
 
-from p2pft.driver import admin_request
-from p2pft.ports import free_ports
+from p2pft.net.driver import admin_request
+from p2pft.deploy.ports import free_ports
 
 HOST = "127.0.0.1"
 
@@ -181,7 +181,7 @@ def ctl() -> type[Ctl]:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Multi-process tests (marked ``slow``) run real replicas on a shared 2-core machine, where
-    load stretches timings (their ports lie outside the ephemeral range, ``p2pft.ports``, so no
+    load stretches timings (their ports lie outside the ephemeral range, ``p2pft.deploy.ports``, so no
     outgoing connection takes one): such a test gets one rerun. A second failure fails the
     suite, and pytest reports every rerun (``R`` in the progress line, 'rerun' in the summary)."""
     for item in items:

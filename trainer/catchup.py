@@ -22,9 +22,9 @@ from typing import Any, Protocol
 
 import torch
 
-from ..meta import Status
+from ..core.meta import Status
 from ..runtime import Runtime
-from ..step import ReplayLog
+from ..core.step import ReplayLog
 from ..transport import CommError
 from ..transport.stream import StateSnapshot, fetch_state
 from .attempt import Entry

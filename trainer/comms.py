@@ -26,7 +26,7 @@ from typing import Any, Callable
 from ..runtime import Runtime
 from ..transport import DataServer, SharedDevice
 from ..transport.backend import Backend
-from ..view import Role
+from ..core.view import Role
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ engine with a different ``ReplicaGroup`` and state layout. Per attempt (docs/arc
 1. rank 0 turns the current view into an ``Attempt`` and broadcasts it in-replica;
 2. every rank allreduces its shard of the step buffer on ``(data epoch, shard = its rank)``;
 3. the ranks all-gather a ``Verdict`` and take the same decision from the same list
-   (``p2pft.step.decide``): commit, fast-forward, log for replay, retry or idle; either every
+   (``p2pft.core.step.decide``): commit, fast-forward, log for replay, retry or idle; either every
    rank of the replica commits the step or none does. On failure rank 0 reports the peer,
    waits for the next view, and all ranks retry with their saved gradients (no recomputation).
 """
@@ -24,14 +24,14 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from ..meta import Status
+from ..core.meta import Status
 from ..runtime import Runtime
-from ..step import RETRY_PAUSE_S, Action, Reduced, decide, idle_backoff
+from ..core.step import RETRY_PAUSE_S, Action, Reduced, decide, idle_backoff
 from ..transport import CommAborted, CommError, DataServer, SharedDevice
 from ..transport.addr import parse_hostport
 from ..transport.backend import choose_backend, data_plane_from
 from ..transport.stream import StateSnapshot
-from ..view import Role
+from ..core.view import Role
 from .attempt import Attempt, Entry, Plan, StepResult, StepTimeout, Stopped, Verdict
 from .catchup import Catchup
 from .comms import ShardComms

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from ..runtime import Runtime
-from ..view import TargetKind
+from ..core.view import TargetKind
 from .attempt import StepResult, StepTimeout, Stopped
 from .checkpoint import AsyncCheckpointer
 from .engine import StateIO, StepEngine

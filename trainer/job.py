@@ -18,10 +18,10 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..meta import Status
+from ..core.meta import Status
 from ..transport.backend import DataPlaneError
 from ..transport.stream import StateSnapshot, fetch_state
-from ..view import JobTarget, Role, TargetKind, View
+from ..core.view import JobTarget, Role, TargetKind, View
 from .attempt import Attempt, Plan, StepResult, StepTimeout, Stopped
 from .requests import StateRequest
 

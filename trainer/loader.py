@@ -25,7 +25,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.dataloader import default_collate
 
-from ..procs import die_with_parent
+from ..deploy.procs import die_with_parent
 from .cursor import DataCursor
 from .engine import StepEngine
 

@@ -1,6 +1,6 @@
 """Per-step metrics of one replica, pushed by its training loop once per step.
 
-The control and data planes are pulled at scrape time (``p2pft.metrics``); what only the loop
+The control and data planes are pulled at scrape time (``p2pft.ops.metrics``); what only the loop
 knows (the step's outcome, its time, a catch-up's start and end) is pushed here, from the
 ``StepResult`` of each ``commit()``. It lives beside the trainer because it reads the trainer's
 results and state; it registers into the runtime's registry.
@@ -15,7 +15,7 @@ from typing import Any, Protocol
 import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from ..metrics import ROLES, DataCollector
+from ..ops.metrics import ROLES, DataCollector
 from ..runtime import Runtime
 from .attempt import StepResult
 

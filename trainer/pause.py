@@ -27,11 +27,11 @@ import threading
 import time
 from typing import Any, Iterator
 
-from ..meta import Status
+from ..core.meta import Status
 from ..runtime import Runtime
 from ..transport import CommError
 from ..transport.stream import fetch_state
-from ..view import Role
+from ..core.view import Role
 from .requests import StateRequest
 
 log = logging.getLogger("p2pft.trainer.engine")

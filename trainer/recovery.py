@@ -16,7 +16,7 @@ from collections import deque
 from typing import Any, Callable
 
 from ..runtime import Runtime
-from ..step import FRESH_EPOCH_WAIT_S, NEXT_VIEW_WAIT_S
+from ..core.step import FRESH_EPOCH_WAIT_S, NEXT_VIEW_WAIT_S
 from ..transport.backend import DataPlaneError
 from .attempt import Verdict
 

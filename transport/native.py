@@ -8,6 +8,7 @@ and every op takes the Python loop. P2PFT_NATIVE_RING=0 turns it off (for compar
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 from array import array
@@ -43,11 +44,10 @@ class Status:
 def _load() -> ModuleType | None:
     if sys.byteorder != "little":  # the C loop writes the "<" frame structs natively
         return None
-    try:
-        from . import _ringloop  # type: ignore[attr-defined]
+    try:   # the C extension, by name: `from . import` would go through this package's __init__
+        return importlib.import_module(f"{__package__}._ringloop")
     except ImportError:
         return None
-    return _ringloop
 
 
 _MODULE = _load()

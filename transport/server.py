@@ -26,7 +26,8 @@ from .backend import Backend
 from .errors import CommTimeout, ProtocolMismatch
 from .nccl import NcclCommunicator
 from .ncclid import KIND_NCCL_ID
-from . import options as opts
+from .options import (DEFAULT_CHUNK_BYTES, DEFAULT_STATE_CHUNK_BYTES, ChunkHook, DonorLimits, RingOptions,
+                      configured_bufsize, ring_bufsize_for)
 from .sockutil import close_quietly, shutdown_quietly
 from .stream import StateSnapshot, serve_state_connection
 from .staging import DEFAULT_PIECE_BYTES, StagingTcpCommunicator
@@ -78,10 +79,10 @@ class DataServer:
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *, secret: bytes | None = None,
-                 chunk_bytes: int = opts.DEFAULT_CHUNK_BYTES, lanes: int = 1, sock_bufsize: int | None = None,
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, lanes: int = 1, sock_bufsize: int | None = None,
                  pending_timeout: float = 30.0, max_pending: int = 256, handshake_timeout: float = 5.0,
                  max_state_streams: int = 2, state_rate_limit: float | None = None,
-                 state_chunk_bytes: int = opts.DEFAULT_STATE_CHUNK_BYTES, state_timeout: float = 60.0,
+                 state_chunk_bytes: int = DEFAULT_STATE_CHUNK_BYTES, state_timeout: float = 60.0,
                  inline_send: bool = True, max_handshakes: int = 1024, replay_window: float = 30.0) -> None:
         if secret is not None and not isinstance(secret, (bytes, bytearray)):
             raise TypeError("secret must be bytes or None")
@@ -90,7 +91,7 @@ class DataServer:
         self.secret = bytes(secret) if secret is not None else None
         self.chunk_bytes = int(chunk_bytes)
         self.lanes = int(lanes)
-        self.sock_bufsize = opts.configured_bufsize(sock_bufsize)
+        self.sock_bufsize = configured_bufsize(sock_bufsize)
         self.inline_send = inline_send
         self.pending_timeout = pending_timeout
         self.max_pending = max_pending
@@ -102,7 +103,7 @@ class DataServer:
         #: donor side: seconds without progress before a state stream to a stalled joiner is dropped.
         self.state_timeout = state_timeout
         #: fault-injection hook for tests: (chunk seq, payload) -> payload actually sent.
-        self.state_chunk_hook: opts.ChunkHook | None = None
+        self.state_chunk_hook: ChunkHook | None = None
 
         self.max_handshakes = int(max_handshakes)
         #: rejections and drops, by kind (see the module docstring)
@@ -246,13 +247,13 @@ class DataServer:
         self.close()
 
     # ------------------------------------------------------------------ settings handed out
-    def _ring_options(self, peers: list[str], rank: int) -> opts.RingOptions:
-        return opts.RingOptions(chunk_bytes=self.chunk_bytes, lanes=self.lanes,
-                                sock_bufsize=opts.ring_bufsize_for(peers, rank, self.sock_bufsize),
+    def _ring_options(self, peers: list[str], rank: int) -> RingOptions:
+        return RingOptions(chunk_bytes=self.chunk_bytes, lanes=self.lanes,
+                                sock_bufsize=ring_bufsize_for(peers, rank, self.sock_bufsize),
                                 inline_send=self.inline_send, secret=self.secret, source_host=self._host)
 
-    def _donor_limits(self) -> opts.DonorLimits:
-        return opts.DonorLimits(timeout=self.state_timeout, rate_limit=self.state_rate_limit,
+    def _donor_limits(self) -> DonorLimits:
+        return DonorLimits(timeout=self.state_timeout, rate_limit=self.state_rate_limit,
                            chunk_bytes=self.state_chunk_bytes, chunk_hook=self.state_chunk_hook)
 
     # ------------------------------------------------------------------ communicator callback
@@ -422,7 +423,7 @@ class DataServer:
         th.start()
 
     def _run_stream(self, sid: int, sock: socket.socket, provider: Callable[[dict], "StateSnapshot | None"],
-                    limits: opts.DonorLimits) -> None:
+                    limits: DonorLimits) -> None:
         try:
             serve_state_connection(sock, provider, limits)
         except (socket.timeout, TimeoutError):

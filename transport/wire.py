@@ -147,7 +147,7 @@ def source_address(own: str | None, dest: str) -> tuple[str, int] | None:
     the kernel choose: only a specific IP literal, only towards an IP literal of the same family,
     and a loopback IP only towards loopback (the default 127.0.0.1 never breaks a connection to
     another host). With one loopback IP per process (127.0.0.N) a fault proxy can tell processes
-    apart by source address. p2pft/driver.py applies the same rule to control connections."""
+    apart by source address. p2pft/net/driver.py applies the same rule to control connections."""
     if not own:
         return None
     try:

@@ -2,7 +2,7 @@
 
 Each replica is an ordinary OS process (``python -m p2pft.trainer.examples.replica``) killed
 with real signals; nothing is mocked. All processes of a cluster share one process group and die
-with the harness (``p2pft.procs``), so no run, however it ends, leaves a process behind. A *system* decides what a failure means:
+with the harness (``p2pft.deploy.procs``), so no run, however it ends, leaves a process behind. A *system* decides what a failure means:
 
 - ``p2pft``: only the hit replica dies and is restarted after the delay; the others go on;
 - ``sync``: the classic synchronous job under an elastic launcher: any failure stops every
@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..ports import free_ports
-from ..procs import ProcGroup, collect
+from ..deploy.ports import free_ports
+from ..deploy.procs import ProcGroup, collect
 from .hosts import Hosts
 from .records import read_stats
 
@@ -312,8 +312,8 @@ class Cluster:
 
     def leader(self) -> int | None:
         """Ask a live replica's control port who leads Raft; map the leader to a replica index."""
-        from .. import aio
-        from ..driver import admin_request
+        from ..net import aio
+        from ..net.driver import admin_request
         for i in self.live():
             try:
                 rep = aio.run(admin_request(self.addrs[i], "admin.members", timeout=1.0))

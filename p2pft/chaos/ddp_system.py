@@ -14,7 +14,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from ..ports import free_ports
+from ..deploy.ports import free_ports
 from .cluster import Cluster, Proc
 
 

@@ -27,7 +27,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from ..procs import ProcGroup
+from ..deploy.procs import ProcGroup
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ The handler only records the signal; the harness loop sees it within one tick, s
 cluster (replicas, then witnesses and coordinators, then the process group), and reports what
 was measured up to that moment. A later signal while stopping changes nothing: the stop is
 bounded anyway, and a harness killed outright still takes its processes with it
-(``p2pft.procs``).
+(``p2pft.deploy.procs``).
 """
 from __future__ import annotations
 

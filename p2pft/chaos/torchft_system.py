@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..ports import free_ports
+from ..deploy.ports import free_ports
 from .cluster import ChaosConfig, Cluster, Proc, stop_procs
 
 # Lighthouse settings. torchft's README starts it with --min_replicas 1 --quorum_tick_ms 100

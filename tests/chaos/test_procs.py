@@ -1,4 +1,4 @@
-"""p2pft.procs: children die with their parent, a group reaches grandchildren, CPU time is read."""
+"""p2pft.deploy.procs: children die with their parent, a group reaches grandchildren, CPU time is read."""
 from __future__ import annotations
 
 import os
@@ -9,12 +9,12 @@ import time
 
 import pytest
 
-from p2pft.procs import ProcGroup, collect, spawn
+from p2pft.deploy.procs import ProcGroup, collect, spawn
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux only")
 
-# A parent that starts a `sleep` through p2pft.procs, prints its pid, then waits to be killed.
-PARENT = ("import sys, time; from p2pft.procs import spawn; "
+# A parent that starts a `sleep` through p2pft.deploy.procs, prints its pid, then waits to be killed.
+PARENT = ("import sys, time; from p2pft.deploy.procs import spawn; "
           "p = spawn(['sleep', '60']); print(p.pid, flush=True); time.sleep(60)")
 
 

@@ -17,7 +17,7 @@ import time
 import torch
 
 from p2pft import Runtime
-from p2pft.log import setup_logging
+from p2pft.ops.log import setup_logging
 from p2pft.trainer import DiLoCo, Stopped
 
 WIDTH = 16

@@ -19,7 +19,7 @@ import time
 import torch
 
 from p2pft import Runtime
-from p2pft.log import setup_logging
+from p2pft.ops.log import setup_logging
 from p2pft.trainer import FaultTolerant, Stopped
 from p2pft.trainer.loader import StepLoader
 

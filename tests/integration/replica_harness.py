@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from p2pft.ports import free_ports
+from p2pft.deploy.ports import free_ports
 
 
 def ports(n: int) -> list[int]:

@@ -15,7 +15,7 @@ pytest.importorskip("torchft", reason="torchft is not installed (pip install 'p2
 import torch  # noqa: E402
 
 from p2pft.chaos.torchft_system import lighthouse_command  # noqa: E402
-from p2pft.ports import free_ports  # noqa: E402
+from p2pft.deploy.ports import free_ports  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 HERE = Path(__file__).parent

@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from p2pft import aio
-from p2pft.wire import encode
+from p2pft.net import aio
+from p2pft.net.wire import encode
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -53,7 +53,7 @@ def _flood(addr: str, n: int) -> list[socket.socket]:
 
 
 def _stats(ctl: Any, addr: str) -> dict[str, Any]:
-    from p2pft.driver import admin_request
+    from p2pft.net.driver import admin_request
     return aio.run(admin_request(addr, "admin.stats", timeout=5.0))["counters"]
 
 

@@ -226,7 +226,7 @@ def test_unreachable_data_port_is_named_and_left_out(tmp_path: Path) -> None:
     """r2's data port is dropped by a firewall on its host (its control port works): the others
     train within the bound, one ERROR line on them names r2 and its data address, `p2pft top`
     shows it, and once the port is open again r2 comes back and contributes."""
-    from p2pft.dataprobe import DATA_UNREACHABLE_S, PROBE_TIMEOUT_S
+    from p2pft.net.dataprobe import DATA_UNREACHABLE_S, PROBE_TIMEOUT_S
     with Hosts(5) as hs:
         ps = HostSet(tmp_path, hs)
         ps.witnesses()
@@ -267,7 +267,7 @@ def test_unreachable_data_port_is_named_and_left_out(tmp_path: Path) -> None:
 RUNTIME_ONLY = '''
 import sys, time
 from p2pft import Runtime
-from p2pft.log import setup_logging
+from p2pft.ops.log import setup_logging
 setup_logging("INFO")
 rid, listen, seed, data_listen = sys.argv[1:5]
 rt = Runtime(replica_id=rid, listen=listen, seeds=[seed], data_listen=data_listen or None).start()

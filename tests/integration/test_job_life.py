@@ -159,7 +159,7 @@ def test_readme_loop_runs_as_written_with_two_replicas(tmp_path: Path) -> None:
     import subprocess
     import sys
 
-    from p2pft.ports import free_ports
+    from p2pft.deploy.ports import free_ports
 
     a, b = (f"127.0.0.1:{p}" for p in free_ports(2))
     env = dict(os.environ, OMP_NUM_THREADS="1")

@@ -261,7 +261,7 @@ def test_rules_change_at_run_time_on_an_open_connection(nf: NetFault, server: Se
 def test_node_server_binds_its_source_ip_and_advertises_the_proxy(nf: NetFault) -> None:
     """Outgoing control connections of a node bound to 127.0.0.N come from 127.0.0.N, and the
     address in views is the advertised one."""
-    from p2pft.driver import NodeServer
+    from p2pft.net.driver import NodeServer
     from p2pft.transport.wire import source_address
 
     assert source_address("127.0.0.1", "10.1.2.3") is None        # loopback never towards another host

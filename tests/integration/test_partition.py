@@ -29,7 +29,7 @@ import pytest
 from replica_harness import ProcessSet, check_invariants, records, steps
 
 from p2pft.chaos.netfault import ANY, NetFault
-from p2pft.ports import free_ports
+from p2pft.deploy.ports import free_ports
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from p2pft import aio
+from p2pft.net import aio
 
 pytestmark = pytest.mark.slow
 

@@ -13,8 +13,8 @@ from typing import Callable
 
 import pytest
 
-from p2pft.node import Node
-from p2pft.sim import Simulator
+from p2pft.core.node import Node
+from p2pft.sim.cluster import Simulator
 
 N = 7
 BOUND = 10.0   # virtual seconds from the crash to a converged view of the live nodes

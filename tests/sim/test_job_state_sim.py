@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from p2pft.node import JOINER, PARTICIPANT, TRAINER_KIND
-from p2pft.sim import Simulator
-from p2pft.view import JobTarget, TargetKind
+from p2pft.core.node import JOINER, PARTICIPANT, TRAINER_KIND
+from p2pft.sim.cluster import Simulator
+from p2pft.core.view import JobTarget, TargetKind
 
 TRAINERS = ["10.0.0.1:7000", "10.0.0.2:7000"]
 WITNESSES = ["10.0.1.1:7000", "10.0.1.2:7000"]

@@ -7,8 +7,8 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from p2pft.config import DEFAULT
-from p2pft.sim import InvariantChecker, Simulator
+from p2pft.core.config import DEFAULT
+from p2pft.sim.cluster import InvariantChecker, Simulator
 
 DETECT_BOUND = 3.0     # virtual s from a crash to "every live node's committed view lacks it" (100 peers)
 

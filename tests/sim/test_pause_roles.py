@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import pytest
 
-from p2pft.node import JOINER, PARTICIPANT, TRAINER_KIND
-from p2pft.sim import Simulator
-from p2pft.view import Role
+from p2pft.core.node import JOINER, PARTICIPANT, TRAINER_KIND
+from p2pft.sim.cluster import Simulator
+from p2pft.core.view import Role
 
 LT = 2.0  # seconds a loop may go without a beat
 TRAINERS = ["10.0.0.1:7000", "10.0.0.2:7000", "10.0.0.3:7000"]

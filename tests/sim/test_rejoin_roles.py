@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from p2pft.node import JOINER, PARTICIPANT, TRAINER_KIND
-from p2pft.sim import Simulator
+from p2pft.core.node import JOINER, PARTICIPANT, TRAINER_KIND
+from p2pft.sim.cluster import Simulator
 
 
 def _role(sim: Simulator, node_id: str) -> str | None:

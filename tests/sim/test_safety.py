@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from p2pft.node import PARTICIPANT, TRAINER_KIND, WITNESS, WITNESS_KIND
-from p2pft.sim import InvariantViolation, Simulator, view_key
+from p2pft.core.node import PARTICIPANT, TRAINER_KIND, WITNESS, WITNESS_KIND
+from p2pft.sim.cluster import InvariantViolation, Simulator, view_key
 
 N_SCHEDULES = 500          # run in CHUNKS parametrized tests
 CHUNKS = 10

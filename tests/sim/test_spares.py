@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from p2pft.sim import Simulator
-from p2pft.view import Role, View
+from p2pft.sim.cluster import Simulator
+from p2pft.core.view import Role, View
 
 TRAINERS = [f"10.0.0.{i}:7000" for i in range(1, 5)]
 WITNESSES = ["10.0.1.1:7000", "10.0.1.2:7000"]

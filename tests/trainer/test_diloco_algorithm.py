@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from p2pft import Runtime
-from p2pft.ports import free_ports
+from p2pft.deploy.ports import free_ports
 from p2pft.trainer import DiLoCo
 from p2pft.trainer.outer import outer_sgd
 

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from p2pft.ports import free_ports
+from p2pft.deploy.ports import free_ports
 from p2pft.trainer.model import ModelConfig
 from p2pft.trainer.shardstate import capture_shard, restore_shard, shard_digest
 from p2pft.trainer.stepbuf import StepBuffer, local

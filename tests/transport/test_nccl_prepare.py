@@ -22,7 +22,7 @@ import torch
 from p2pft.transport import DataServer
 from p2pft.transport.backend import Backend
 from p2pft.trainer.comms import ShardComms
-from p2pft.view import Member, Role, View
+from p2pft.core.view import Member, Role, View
 
 ds = DataServer("127.0.0.1", 0, secret=b"s")
 me = Member("r0.a", "r0", "127.0.0.1:1", (ds.addr,), Role.JOINER, None)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from p2pft.ports import free_ports
+from p2pft.deploy.ports import free_ports
 
 OWN_RING_LOOP = True   # the ring loop is not what this is about: run once
 FAKES = Path(__file__).resolve().parent.parent / "fakes"

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from p2pft.launch import cluster_args, data_addrs
+from p2pft.deploy.launch import cluster_args, data_addrs
 from p2pft.runtime import Runtime
 from p2pft.transport.addr import (AddressError, HostPort, advertised, data_bind_host, is_loopback, join_hostport,
                                   parse_hostport, reachable_host)

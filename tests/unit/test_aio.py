@@ -1,12 +1,12 @@
-"""The control plane's cheap waits (p2pft/aio.py): a timed wake-up flag and a read with an idle
+"""The control plane's cheap waits (p2pft/net/aio.py): a timed wake-up flag and a read with an idle
 timeout, on real sockets."""
 from __future__ import annotations
 
 import asyncio
 import time
 
-from p2pft import aio
-from p2pft.aio import Wakeup, read_or_idle
+from p2pft.net import aio
+from p2pft.net.aio import Wakeup, read_or_idle
 
 
 def test_wakeup_times_out_wakes_and_remembers_a_set_before_the_wait() -> None:

@@ -1,4 +1,4 @@
-"""The control messages' wire form (p2pft/codec.py), member metadata (p2pft/meta.py), and the
+"""The control messages' wire form (p2pft/core/codec.py), member metadata (p2pft/core/meta.py), and the
 node's one output value per step (Node.ready)."""
 from __future__ import annotations
 
@@ -8,13 +8,11 @@ from typing import Any
 import msgpack
 import pytest
 
-from p2pft import codec
-from p2pft.messages import (ALIVE, DEAD, LEFT, SUSPECT, Ack, Append, AppendResp, Nack, Ping, PreVote, PreVoteResp,
-                            ProbeRequest, PushPull, Row, Snapshot, Unknown, Update, Updates, ViewDelta, ViewFull,
-                            ViewRequest, Vote, VoteResp, Who)
-from p2pft.meta import Kind, MemberMeta, Status
-from p2pft.node import Node
-from p2pft.view import Member, Role, View
+from p2pft.core import codec
+from p2pft.core.messages import ALIVE, DEAD, LEFT, SUSPECT, Ack, Append, AppendResp, Nack, Ping, PreVote, PreVoteResp, ProbeRequest, PushPull, Row, Snapshot, Unknown, Update, Updates, ViewDelta, ViewFull, ViewRequest, Vote, VoteResp, Who
+from p2pft.core.meta import Kind, MemberMeta, Status
+from p2pft.core.node import Node
+from p2pft.core.view import Member, Role, View
 
 META = MemberMeta(replica_id="r1", data_addrs=("10.0.0.1:8000", "10.0.0.1:8001"), kind=Kind.TRAINER, shards=2,
                   status=Status.READY, start=1234.5, step=7, loop_timeout=30.0, data_epoch_request=4)

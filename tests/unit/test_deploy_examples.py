@@ -47,7 +47,7 @@ def test_sbatch_flags_exist() -> None:
 def _replica_options() -> set[str]:
     import argparse
 
-    from p2pft.replica_args import add_replica_args
+    from p2pft.deploy.replica_args import add_replica_args
     from p2pft.trainer.examples import replica
     p = argparse.ArgumentParser()
     add_replica_args(p, replicas=3, digest_every=10)
@@ -94,7 +94,7 @@ def test_k8s_manifests_fit_together() -> None:
 def test_k8s_commands_parse_and_place(monkeypatch: pytest.MonkeyPatch) -> None:
     """The containers' command lines, parsed by the real parsers in a pod-like environment
     (the Service name resolved by the real resolver)."""
-    from p2pft.launch import cluster_args_from
+    from p2pft.deploy.launch import cluster_args_from
     from p2pft.trainer.examples.replica import parse_args
     for k, v in K8S_ENV.items():
         monkeypatch.setenv(k, v)

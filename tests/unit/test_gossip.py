@@ -10,11 +10,11 @@ from typing import Any
 import msgpack
 import pytest
 
-from p2pft import codec
-from p2pft.config import DEFAULT, Profile
-from p2pft.gossip import ALIVE, DEAD, LEFT, SUSPECT, Gossip, Suspicion
-from p2pft.messages import Updates
-from p2pft.meta import MemberMeta
+from p2pft.core import codec
+from p2pft.core.config import DEFAULT, Profile
+from p2pft.core.gossip.swim import ALIVE, DEAD, LEFT, SUSPECT, Gossip, Suspicion
+from p2pft.core.messages import Updates
+from p2pft.core.meta import MemberMeta
 
 
 def wire_msg(body: dict[str, Any]) -> Any:

@@ -1,5 +1,5 @@
 """The job's state where it is pure: its wire form (views, deltas, member metadata), and the
-leader's decisions (p2pft/job.py) on the target, the end barrier and a headless resume."""
+leader's decisions (p2pft/core/job.py) on the target, the end barrier and a headless resume."""
 from __future__ import annotations
 
 from collections import Counter
@@ -8,12 +8,12 @@ from typing import Any
 import msgpack
 import pytest
 
-from p2pft import codec
-from p2pft.job import FINISH_GRACE_S, RESUME_GRACE_S, JobPlanner, Trainer
-from p2pft.messages import ViewDelta, ViewFull
-from p2pft.meta import Kind, MemberMeta, Status
-from p2pft.reconcile import canonical
-from p2pft.view import JobTarget, Member, Role, TargetKind, View
+from p2pft.core import codec
+from p2pft.core.job import FINISH_GRACE_S, RESUME_GRACE_S, JobPlanner, Trainer
+from p2pft.core.messages import ViewDelta, ViewFull
+from p2pft.core.meta import Kind, MemberMeta, Status
+from p2pft.core.reconcile import canonical
+from p2pft.core.view import JobTarget, Member, Role, TargetKind, View
 
 STEPS8 = JobTarget(TargetKind.STEPS, 8)
 HDR: dict[str, Any] = {"frm": "10.0.0.1:7000", "src": "r1.0a"}

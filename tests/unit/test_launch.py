@@ -1,10 +1,9 @@
-"""Seeds and identity from SLURM, Kubernetes and torchrun environments (p2pft/launch.py)."""
+"""Seeds and identity from SLURM, Kubernetes and torchrun environments (p2pft/deploy/launch.py)."""
 from __future__ import annotations
 
 import pytest
 
-from p2pft.launch import (LaunchError, Scheduler, cluster_args, detect, expand_hostlist, from_k8s, from_slurm,
-                          from_torchrun, place)
+from p2pft.deploy.launch import LaunchError, Scheduler, cluster_args, detect, expand_hostlist, from_k8s, from_slurm, from_torchrun, place
 
 
 # ---------------------------------------------------------------------- SLURM hostlists
@@ -154,7 +153,7 @@ def test_cluster_args_rejects(kw: dict, needle: str) -> None:
 
 
 def test_data_and_metrics_ports_follow_the_offset() -> None:
-    from p2pft.launch import data_addrs, offset_port
+    from p2pft.deploy.launch import data_addrs, offset_port
     ca = cluster_args(seeds_from="torchrun", listen="0.0.0.0:7100", advertise=None, seeds=[], replica_id=None,
                       role="r", env={"MASTER_ADDR": "head", "GROUP_RANK": "1", "LOCAL_RANK": "3"})
     assert ca.listen == "0.0.0.0:7103" and ca.seeds == ["head:7100"] and ca.replica_id == "r1-3"

@@ -7,13 +7,13 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry, generate_latest
 
-from p2pft.driver import NodeServer
-from p2pft.metrics import parse_metrics_addr
+from p2pft.net.driver import NodeServer
+from p2pft.ops.metrics import parse_metrics_addr
 from p2pft.trainer.metrics import StepMetrics, state_bytes
-from p2pft.observe import family, rejected_counts
-from p2pft.top import build_frame, render_plain
+from p2pft.ops.observe import family, rejected_counts
+from p2pft.ops.top import build_frame, render_plain
 from p2pft.trainer.ft import StepResult
-from p2pft.view import View
+from p2pft.core.view import View
 
 
 def value(reg: CollectorRegistry, name: str, labels: dict[str, str] | None = None) -> float:

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from p2pft.step import IDLE_BACKOFF_MAX_S, IDLE_PAUSE_S, idle_backoff
+from p2pft.core.step import IDLE_BACKOFF_MAX_S, IDLE_PAUSE_S, idle_backoff
 from p2pft.trainer.donor import SnapshotRequests
 from p2pft.trainer.recent import RecentSteps, step_signature
 from p2pft.trainer.recovery import LogLimiter
@@ -117,7 +117,7 @@ def test_donor_refusal_is_none_not_a_wait() -> None:
 
 
 def test_top_shows_a_paused_replica_with_its_step() -> None:
-    from p2pft.top import build_frame, render_plain
+    from p2pft.ops.top import build_frame, render_plain
 
     def member(node: str, role: str, step: int) -> dict:
         return {"node": node, "replica_id": node.split(".")[0], "addr": "127.0.0.1:7000", "data_addr": "",
@@ -140,7 +140,7 @@ def test_back_from_a_pause_compares_its_last_step_with_a_peer_over_the_data_port
 
     from p2pft.trainer.pause import last_step_agreed
     from p2pft.transport import DataServer
-    from p2pft.view import Member, Role, View
+    from p2pft.core.view import Member, Role, View
 
     mine = step_signature(41, 3, [True, True, True])
     servers = [DataServer(), DataServer()]

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from p2pft import ports
+from p2pft.deploy import ports
 
 
 def test_ports_lie_outside_the_ephemeral_range_and_can_be_bound() -> None:

@@ -10,11 +10,11 @@ from typing import Any
 import msgpack
 import pytest
 
-from p2pft import codec
-from p2pft.config import DEFAULT, Profile
-from p2pft.messages import AppendResp, Vote
-from p2pft.raft import CANDIDATE, FOLLOWER, LEADER, Raft
-from p2pft.view import Member, Role, View
+from p2pft.core import codec
+from p2pft.core.config import DEFAULT, Profile
+from p2pft.core.messages import AppendResp, Vote
+from p2pft.core.raft import CANDIDATE, FOLLOWER, LEADER, Raft
+from p2pft.core.view import Member, Role, View
 
 P = DEFAULT
 

@@ -1,11 +1,11 @@
-"""Who is left out for an unreachable data port (p2pft/reach.py) and how gossip carries it."""
+"""Who is left out for an unreachable data port (p2pft/core/reach.py) and how gossip carries it."""
 from __future__ import annotations
 
 import pytest
 
-from p2pft.members import GossipMember
-from p2pft.meta import Kind, MemberMeta
-from p2pft.reach import data_unreachable
+from p2pft.core.gossip.members import GossipMember
+from p2pft.core.meta import Kind, MemberMeta
+from p2pft.core.reach import data_unreachable
 
 
 def _m(node: str, names: tuple[str, ...] = (), kind: Kind = Kind.TRAINER) -> GossipMember:

@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from p2pft.driver import NodeServer, admin_request
-from p2pft.wire import FrameDecoder, ReplayGuard, WireError, encode
+from p2pft.net.driver import NodeServer, admin_request
+from p2pft.net.wire import FrameDecoder, ReplayGuard, WireError, encode
 
 SECRET = b"cluster-secret"
 
@@ -123,7 +123,7 @@ async def _send(addr: str, data: bytes) -> bytes:
 
 
 async def test_a_frame_recorded_on_the_wire_and_replayed_is_rejected(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.WARNING, logger="p2pft.driver")
+    caplog.set_level(logging.WARNING, logger="p2pft.net.driver")
     b = NodeServer(listen="127.0.0.1:0", secret=SECRET, replica_id="b")
     await b.start()
     record = bytearray()

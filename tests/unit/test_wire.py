@@ -14,9 +14,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from p2pft.driver import NodeServer, admin_request
-from p2pft.wire import (DEFAULT_MAX_FRAME, FLAG_MAC, MAC_LEN, PROTOCOL_VERSION, FrameDecoder, Message, WireError,
-                        encode, load_secret)
+from p2pft.net.driver import NodeServer, admin_request
+from p2pft.net.wire import DEFAULT_MAX_FRAME, FLAG_MAC, MAC_LEN, PROTOCOL_VERSION, FrameDecoder, Message, WireError, encode, load_secret
 
 SECRET = b"cluster-secret"
 OTHER = b"another-secret"
@@ -258,18 +257,18 @@ async def server():
 @pytest.mark.parametrize("kind,make", BAD_INPUTS, ids=[k for k, _ in BAD_INPUTS])
 async def test_server_closes_counts_and_logs_each_bad_frame(server: NodeServer, kind: str, make,
                                                             caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.WARNING, logger="p2pft.driver")
+    caplog.set_level(logging.WARNING, logger="p2pft.net.driver")
     answer = await _send_raw(server.addr, make())
     assert answer == b""  # closed without a reply
     assert server.counters[f"bad_frame_{kind}"] == 1
-    lines = [r.getMessage() for r in caplog.records if r.name == "p2pft.driver"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "p2pft.net.driver"]
     assert any("closing connection" in line and kind in line for line in lines), lines
     rep = await admin_request(server.addr, "admin.members", secret=SECRET, timeout=3.0)
     assert rep["epoch"] >= 1 and rep["members"][0]["replica_id"] == "wire-test"
 
 
 async def test_server_counts_truncated_stream(server: NodeServer, caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.WARNING, logger="p2pft.driver")
+    caplog.set_level(logging.WARNING, logger="p2pft.net.driver")
     frame = encode("g.ping", "x", {"seq": 1}, secret=SECRET)
     await _send_raw(server.addr, frame[: len(frame) // 2], close_write=True)
     await asyncio.sleep(0.05)
@@ -279,7 +278,7 @@ async def test_server_counts_truncated_stream(server: NodeServer, caplog: pytest
 
 
 async def test_server_without_secret_rejects_signed_frames(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.WARNING, logger="p2pft.driver")
+    caplog.set_level(logging.WARNING, logger="p2pft.net.driver")
     srv = NodeServer(listen="127.0.0.1:0")
     await srv.start()
     try:

@@ -33,7 +33,7 @@ from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
-from p2pft.replica_args import add_replica_args, require_replica_id
+from p2pft.deploy.replica_args import add_replica_args, require_replica_id
 
 T_START = time.time()
 CORPUS_VERSION = 1
@@ -378,7 +378,7 @@ def save_weights(path: str | None, model: Any, step: int, suffix: str = "") -> N
 def start_runtime(args: argparse.Namespace) -> Any:
     """This replica's control plane: addresses and secret from the command line."""
     from p2pft import Runtime
-    from p2pft.wire import load_secret
+    from p2pft.net.wire import load_secret
     return Runtime(replica_id=args.replica_id, listen=args.listen, seeds=[s for s in args.seeds.split(",") if s],
                    secret=load_secret(args.secret_file), comm_timeout=args.comm_timeout,
                    max_participants=args.max_participants).start()
@@ -443,7 +443,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import torch._dynamo  # noqa: F401  (imported lazily by the first optimizer step: ~2 s)
 
-    from p2pft.log import setup_logging
+    from p2pft.ops.log import setup_logging
     setup_logging(args.log_level)
     torch.set_num_threads(args.threads)
     r = recipe_from_args(args)
@@ -453,5 +453,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from p2pft.procs import exit_now
+    from p2pft.deploy.procs import exit_now
     exit_now(main())

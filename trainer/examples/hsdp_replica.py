@@ -21,7 +21,7 @@ import signal
 import sys
 import time
 
-from p2pft.replica_args import add_replica_args, require_replica_id
+from p2pft.deploy.replica_args import add_replica_args, require_replica_id
 
 T_START = time.time()
 
@@ -48,11 +48,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def launch(nproc: int, argv: list[str]) -> int:
     """Spawn `nproc` ranks of this script; any rank dying kills the whole replica.
 
-    The ranks share one process group and die with the launcher (``p2pft.procs``): SIGTERM,
+    The ranks share one process group and die with the launcher (``p2pft.deploy.procs``): SIGTERM,
     SIGINT and SIGHUP stop them in order, and a SIGKILLed launcher leaves no orphan rank.
     """
-    from p2pft.ports import free_ports
-    from p2pft.procs import ProcGroup
+    from p2pft.deploy.ports import free_ports
+    from p2pft.deploy.procs import ProcGroup
     (port,) = free_ports(1)
     procs = []
     group = ProcGroup()
@@ -100,13 +100,13 @@ def worker(args: argparse.Namespace) -> int:
     except ImportError:  # torch < 2.6
         from torch.distributed._composable.fsdp import fully_shard  # type: ignore[no-redef]
 
-    from p2pft.log import setup_logging
+    from p2pft.ops.log import setup_logging
     from p2pft.trainer.metrics import StepMetrics
     from p2pft.trainer.data import TextDataset
     from p2pft.trainer.hsdp import HSDP, Stopped
     from p2pft.trainer.progress import Progress
     from p2pft.trainer.model import model_config_for
-    from p2pft.wire import load_secret
+    from p2pft.net.wire import load_secret
 
     setup_logging(args.log_level)
     torch.set_num_threads(1)

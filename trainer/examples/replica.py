@@ -26,7 +26,7 @@ import sys
 import time
 from typing import Any
 
-from p2pft.replica_args import add_replica_args, require_replica_id
+from p2pft.deploy.replica_args import add_replica_args, require_replica_id
 
 T_START = time.time()
 
@@ -118,14 +118,14 @@ def main(argv: list[str] | None = None) -> int:
     import torch._dynamo  # noqa: F401  (imported lazily by the first optimizer: a torch import, ~2 s)
 
     from p2pft import Runtime
-    from p2pft.log import setup_logging
+    from p2pft.ops.log import setup_logging
     from p2pft.trainer.metrics import StepMetrics
     from p2pft.trainer import FaultTolerant
     from p2pft.trainer.ft import InitialStateMismatch, JobConfigError, MissingStateError, StepTimeout, Stopped
     from p2pft.trainer.progress import Progress
     from p2pft.trainer.data import TextDataset
     from p2pft.trainer.model import build_mlp_for_params, model_config_for
-    from p2pft.wire import load_secret
+    from p2pft.net.wire import load_secret
 
     setup_logging(args.log_level)
     torch.set_num_threads(args.threads)
@@ -327,5 +327,5 @@ def _close(ft: Any, rt: Any, stats: Stats, code: int) -> int:
 
 
 if __name__ == "__main__":
-    from p2pft.procs import exit_now
+    from p2pft.deploy.procs import exit_now
     exit_now(main())

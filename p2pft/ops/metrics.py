@@ -22,10 +22,10 @@ from prometheus_client.exposition import start_http_server
 from prometheus_client.registry import Collector
 
 from .observe import family, rejected_counts
-from .view import Role
+from ..core.view import Role
 
 if TYPE_CHECKING:
-    from .driver import NodeServer
+    from ..net.driver import NodeServer
 
 
 class Runtime(Protocol):
@@ -44,7 +44,7 @@ CONNECTION_REJECTS = ("inbound_evicted", "idle_closed", "slow_reader_closed")
 def parse_metrics_addr(text: str | int, listen_host: str) -> tuple[str, int]:
     """'9100' or 'HOST:9100' -> (host, port). A bare port binds the host of --listen, so a
     peer on loopback serves its metrics on loopback and one on 0.0.0.0 everywhere."""
-    from .transport.addr import parse_hostport
+    from ..transport.addr import parse_hostport
     raw = str(text).strip()
     if ":" in raw:
         host, port = parse_hostport(raw, "metrics address")

@@ -19,11 +19,11 @@ from typing import Any, Callable
 
 import msgpack
 
-from . import codec
-from .config import DEFAULT, Profile
-from .meta import Status
-from .node import WITNESS_KIND, Node
-from .view import View
+from ..core import codec
+from ..core.config import DEFAULT, Profile
+from ..core.meta import Status
+from ..core.node import WITNESS_KIND, Node
+from ..core.view import View
 
 
 class InvariantViolation(AssertionError):

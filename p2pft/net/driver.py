@@ -28,16 +28,16 @@ import time
 from collections import Counter, OrderedDict, deque
 from typing import Any, Callable
 
-from . import codec
+from ..core import codec
 from .aio import Wakeup, read_or_idle
-from .config import DEFAULT, Profile
-from .log import set_context
-from .meta import Kind, Status
-from .node import Node, WITNESS_KIND
-from .observe import Observer
-from .transport.addr import is_wildcard, join_hostport, parse_hostport, reachable_host
-from .transport.wire import source_address
-from .view import View
+from ..core.config import DEFAULT, Profile
+from ..ops.log import set_context
+from ..core.meta import Kind, Status
+from ..core.node import Node, WITNESS_KIND
+from ..ops.observe import Observer
+from ..transport.addr import is_wildcard, join_hostport, parse_hostport, reachable_host
+from ..transport.wire import source_address
+from ..core.view import View
 from .wire import DEFAULT_MAX_FRAME, FrameDecoder, ReplayGuard, WireError, encode
 
 log = logging.getLogger(__name__)

@@ -3,7 +3,7 @@
 No sockets, no clock, no global random: callers feed messages and the current time, and drain
 ``outbox`` (``(addr, message)`` pairs) and ``events`` (``(kind, node)`` pairs). The same object
 runs under the asyncio driver and under the simulator. The member table and suspicions live in
-``p2pft.members``, the piggyback queue in ``p2pft.broadcast``, the probe order in ``p2pft.probe``.
+``p2pft.core.gossip.members``, the piggyback queue in ``p2pft.core.gossip.broadcast``, the probe order in ``p2pft.core.gossip.probe``.
 
 What is implemented (memberlist is the reference for the semantics):
 - randomised round-robin direct probes; indirect probes through ``k`` members when the direct
@@ -25,11 +25,10 @@ from dataclasses import replace
 from typing import Any
 
 from .broadcast import BroadcastQueue
-from .config import Profile
+from ..config import Profile
 from .members import GossipMember, MemberTable, Suspicion
-from .messages import (ALIVE, DEAD, LEFT, SUSPECT, Ack, GossipMessage, GossipMsg, Nack, Ping, ProbeRequest,
-                       PushPull, Row, Update, Updates, Who)
-from .meta import MemberMeta
+from ..messages import ALIVE, DEAD, LEFT, SUSPECT, Ack, GossipMessage, GossipMsg, Nack, Ping, ProbeRequest, PushPull, Row, Update, Updates, Who
+from ..meta import MemberMeta
 from .probe import Probe, ProbeOrder
 
 

@@ -11,8 +11,8 @@ import random
 from dataclasses import dataclass, field
 from typing import Iterator
 
-from .messages import ALIVE, DEAD, LEFT, SUSPECT, MemberState, Row
-from .meta import MemberMeta
+from ..messages import ALIVE, DEAD, LEFT, SUSPECT, MemberState, Row
+from ..meta import MemberMeta
 
 _LIVE = (ALIVE, SUSPECT)
 

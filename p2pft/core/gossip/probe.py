@@ -12,7 +12,7 @@ import random
 from dataclasses import dataclass
 
 from .members import MemberTable
-from .messages import ALIVE, SUSPECT
+from ..messages import ALIVE, SUSPECT
 
 
 @dataclass

@@ -24,7 +24,7 @@ from dataclasses import replace
 from typing import Callable
 
 from .config import Profile
-from .messages import (Append, AppendResp, PreVote, PreVoteResp, RaftMsg, Snapshot, Vote, VoteResp)
+from .messages import Append, AppendResp, PreVote, PreVoteResp, RaftMsg, Snapshot, Vote, VoteResp
 from .view import View
 
 class RaftRole(str, enum.Enum):

@@ -12,7 +12,7 @@ import math
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from .messages import Update
+from ..messages import Update
 
 
 @dataclass(slots=True)

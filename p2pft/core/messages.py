@@ -1,6 +1,6 @@
 """The control messages, one dataclass each (gossip ``g.*``, Raft ``r.*``, views ``v.*``).
 
-The cores build and read these; ``p2pft.codec`` alone turns them into the wire's short-key
+The cores build and read these; ``p2pft.core.codec`` alone turns them into the wire's short-key
 dicts and back, at the edge (the driver around each frame, the simulator around its msgpack
 round trip). Every message carries its sender's address (``frm``) and node id (``src``),
 stamped by the layer that sends it.

@@ -22,7 +22,7 @@ from collections import Counter, deque
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Protocol
 
-from .view import Role, View
+from ..core.view import Role, View
 
 
 class NodeServer(Protocol):
@@ -198,7 +198,7 @@ class Observer:
 
 def data_unreachable_report(node: Any) -> list[dict[str, Any]]:
     """Members that trainers alive on gossip name as unreachable on the data plane (they are
-    left out of the view meanwhile: see p2pft/reach.py), each with who names it."""
+    left out of the view meanwhile: see p2pft/core/reach.py), each with who names it."""
     named: dict[str, list[str]] = {}
     for g in node.gossip.members.values():
         if g.state == "alive":

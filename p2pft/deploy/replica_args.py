@@ -10,8 +10,8 @@ import argparse
 import os
 
 from .launch import LaunchError, add_launch_args, cluster_args_from, data_addrs, offset_port
-from .log import log_level
-from .transport.addr import parse_hostport
+from ..ops.log import log_level
+from ..transport.addr import parse_hostport
 
 
 def add_replica_args(p: argparse.ArgumentParser, *, replicas: int, digest_every: int) -> None:
@@ -53,7 +53,7 @@ def require_replica_id(p: argparse.ArgumentParser, args: argparse.Namespace) -> 
                                seeds=[s for s in args.seeds.split(",") if s], replica_id=args.replica_id, role="r")
         args.metrics_port = offset_port(ca, args.metrics_port)
         if args.metrics_port:
-            from .metrics import parse_metrics_addr
+            from ..ops.metrics import parse_metrics_addr
             parse_metrics_addr(args.metrics_port, parse_hostport(ca.listen, "--listen").host)
         if hasattr(args, "data_listen"):
             args.data_listen, args.advertise_data = data_addrs(ca, args.data_listen, args.advertise_data)

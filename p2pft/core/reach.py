@@ -4,7 +4,7 @@ A member can answer every gossip probe while no peer can open its data port (it 
 address peers cannot reach, a firewall drops the port, a loopback address among remote peers).
 Every ring that includes it fails to connect, the engine asks for a fresh data epoch, the view
 keeps it, and the job livelocks. So trainers probe the data address of a peer whose connect
-failed and, after a bound (``DATA_UNREACHABLE_S``, in p2pft/dataprobe.py), name it in their
+failed and, after a bound (``DATA_UNREACHABLE_S``, in p2pft/net/dataprobe.py), name it in their
 gossip metadata (``MemberMeta.data_unreachable``); the leader leaves a named member out of the
 view, as it leaves out a stalled loop, until nobody names it any more (the naming trainer keeps
 probing and withdraws the name once a connect succeeds).
@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 from typing import Iterable
 
-from .members import GossipMember
+from .gossip.members import GossipMember
 from .meta import Kind
 
 log = logging.getLogger(__name__)

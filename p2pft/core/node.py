@@ -1,14 +1,14 @@
 """One replica leader's control plane as a sans-IO state machine: gossip + Raft + views.
 
 ``Node`` routes messages to the gossip and Raft cores, turns gossip's membership into proposed
-views when it leads (``p2pft.reconcile``), hands committed views to non-voters, and bootstraps a
+views when it leads (``p2pft.core.reconcile``), hands committed views to non-voters, and bootstraps a
 cluster when there is none. Inputs: ``handle(msg, now)``, ``tick(now)``, the evidence calls
 (``report_failure``, ``report_unreachable``, ``touch``) and the trainer's calls (``set_status``,
 ``set_step``, ``loop_beat``, ``request_data_epoch``, ``leave``). Output: ``ready()``, one
 ``Ready`` value (messages to send, committed views, leader terms) per step, taken by the caller.
 
-Messages are the dataclasses of ``p2pft.messages``; committed views are ``View`` values (Raft's
-log entries); member metadata is a ``MemberMeta``. Wire forms exist only in ``p2pft.codec``.
+Messages are the dataclasses of ``p2pft.core.messages``; committed views are ``View`` values (Raft's
+log entries); member metadata is a ``MemberMeta``. Wire forms exist only in ``p2pft.core.codec``.
 """
 from __future__ import annotations
 
@@ -18,9 +18,8 @@ import random
 from collections import Counter
 
 from .config import DEFAULT, Profile
-from .gossip import Gossip
-from .messages import (ALIVE, DEAD, LEFT, SUSPECT, Envelope, GossipMessage, Message, RaftMessage, Unknown, Update,
-                       Updates, ViewDelta, ViewFull, ViewRequest)
+from .gossip.swim import Gossip
+from .messages import ALIVE, DEAD, LEFT, SUSPECT, Envelope, GossipMessage, Message, RaftMessage, Unknown, Update, Updates, ViewDelta, ViewFull, ViewRequest
 from .meta import Kind, MemberMeta, Status
 from .raft import LEADER, Raft
 from .ready import Ready
@@ -106,7 +105,7 @@ class Node:
 
     # ------------------------------------------------------------------ inputs
     def handle(self, msg: Message, now: float) -> None:
-        """One decoded message (``p2pft.codec.from_wire``). Content that makes no sense raises
+        """One decoded message (``p2pft.core.codec.from_wire``). Content that makes no sense raises
         KeyError/TypeError/ValueError: the driver counts it and drops the message (never the node)."""
         self._now = now
         if isinstance(msg, GossipMessage):
@@ -186,7 +185,7 @@ class Node:
 
     def set_data_unreachable(self, nodes: tuple[str, ...], now: float) -> None:
         """Trainer: the members whose data address it has not reached for longer than the bound
-        although gossip says they are alive; the leader leaves them out (see p2pft/reach.py)."""
+        although gossip says they are alive; the leader leaves them out (see p2pft/core/reach.py)."""
         if tuple(nodes) != self.gossip.meta.data_unreachable:
             self.gossip.update_meta(now, data_unreachable=tuple(nodes))
             self._hello(now)

@@ -12,7 +12,7 @@ from collections import Counter
 from typing import Any
 
 from .config import Profile
-from .gossip import Gossip, GossipMember
+from .gossip.swim import Gossip, GossipMember
 from .job import HOLDS_STATE, RESUME_GRACE_S, JobPlanner, Trainer
 from .messages import ALIVE, SUSPECT
 from .meta import Kind, Status
@@ -20,7 +20,7 @@ from .raft import Raft
 from .reach import data_unreachable
 from .view import Member, Role, View
 
-log = logging.getLogger("p2pft.node")
+log = logging.getLogger(__name__)
 
 PROMOTE_SLACK_STEPS = 8    # a 'ready' joiner this close to the head is current (see desired)
 LEFT_KEEP = 128            # trainers recently left out of a view, carried in the view ("left")

@@ -33,7 +33,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
-from .transport.addr import is_wildcard, join_hostport, parse_hostport, reachable_host
+from ..transport.addr import is_wildcard, join_hostport, parse_hostport, reachable_host
 
 log = logging.getLogger(__name__)
 

@@ -175,14 +175,14 @@ class Poller:
     def fetch(self) -> dict[str, Any]:
         """Raises the request's OSError/TimeoutError/WireError, or ValueError for a peer that
         does not know admin.top."""
-        from . import aio
+        from ..net import aio
         report = aio.run(self._request(self.peer, "admin.top", secret=self.secret, timeout=self.timeout))
         if "error" in report:
             raise ValueError(str(report["error"]))
         return report
 
     def poll(self) -> Frame:
-        from .wire import WireError
+        from ..net.wire import WireError
         try:
             report = self.fetch()
         except (OSError, asyncio.TimeoutError, TimeoutError, ValueError, WireError) as exc:
@@ -203,9 +203,9 @@ def _with_error(f: Frame, error: str) -> Frame:
 
 
 def run_top(args: argparse.Namespace, secret: bytes | None, fail: Callable[[str], Exception]) -> int:
-    from .driver import admin_error, admin_request
-    from .transport.addr import parse_hostport
-    from .wire import WireError
+    from ..net.driver import admin_error, admin_request
+    from ..transport.addr import parse_hostport
+    from ..net.wire import WireError
     try:
         parse_hostport(args.peer, "--peer")
     except ValueError as exc:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from .meta import Status
 from .view import JobTarget, View
 
-log = logging.getLogger("p2pft.node")
+log = logging.getLogger(__name__)
 
 RESUME_GRACE_S = 5.0     # with no participant left, wait this long for one at the high-water step
 FINISH_GRACE_S = 20.0    # joiners get this long to reach the end once every participant has

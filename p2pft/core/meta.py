@@ -8,7 +8,7 @@ wire keys exist only in ``to_wire``/``from_wire``: they keep frames small at 1,0
 ``t0`` process start stamp, ``st`` committed step when the status was set, ``lt`` loop timeout,
 ``rb`` a failed data epoch for which a fresh one is requested, ``mp`` the most participants the
 job plans for (more trainers than that are hot spares), ``du`` the members whose data address
-this trainer has not reached for longer than the bound (see p2pft/reach.py), ``tg`` the job
+this trainer has not reached for longer than the bound (see p2pft/core/reach.py), ``tg`` the job
 target it declares (``[kind, n]``), ``ar`` 1 when it may restart the job from scratch.
 """
 from __future__ import annotations

@@ -8,7 +8,7 @@ retried forever. So the runtime also probes the peer's data addresses from this 
 connect, closed at once), every ``PROBE_EVERY_S``; once they have failed for
 ``DATA_UNREACHABLE_S`` while gossip still holds the peer alive, it logs one ERROR line naming the
 member and the address and names it in its gossip metadata, and the leader leaves it out of the
-view (p2pft/reach.py). It keeps probing, and withdraws the name at the first connect that
+view (p2pft/core/reach.py). It keeps probing, and withdraws the name at the first connect that
 succeeds: the member comes back as a joiner.
 
 The bound: longer than a lost SYN's first retransmission (1 s) plus a probe's own timeout, so
@@ -25,13 +25,13 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from .messages import ALIVE, DEAD, LEFT
-from .transport.addr import is_loopback, parse_hostport
-from .transport.wire import source_address
+from ..core.messages import ALIVE, DEAD, LEFT
+from ..transport.addr import is_loopback, parse_hostport
+from ..transport.wire import source_address
 
 if TYPE_CHECKING:
     from .driver import NodeServer
-    from .view import View
+    from ..core.view import View
 
 log = logging.getLogger(__name__)
 

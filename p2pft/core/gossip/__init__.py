@@ -1,0 +1,1 @@
+"""SWIM membership with the Lifeguard refinements: the member table, probes, broadcasts."""

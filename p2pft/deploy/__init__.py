@@ -1,0 +1,1 @@
+"""Starting processes: launcher and scheduler arguments, process groups, listen ports."""

@@ -1,0 +1,1 @@
+"""Operating a job: metrics, the cluster events, `p2pft top`, logging."""

@@ -1,0 +1,1 @@
+"""A virtual network and clock that run the same protocol cores as production."""
