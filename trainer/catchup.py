@@ -25,7 +25,7 @@ import torch
 from ..core.meta import Status
 from ..runtime import Runtime
 from ..core.step import ReplayLog
-from ..transport import CommError
+from ..transport import CommError, DataServer
 from ..transport.stream import StateSnapshot, fetch_state
 from .attempt import Entry
 from .donor import lower_thread_priority
@@ -49,6 +49,7 @@ class Replica(Protocol):
     shard: int
     secret: bytes | None
     state_rate_limit: float | None
+    ds: DataServer                  # its data server: the source address of our fetches
     model: torch.nn.Module
     opt: torch.optim.Optimizer
     events: deque[dict[str, Any]]
@@ -301,7 +302,8 @@ class Catchup:
         t0 = time.monotonic()
         snap = fetch_state(addr, StateRequest.snapshot(min_step, e.shard).to_wire(), secret=e.secret,
                            timeout=FETCH_TIMEOUT_S, rate_limit_bytes_per_s=e.state_rate_limit,
-                           into=e.state_io.receive_into(e.model, e.opt) if e.state_io.receive_into else None)
+                           into=e.state_io.receive_into(e.model, e.opt) if e.state_io.receive_into else None,
+                           source_host=e.ds.host)
         if int(snap.meta.get("shard", e.shard)) != e.shard:
             raise CommError(f"donor sent shard {snap.meta.get('shard')} for shard {e.shard}")
         snap.meta["_donor"] = node

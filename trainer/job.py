@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from ..runtime import Runtime
     from .catchup import Catchup
     from .cursor import DataCursor
+    from ..transport.server import DataServer
     from .comms import ShardComms
     from .donor import Donor
 
@@ -146,6 +147,7 @@ class JobLife:
         serving: Donor
 
         comms: ShardComms
+        ds: DataServer
 
         def state_mutation(self) -> AbstractContextManager[None]: ...
     _started = False
@@ -311,7 +313,8 @@ class JobLife:
             try:
                 snap = fetch_state(lead.data_addr, StateRequest.initial(mode is InitialState.CHECK).to_wire(),
                                    secret=self.secret, timeout=FETCH_INITIAL_TIMEOUT_S,
-                                   into=self._receive_into() if mode is InitialState.BROADCAST else None)
+                                   into=self._receive_into() if mode is InitialState.BROADCAST else None,
+                                   source_host=self.ds.host)
             except Exception as exc:  # not held yet (the lead is still starting), or gone: look again
                 last = exc
                 rt.wait_view(lambda v: False, POLL_S, loop_timeout=self.loop_timeout)

@@ -60,7 +60,8 @@ class PauseBeat:
         self._th.join(timeout=2.0)
 
 
-def last_step_agreed(rt: Runtime, mine: str | None, step: int, secret: bytes | None) -> bool:
+def last_step_agreed(rt: Runtime, mine: str | None, step: int, secret: bytes | None,
+                     source_host: str | None = None) -> bool:
     """Rank 0: does the first peer that knows committed step `step` hold the same signature?
     True when no peer knows it (nobody redid it: the others are behind, they fast-forward
     from our log) or when we have no signature (our state came from a snapshot)."""
@@ -71,7 +72,7 @@ def last_step_agreed(rt: Runtime, mine: str | None, step: int, secret: bytes | N
     for m in peers[:SIG_PEERS]:
         try:
             snap = fetch_state(m.data_addrs[0], StateRequest.signature(step).to_wire(), secret=secret,
-                               timeout=SIG_TIMEOUT_S)
+                               timeout=SIG_TIMEOUT_S, source_host=source_host)
         except CommError:
             continue
         theirs = snap.meta.get("sig")
@@ -133,7 +134,7 @@ class Pauses:
         rt: Runtime | None = e.rt
         ok = True
         if rt is not None and e.synced and e.step > 0 and not e.stopping:
-            ok = last_step_agreed(rt, e.recent.signature(e.step - 1), e.step - 1, e.secret)
+            ok = last_step_agreed(rt, e.recent.signature(e.step - 1), e.step - 1, e.secret, e.ds.host)
         ok = bool(e.group.broadcast(ok if rt is not None else None))
         e.serving.idle()  # what waited for the pause to end (FSDP shards are copied only here)
         e.rejoined_after_pause()

@@ -76,7 +76,7 @@ class RecentSteps:
 
 
 def fetch_recent(lo: int, hi: int, att: Attempt, steps: dict[int, int], shard: int, secret: bytes | None,
-                 device: torch.device) -> tuple[str, list[Entry]] | None:
+                 device: torch.device, source_host: str | None = None) -> tuple[str, list[Entry]] | None:
     """Steps lo..hi-1 of this shard from a participant that committed them (its slot's step in
     the reduced header is at least hi); None when no such peer has them all."""
     for slot, node, addrs in att.sources:
@@ -85,7 +85,7 @@ def fetch_recent(lo: int, hi: int, att: Attempt, steps: dict[int, int], shard: i
         try:
             snap = fetch_state(addrs[min(shard, len(addrs) - 1)],
                                StateRequest.grads(lo, hi, shard).to_wire(),
-                               secret=secret, timeout=FAST_FORWARD_TIMEOUT_S)
+                               secret=secret, timeout=FAST_FORWARD_TIMEOUT_S, source_host=source_host)
         except CommError as exc:
             log.info("fast-forward from %s failed: %s", node, exc)
             continue
@@ -108,7 +108,7 @@ def fast_forward(e: Any, target: int, att: Attempt, steps: dict[int, int],
     catches up instead. Returns the steps applied and the one that holds our gradients, if any
     (it committed elsewhere with our contribution before we could apply it)."""
     want_from = e.step
-    got = (fetch_recent(want_from, target, att, steps, e.shard, e.secret, e.buf.flat.device)
+    got = (fetch_recent(want_from, target, att, steps, e.shard, e.secret, e.buf.flat.device, e.ds.host)
            if e.synced else None)
     if not all(e.group.agree(got is not None)) or got is None:
         log.info("at step %d, behind the others (step %d) and not in a peer's short log: catching up "

@@ -33,7 +33,7 @@ from .stream import StateSnapshot, serve_state_connection
 from .staging import DEFAULT_PIECE_BYTES, StagingTcpCommunicator
 from .wire import (
     HELLO_LEN, KIND_RING, KIND_STATE, ST_BAD, ST_BUSY, ST_CLOSED, ST_MISMATCH, ST_NO_STATE, ST_OK, ST_PENDING,
-    ST_REPLAY, Hello, HelloGuard, pack_ack, pack_error_frame, parse_hello, set_local_host, split_addr, tune_socket,
+    ST_REPLAY, Hello, HelloGuard, pack_ack, pack_error_frame, parse_hello, split_addr, tune_socket,
 )
 
 if TYPE_CHECKING:
@@ -114,7 +114,6 @@ class DataServer:
         self._last_log: dict[str, float] = {}
 
         self._lsock = socket.create_server((host, port), backlog=256)
-        set_local_host(host)  # fetch_state's default source IP (see wire.source_address)
         self._lsock.setblocking(False)
         self._host = host
         self._port = self._lsock.getsockname()[1]
@@ -145,6 +144,12 @@ class DataServer:
         logger.info("data server listening on %s", self.addr)
 
     # ------------------------------------------------------------------ public API
+    @property
+    def host(self) -> str:
+        """The IP this server listens on: also the source of this process's outgoing data
+        connections (communicators, ``fetch_state(source_host=...)``), as peers see it."""
+        return self._host
+
     @property
     def addr(self) -> str:
         host = f"[{self._host}]" if ":" in self._host else self._host

@@ -27,7 +27,7 @@ from .errors import CommError, CommTimeout, PeerFailed, ProtocolMismatch
 from .options import DonorLimits
 from .sockutil import close_quietly
 from .wire import (
-    ACK_LEN, KIND_STATE, ST_BUSY, ST_NO_STATE, ST_OK, STATUS_TEXT, local_host, pack_hello, parse_ack, recv_exact,
+    ACK_LEN, KIND_STATE, ST_BUSY, ST_NO_STATE, ST_OK, STATUS_TEXT, pack_hello, parse_ack, recv_exact,
     send_all, source_address, split_addr, tune_socket,
 )
 
@@ -163,8 +163,8 @@ def fetch_state(addr: str, request: dict, *, secret: bytes | None = None, timeou
     ``meta["_staging_bytes"]``), never through a full host copy.
     Raises PeerFailed if the donor goes away, CommTimeout if it stalls, ProtocolMismatch on
     corruption or a bad handshake, CommError if the donor has nothing to give.
-    The connection's source IP is `source_host`, by default the listen IP of this process's
-    DataServer (see wire.source_address for when it is used).
+    The connection's source IP is `source_host` (a replica passes its data server's, so that
+    peers see the address they know it by; see wire.source_address for when it is used).
     """
     import torch
 
@@ -176,7 +176,7 @@ def fetch_state(addr: str, request: dict, *, secret: bytes | None = None, timeou
         req[_RATE_KEY] = float(rate_limit_bytes_per_s)
     try:
         sock = socket.create_connection((host, port), timeout=timeout,
-                                        source_address=source_address(source_host or local_host(), host))
+                                        source_address=source_address(source_host, host))
     except ConnectionRefusedError as e:
         raise PeerFailed(f"state donor refused the connection: {e}", peer_addr=addr) from None
     except OSError as e:

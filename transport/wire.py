@@ -159,20 +159,6 @@ def source_address(own: str | None, dest: str) -> tuple[str, int] | None:
     return (own, 0)
 
 
-# The listen IP of the last DataServer created in this process: the source of outgoing data
-# connections that are not made by a server's own communicators (fetch_state).
-_local_host: str | None = None
-
-
-def set_local_host(host: str | None) -> None:
-    global _local_host
-    _local_host = host
-
-
-def local_host() -> str | None:
-    return _local_host
-
-
 def pack_ack(secret: bytes | None, hello_raw: bytes, status: int) -> bytes:
     body = ACK_BODY.pack(ACK_MAGIC, PROTOCOL_VERSION, status, os.urandom(16))
     return body + _mac(secret, hello_raw + body)
