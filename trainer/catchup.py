@@ -112,27 +112,14 @@ class Catchup:
         with self.lock:
             if all_ready and self._at_head and not self.log and e.step == entry.step:
                 e.apply(entry)
-                e.synced = True
-                self._gen += 1
-                self._at_head = False
-                self._cond.notify_all()
+                self._hand_over()
                 done = True
             else:
                 self.log.append(entry, keep_from=self._held)
-                self._at_head = False
-                self._quiet = False
-                self._cond.notify_all()
-                if self._worker_gen != self._gen:
-                    self._worker_gen = self._gen
-                    threading.Thread(target=self._work, args=(self._gen,), daemon=True,
-                                     name="p2pft-catchup").start()
+                self._wake_worker(quiet=False)
                 done = False
         if done:
-            if e.rt is not None:
-                e.rt.set_status(Status.READY, e.step)
-            e.events.append({"t": time.time(), "kind": "catchup_done", "step": e.step,
-                             "snapshot_step": self._held_done, "replayed": self._replayed,
-                             "fetch_s": self._fetch_s})
+            self._say_done(self._replayed)
             log.info("caught up at step %d: snapshot of step %s from %s (%.2f s), replayed %d step(s)",
                      e.step, self._held_done, self._donor_done, self._fetch_s or 0.0, self._replayed)
         return done
@@ -145,28 +132,42 @@ class Catchup:
         e = self.e
         with self.lock:
             if all_ready and self._at_head and not self.log and self._held is not None:
-                e.synced = True
-                self._gen += 1
-                self._at_head = False
                 self._quiet = False
-                self._cond.notify_all()
+                self._hand_over()
                 done = True
             else:
-                self._quiet = True
-                self._cond.notify_all()
-                if self._worker_gen != self._gen:
-                    self._worker_gen = self._gen
-                    threading.Thread(target=self._work, args=(self._gen,), daemon=True,
-                                     name="p2pft-catchup").start()
+                self._wake_worker(quiet=True)
                 done = False
         if done:
-            if e.rt is not None:
-                e.rt.set_status(Status.READY, e.step)
-            e.events.append({"t": time.time(), "kind": "catchup_done", "step": e.step,
-                             "snapshot_step": self._held_done, "replayed": 0, "fetch_s": self._fetch_s})
+            self._say_done(0)
             log.info("caught up at step %d while nobody contributed: snapshot from %s (%.2f s)", e.step,
                      self._donor_done, self._fetch_s or 0.0)
         return done
+
+    def _hand_over(self) -> None:
+        """Under the lock: this replica holds the cluster's state again (the training thread
+        commits from here on)."""
+        self.e.synced = True
+        self._gen += 1
+        self._at_head = False
+        self._cond.notify_all()
+
+    def _wake_worker(self, quiet: bool) -> None:
+        """Under the lock: a reduced round arrived (quiet: one nobody contributed to); start
+        this generation's worker if it is not running."""
+        self._at_head = self._at_head and quiet
+        self._quiet = quiet
+        self._cond.notify_all()
+        if self._worker_gen != self._gen:
+            self._worker_gen = self._gen
+            threading.Thread(target=self._work, args=(self._gen,), daemon=True, name="p2pft-catchup").start()
+
+    def _say_done(self, replayed: int) -> None:
+        e = self.e
+        if e.rt is not None:
+            e.rt.set_status(Status.READY, e.step)
+        e.events.append({"t": time.time(), "kind": "catchup_done", "step": e.step,
+                         "snapshot_step": self._held_done, "replayed": replayed, "fetch_s": self._fetch_s})
 
     def settle(self, step: int) -> bool:
         """The job ended at `step`, so no reduced step will come to hand over at: a worker at
@@ -177,10 +178,7 @@ class Catchup:
                 return True
             if not (self._at_head and not self.log and e.step == step):
                 return False
-            e.synced = True
-            self._gen += 1
-            self._at_head = False
-            self._cond.notify_all()
+            self._hand_over()
         log.info("caught up at the end of the job, step %d", step)
         return True
 

@@ -253,20 +253,10 @@ class DiLoCo(StepEngine):
         self._fresh = False
 
     # ------------------------------------------------------------------ the outer step
-    def _allreduce(self, att: Any) -> BaseException | None:
+    def _reduce(self, comm: Any, att: Any) -> None:
         """The engine's allreduce of the current sync's buffer, through the codec."""
-        from ..transport import CommError
-        try:
-            comm = self.comms.get(att.data_epoch, att.rank, att.peers(self.shard))
-            codec = self.codecs[self.bufs.index(self.buf)]
-            codec.reduce(comm, self.buf.flat, contribute=att.contribute, timeout=self.comm_timeout,
-                         world=len(att.addrs))
-            return None
-        except CommError as exc:
-            return exc
-        except Exception as exc:  # e.g. a communicator of this epoch was just closed
-            log.debug("allreduce not possible: %r", exc)
-            return exc
+        codec = self.codecs[self.bufs.index(self.buf)]
+        codec.reduce(comm, self.buf.flat, contribute=att.contribute, timeout=self.comm_timeout, world=len(att.addrs))
 
     def apply(self, e: Entry) -> None:
         """The outer step of sync `e.step`: the mean pseudo-gradient of its fragment, through the

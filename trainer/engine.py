@@ -366,13 +366,17 @@ class StepEngine:
     def _allreduce(self, att: Attempt) -> BaseException | None:
         try:
             comm = self.comms.get(att.data_epoch, att.rank, att.peers(self.shard))
-            comm.allreduce(self.buf.flat, contribute=att.contribute, timeout=self.comm_timeout)
+            self._reduce(comm, att)
             return None
         except CommError as exc:
             return exc
         except Exception as exc:  # e.g. a communicator of this epoch was just closed
             log.debug("allreduce not possible: %r", exc)
             return exc
+
+    def _reduce(self, comm: Any, att: Attempt) -> None:
+        """Sum this attempt's buffer over the communicator (DiLoCo compresses it on the way)."""
+        comm.allreduce(self.buf.flat, contribute=att.contribute, timeout=self.comm_timeout)
 
     def _verdict(self, err: BaseException | None) -> Verdict:
         if err is not None:

@@ -22,6 +22,7 @@ import sys
 import time
 
 from p2pft.deploy.replica_args import add_replica_args, require_replica_id
+from p2pft.trainer.examples.signals import StopOnSignal
 
 T_START = time.time()
 
@@ -126,22 +127,13 @@ def worker(args: argparse.Namespace) -> int:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.99))
-    stop = {"flag": False}
-
-    box: list[HSDP] = []
-
-    def on_term(signum: int, frame: object) -> None:
-        stop["flag"] = True
-        if box:
-            box[0].request_stop()
-    signal.signal(signal.SIGTERM, on_term)
-    signal.signal(signal.SIGINT, on_term)
+    stop = StopOnSignal()   # SIGTERM/SIGINT: the loop ends, the trainer's current call raises Stopped
     rep = HSDP.start(model, opt, replica_id=args.replica_id, listen=args.listen,
                      seeds=[s for s in args.seeds.split(",") if s], secret=load_secret(args.secret_file),
                      batch_per_replica=args.batch, nominal_replicas=args.replicas, lr_policy=args.lr_policy,
                      rank_timeout=args.rank_timeout,
                      runtime_kw={"metrics_port": args.metrics_port, "max_participants": args.max_participants})
-    box.append(rep)
+    stop.attach(rep)
     steps = StepMetrics.attach(rep.rt, rep)   # rank 0 with --metrics-port; a no-op otherwise
     pids: list[int | None] = [None] * world
     dist.all_gather_object(pids, os.getpid())
@@ -158,7 +150,7 @@ def worker(args: argparse.Namespace) -> int:
                "t_launch": float(os.environ.get("P2PFT_T_LAUNCH", T_START))})
     if args.go_file:
         deadline = time.monotonic() + 600
-        while not os.path.exists(args.go_file) and time.monotonic() < deadline and not stop["flag"]:
+        while not os.path.exists(args.go_file) and time.monotonic() < deadline and not stop.flag:
             time.sleep(0.02)
     if rep.rt is not None and args.min_replicas > 1:
         rt = rep.rt  # a restarted replica is made a joiner: it has nobody to wait for
@@ -168,7 +160,7 @@ def worker(args: argparse.Namespace) -> int:
     deadline = time.monotonic() + args.duration if args.duration else float("inf")
     last_epoch = -1
     while True:
-        done = stop["flag"] or time.monotonic() > deadline or bool(args.steps and rep.step >= args.steps)
+        done = stop.flag or time.monotonic() > deadline or bool(args.steps and rep.step >= args.steps)
         try:
             idx = rep.begin(stop=done)
             rep.zero_grad()

@@ -21,12 +21,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import sys
 import time
 from typing import Any
 
 from p2pft.deploy.replica_args import add_replica_args, require_replica_id
+from p2pft.trainer.examples.signals import StopOnSignal
 
 T_START = time.time()
 
@@ -172,16 +172,7 @@ def main(argv: list[str] | None = None) -> int:
                  metrics_port=args.metrics_port, data_plane=args.data_plane,
                  max_participants=args.max_participants).start()
     t_runtime = time.time()
-    stop = {"flag": False}
-
-    ft_box: list[FaultTolerant] = []
-
-    def on_term(signum: int, frame: object) -> None:
-        stop["flag"] = True
-        if ft_box:
-            ft_box[0].request_stop()
-    signal.signal(signal.SIGTERM, on_term)
-    signal.signal(signal.SIGINT, on_term)
+    stop = StopOnSignal()   # SIGTERM/SIGINT: the loop ends, the trainer's current call raises Stopped
 
     ft = FaultTolerant(rt, model, opt, batch_per_replica=args.batch, nominal_replicas=args.replicas,
                        lr_policy=args.lr_policy, checkpoint_dir=args.checkpoint_dir,
@@ -191,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
                        allow_restart_from_scratch=args.allow_restart_from_scratch, on_finished=args.on_finished,
                        initial_state=args.initial_state, step_timeout=args.step_timeout)
     t_engine = time.time()
-    ft_box.append(ft)
+    stop.attach(ft)
     steps = StepMetrics.attach(rt, ft)   # per-step metrics; a no-op without --metrics-port
     progress = Progress(args.replica_id, mode=args.progress)
     try:
@@ -218,12 +209,12 @@ def main(argv: list[str] | None = None) -> int:
     stats.flush()
     if args.go_file:
         go_deadline = time.monotonic() + 600
-        while not os.path.exists(args.go_file) and time.monotonic() < go_deadline and not stop["flag"]:
+        while not os.path.exists(args.go_file) and time.monotonic() < go_deadline and not stop.flag:
             time.sleep(0.02)
     deadline = time.monotonic() + args.duration if args.duration else float("inf")
     try:
         _train(args, ft, rt, stats, progress, steps, loss_fn, eval_loss, stop, deadline)
-        if args.steps and ft.done and not stop["flag"]:
+        if args.steps and ft.done and not stop.flag:
             end = ft.finish()
             stats.write({"t": time.time(), "kind": "event", "event": "finished", "step": end})
     except Stopped:  # SIGTERM at begin(), commit() or finish(), or the job finished meanwhile
@@ -247,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _train(args: argparse.Namespace, ft: Any, rt: Any, stats: Stats, progress: Any, steps: Any, loss_fn: Any,
-           eval_loss: Any, stop: dict[str, bool], deadline: float) -> None:
+           eval_loss: Any, stop: StopOnSignal, deadline: float) -> None:
     """The training loop: until the job's end (``--steps``), ``--duration``, or a stop."""
     last_epoch = -1
     paused = False
@@ -259,11 +250,11 @@ def _train(args: argparse.Namespace, ft: Any, rt: Any, stats: Stats, progress: A
             stats.write({**ev, "kind": "event", "event": ev["kind"]})
             progress.event(ev)
         stats.flush()
-    while not stop["flag"] and time.monotonic() < deadline and not (args.steps and ft.done):
+    while not stop.flag and time.monotonic() < deadline and not (args.steps and ft.done):
         if args.hang_at_step and ft.step >= args.hang_at_step:
             stats.write({"t": time.time(), "kind": "event", "event": "hang", "step": ft.step})
             stats.flush()
-            while not stop["flag"]:  # a wedged loop: the runtime thread keeps gossiping
+            while not stop.flag:  # a wedged loop: the runtime thread keeps gossiping
                 time.sleep(0.05)
             break
         if args.pause_at_step and not paused and ft.step >= args.pause_at_step:
@@ -271,7 +262,7 @@ def _train(args: argparse.Namespace, ft: Any, rt: Any, stats: Stats, progress: A
             with ft.pause("eval"):  # evaluation on this replica only: the others commit meanwhile
                 write_events()
                 pause_end = time.monotonic() + args.pause_s
-                while time.monotonic() < pause_end and not stop["flag"]:
+                while time.monotonic() < pause_end and not stop.flag:
                     time.sleep(0.05)
             write_events()
             continue
