@@ -6,8 +6,8 @@ this replica ran and kept, a digest; r0 also evaluates the validation loss on a 
 set every ``--eval-every`` seconds and once at the end.
 
 torchft's DiLoCo (``torchft.local_sgd.DiLoCo``, torchft 0.2.0) runs the same inner AdamW, outer
-SGD and H around a lighthouse on a host of its own; replica r's
-k-th inner step of round s (torchft's committed step count) trains samples
+SGD and H around a lighthouse on a host of its own; replica r's k-th inner step of round s
+(torchft's committed step count) trains samples
 ``[((s H + k) R + r) B, +B)``, the slot p2pft's cursor would hand it, so a discarded round's
 samples are trained again. A round counts as committed when torchft's step count advanced.
 """
@@ -20,6 +20,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Iterable
 
 import torch
 
@@ -137,10 +138,9 @@ def main() -> int:
     os._exit(0)
 
 
-def outer_sgd(params: object, a: argparse.Namespace) -> torch.optim.Optimizer:
+def outer_sgd(params: Iterable[torch.nn.Parameter], a: argparse.Namespace) -> torch.optim.Optimizer:
     """The outer SGD of every DiLoCo system in a run (Nesterov when it has momentum)."""
-    return torch.optim.SGD(list(params), lr=a.outer_lr, momentum=a.outer_momentum,  # type: ignore[call-overload]
-                           nesterov=a.outer_momentum > 0)
+    return torch.optim.SGD(list(params), lr=a.outer_lr, momentum=a.outer_momentum, nesterov=a.outer_momentum > 0)
 
 
 def torchft_main(a: argparse.Namespace) -> int:
