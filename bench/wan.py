@@ -1,16 +1,21 @@
-"""Training over slow links: synchronous p2pft vs p2pft DiLoCo vs p2pft Streaming DiLoCo.
+"""Training over slow links: synchronous p2pft vs p2pft DiLoCo vs Streaming DiLoCo vs torchft's DiLoCo.
 
-The same transformer LM (about 0.8M parameters in --quick, 3.2M otherwise), data, inner AdamW
-and per-replica batch, three replicas whose data links are rate-limited (``bench/wanlink.py``:
-namespaces + ``tc tbf`` where they exist, else a token-bucket proxy on loopback; the JSON says
-which). Each system runs for the same wall time, without failures and with a SIGKILL of a
-random replica (never r0, which evaluates) every ``--kill-every`` seconds, restarted 2 s later.
+The same transformer LM (2 layers, d_model 128 in --quick: 0.44M parameters, one synchronous
+step's allreduce about 8x its compute on a 50 Mbit/s link; d_model 256 otherwise: 1.7M), byte
+data, inner AdamW (lr 1e-3, the synchronous optimizer too) and per-replica batch (8 x 64
+tokens), three replicas whose links are rate-limited (``bench/wanlink.py``: namespaces + ``tc
+tbf`` where they exist, else a token-bucket proxy on loopback; the JSON says which). Every DiLoCo
+system uses the same H (20) and outer SGD (lr 0.7, Nesterov momentum 0.5). Each system runs for
+the same wall time, without failures and with a SIGKILL of a random replica (never r0, which
+evaluates) every ``--kill-every`` seconds, restarted 2 s later. torchft 0.2.0's DiLoCo runs
+where torchft is installed, on namespace links only, its lighthouse on a host of its own.
 
-Reported per system and failure setting: wall time to the target validation loss (the loss
-synchronous training reaches without failures at the end of its run), the validation loss at
-the samples synchronous training trained, samples trained, bytes through the links per replica,
-the longest stall, survivors' work kept (inner steps, or steps, that ended in a committed mean
-over the ones they computed), crashes and divergent steps.
+Reported per system and failure setting: wall time to the target validation loss on a fixed
+held-out set (the loss synchronous training reaches without failures at the end of its run, so
+synchronous training's time to target is its duration), the validation loss at the samples
+synchronous training trained, samples trained, bytes through the links per replica, the longest
+stall, survivors' work kept (inner steps, or steps, that ended in a committed mean over the ones
+they computed), crashes and divergent steps.
 
     python bench/wan.py --quick --json results/wan.json --plot results/wan.png
 """
@@ -54,7 +59,7 @@ class Row:
     stall_max_s: float
     kills: int
     links: str
-    curve: list[tuple[float, int, float]]   # (seconds since the first commit, samples, val loss)
+    curve: list[tuple[float, int, float]]   # (seconds since r0 was ready to train, samples, val loss)
 
 
 def read(path: Path) -> list[dict[str, Any]]:
@@ -74,24 +79,40 @@ def run_one(system: str, kill: bool, a: argparse.Namespace, tmp: Path) -> tuple[
     n = a.replicas
     ctl_ports = free_ports(n)
     data = free_ports(n)
-    links = open_links([("127.0.0.1", p) for p in data], a.rate_mbit, a.links)
+    tft = system == "torchft"
+    links = open_links([("127.0.0.1", p) for p in data], a.rate_mbit, "netns" if tft else a.links,
+                       extra_hosts=1 if tft else 0)
     ctl = [f"{links.ip(i)}:{p}" for i, p in enumerate(ctl_ports)]
+    tag = f"{system}-{'kill' if kill else 'none'}"
+    go = tmp / f"{tag}.go"
+    lighthouse = None
+    if tft:   # torchft's coordinator, on a host of its own (host n), never a kill target
+        from p2pft.chaos.torchft_system import lighthouse_command
+        lh = f"{links.ip(n)}:{free_ports(1)[0]}"
+        lighthouse = links.spawn(n, lighthouse_command(lh, min_replicas=2), stdout=subprocess.DEVNULL,
+                                 stderr=open(tmp / f"{tag}-lighthouse.log", "wb"))
     until = time.time() + a.startup + a.duration   # the workers' own limit; the run ends earlier
     deadline = until
     procs: dict[str, tuple[int, subprocess.Popen[bytes]]] = {}
     sysargs = {"sync": [], "diloco": ["--sync-every", str(a.sync_every)],
                "streaming": ["--sync-every", str(a.sync_every), "--fragments", str(a.fragments), "--overlap", "1",
-                             "--alpha", "0.5", "--compression", a.compression]}[system]
+                             "--alpha", "0.5", "--compression", a.compression],
+               "torchft": ["--sync-every", str(a.sync_every), "--go-file", str(go)]}[system]
 
     def spawn(i: int, inc: int) -> str:
-        name = f"{system}-{'kill' if kill else 'none'}-r{i}-{inc}"
+        name = f"{tag}-r{i}-{inc}"
         cmd = [sys.executable, str(WORKER), "--system", system, "--replica-id", f"r{i}", "--listen", ctl[i],
                "--seeds", ",".join(c for j, c in enumerate(ctl) if j != i), "--data-listen", f"{links.ip(i)}:{data[i]}",
                "--advertise-data", links.advertise[i], "--stats", str(tmp / f"{name}.jsonl"), "--until", str(until),
-               "--min-replicas", str(n), "--d-model", str(a.d_model), "--layers", str(a.layers), *sysargs]
+               "--min-replicas", str(n), "--d-model", str(a.d_model), "--layers", str(a.layers), "--lr", str(a.lr),
+               "--batch", str(a.batch), "--eval-every", str(a.eval_every), "--outer-lr", str(a.outer_lr),
+               "--outer-momentum", str(a.outer_momentum), "--comm-timeout", str(a.comm_timeout), *sysargs]
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        if tft:
+            cmd += ["--lighthouse", f"http://{lh}"]
+            env["GLOO_SOCKET_IFNAME"] = links.ifname(i)   # type: ignore[union-attr]
         log = open(tmp / f"{name}.log", "wb")
-        procs[name] = (i, links.spawn(i, cmd, stdout=subprocess.DEVNULL, stderr=log,
-                                      env=dict(os.environ, OMP_NUM_THREADS="1")))
+        procs[name] = (i, links.spawn(i, cmd, stdout=subprocess.DEVNULL, stderr=log, env=env))
         log.close()
         return name
 
@@ -106,10 +127,11 @@ def run_one(system: str, kill: bool, a: argparse.Namespace, tmp: Path) -> tuple[
     try:
         while time.time() < deadline:
             time.sleep(0.2)
+            if tft and not go.exists() and all(read(tmp / f"{tag}-r{i}-0.jsonl") for i in range(n)):
+                go.touch()   # torchft's replicas start their inner steps together, as p2pft's wait for the view
             if t_first is None:
-                first = [r for r in read(tmp / f"{system}-{'kill' if kill else 'none'}-r0-0.jsonl")
-                         if r.get("kind") is None]
-                if first:
+                first = [r for r in read(tmp / f"{tag}-r0-0.jsonl") if r.get("kind") == "ready"]
+                if first:   # r0 saw its group (or torchft's go): training starts now for every system
                     t_first = first[0]["t"]
                     deadline = t_first + a.duration   # equal training time for every system
                     next_kill = t_first + a.kill_every
@@ -137,6 +159,12 @@ def run_one(system: str, kill: bool, a: argparse.Namespace, tmp: Path) -> tuple[
             except subprocess.TimeoutExpired:
                 p.kill()
                 rcs[name] = None
+        if lighthouse is not None:
+            lighthouse.terminate()
+            try:
+                lighthouse.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                lighthouse.kill()
         carried = links.bytes_total()   # before close: namespace links count until removed
         links.close()
     recs = []
@@ -148,7 +176,8 @@ def run_one(system: str, kill: bool, a: argparse.Namespace, tmp: Path) -> tuple[
     print(f"  start-up {(t_first or t_stop) - t_spawn:.1f} s, stop {time.time() - t_stop:.1f} s, exit statuses "
           f"{ {k.rsplit('-', 2)[-2] + '-' + k.rsplit('-', 1)[-1]: v for k, v in rcs.items()} }", flush=True)
     info = {"kills": kills, "crashes": crashes, "killed": sorted(killed), "links": links.kind,
-            "bytes_per_replica": carried // n, "t_first": t_first}
+            "bytes_per_replica": carried // n, "t_first": t_first,
+            "t_end": min(t_stop, deadline) if t_first is not None else None}
     return recs, info
 
 
@@ -165,6 +194,8 @@ def summarize(system: str, kill: bool, recs: list[dict[str, Any]], info: dict[st
         if "digest" in r:
             digests.setdefault(r["step"], set()).add(r["digest"])
     r0 = sorted(r["t"] for r in commits if r["proc"].endswith("-r0-0") and r["c"])
+    if r0 and info.get("t_end"):   # the wait after r0's last commit is a stall too (a group that stopped)
+        r0.append(max(r0[-1], info["t_end"]))
     gaps = [b - a for a, b in zip(r0, r0[1:])]
     stall = max(gaps) - median(gaps) if len(gaps) > 1 else 0.0
     target = ref.val_loss_final if ref is not None else (evals[-1][2] if evals else None)
@@ -217,7 +248,7 @@ def plot(rows: list[Row], path: str) -> None:
                     linestyle="-" if r.failures == "none" else "--")
     if rows and rows[0].target is not None:
         ax.axhline(rows[0].target, color="grey", linewidth=0.8, label="target")
-    ax.set_xlabel("wall time since the first commit (s)")
+    ax.set_xlabel("wall time since training started (s)")
     ax.set_ylabel("validation loss")
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -228,7 +259,8 @@ def plot(rows: list[Row], path: str) -> None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="smaller model, shorter runs (under 6 minutes on 2 cores)")
-    p.add_argument("--systems", default="sync,diloco,streaming")
+    p.add_argument("--systems", default="sync,diloco,streaming,torchft",
+                   help="torchft (torchft 0.2.0's DiLoCo) needs torchft and namespace links; skipped without torchft")
     p.add_argument("--failures", default="none,kill")
     p.add_argument("--replicas", type=int, default=3)
     p.add_argument("--rate-mbit", type=float, default=50.0, help="each replica's link, Mbit/s per direction")
@@ -237,6 +269,13 @@ def main() -> int:
                         "on loopback; auto: netns where it can be made")
     p.add_argument("--duration", type=float, default=None, help="seconds of training per run")
     p.add_argument("--sync-every", type=int, default=None, help="H, inner steps between syncs")
+    p.add_argument("--lr", type=float, default=1e-3, help="inner AdamW (and synchronous AdamW) learning rate")
+    p.add_argument("--batch", type=int, default=8, help="samples per replica and (inner) step")
+    p.add_argument("--outer-lr", type=float, default=0.7, help="outer SGD learning rate (every DiLoCo system)")
+    p.add_argument("--outer-momentum", type=float, default=0.5, help="outer SGD's Nesterov momentum (0: none)")
+    p.add_argument("--comm-timeout", type=float, default=10.0,
+                   help="every system's collective timeout (p2pft's comm_timeout, torchft's Manager and Gloo)")
+    p.add_argument("--eval-every", type=float, default=1.0, help="seconds between r0's validation losses")
     p.add_argument("--fragments", type=int, default=2)
     p.add_argument("--compression", default="bf16", choices=["none", "bf16", "int8"])
     p.add_argument("--kill-every", type=float, default=None)
@@ -246,12 +285,18 @@ def main() -> int:
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None)
     a = p.parse_args()
-    a.d_model, a.layers = (128, 4) if a.quick else (256, 4)
-    a.duration = a.duration or (25.0 if a.quick else 120.0)
-    a.sync_every = a.sync_every or (10 if a.quick else 20)
+    a.d_model, a.layers = (128, 2) if a.quick else (256, 2)
+    a.duration = a.duration or (20.0 if a.quick else 120.0)
+    a.sync_every = a.sync_every or 20
     a.kill_every = a.kill_every or (a.duration / 3)
     a.startup = 90.0
     systems = [s for s in a.systems.split(",") if s]
+    if "torchft" in systems:
+        try:
+            import torchft.local_sgd  # noqa: F401
+        except ImportError as e:
+            print(f"torchft skipped: {e} (pip install -e '.[compare]')")
+            systems.remove("torchft")
     fails = [f == "kill" for f in a.failures.split(",") if f]
     if "sync" not in systems or False not in fails:
         p.error("the target and the equal-samples reference are synchronous training without failures: "
@@ -277,7 +322,8 @@ def main() -> int:
     if a.json:
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
         meta = {"replicas": a.replicas, "rate_mbit": a.rate_mbit, "duration_s": a.duration, "sync_every": a.sync_every,
-                "fragments": a.fragments, "compression": a.compression, "d_model": a.d_model, "layers": a.layers}
+                "fragments": a.fragments, "compression": a.compression, "d_model": a.d_model, "layers": a.layers,
+                "lr": a.lr, "batch": a.batch, "comm_timeout": a.comm_timeout, "outer_lr": a.outer_lr, "outer_momentum": a.outer_momentum}
         Path(a.json).write_text(json.dumps({"config": meta, "rows": [asdict(r) for r in rows]}, indent=1))
     if a.plot:
         plot(rows, a.plot)

@@ -1,9 +1,15 @@
-"""One replica of a ``bench/wan.py`` run: synchronous p2pft, DiLoCo or Streaming DiLoCo.
+"""One replica of a ``bench/wan.py`` run: synchronous p2pft, DiLoCo, Streaming DiLoCo or torchft's DiLoCo.
 
 The same transformer LM, data, inner optimizer and batch for every system. One JSON line per
 committed step (synchronous) or sync (DiLoCo): time, committed samples, contributors, the work
 this replica ran and kept, a digest; r0 also evaluates the validation loss on a fixed held-out
 set every ``--eval-every`` seconds and once at the end.
+
+torchft's DiLoCo (``torchft.local_sgd.DiLoCo``, torchft 0.2.0) runs the same inner AdamW, outer
+SGD and H around a lighthouse on a host of its own; replica r's k-th inner step of round s
+(torchft's committed step count) trains samples
+``[((s H + k) R + r) B, +B)``, the slot p2pft's cursor would hand it, so a discarded round's
+samples are trained again. A round counts as committed when torchft's step count advanced.
 """
 from __future__ import annotations
 
@@ -14,13 +20,14 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Iterable
 
 import torch
 
 
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--system", choices=["sync", "diloco", "streaming"], required=True)
+    p.add_argument("--system", choices=["sync", "diloco", "streaming", "torchft"], required=True)
     p.add_argument("--replica-id", required=True)
     p.add_argument("--listen", required=True)
     p.add_argument("--seeds", default="")
@@ -40,7 +47,13 @@ def main() -> int:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--eval-every", type=float, default=2.0)
     p.add_argument("--comm-timeout", type=float, default=30.0)
+    p.add_argument("--outer-lr", type=float, default=0.7)
+    p.add_argument("--outer-momentum", type=float, default=0.9, help="Nesterov momentum of the outer SGD (0: none)")
+    p.add_argument("--lighthouse", default=None, help="torchft: the lighthouse's URL")
+    p.add_argument("--go-file", default=None, help="torchft: start training once this file exists")
     a = p.parse_args()
+    if a.system == "torchft":
+        return torchft_main(a)
 
     from p2pft import Runtime
     from p2pft.ops.log import setup_logging
@@ -64,6 +77,7 @@ def main() -> int:
         weights = model
     else:
         eng = DiLoCo(rt, model, opt, sync_every=a.sync_every, batch_per_replica=a.batch, fragments=a.fragments,
+                     outer_optimizer=lambda ps: outer_sgd(ps, a),
                      overlap=a.overlap, alpha=a.alpha, compression=a.compression, loop_timeout=None)
         weights = eng.global_model
     stop = {"flag": False}
@@ -88,6 +102,7 @@ def main() -> int:
     write({"kind": "start", "t": time.time()})
     if a.min_replicas > 1 and eng.step == 0:
         rt.wait_view(lambda v: len(v.participants) >= a.min_replicas or stop["flag"], timeout=60)
+    write({"kind": "ready", "t": time.time()})   # the benchmark's clock starts here, for every system
     evaluator = a.replica_id == "r0"
     last_eval = 0.0
     ran = 0
@@ -119,6 +134,107 @@ def main() -> int:
     write({"kind": "end", "t": time.time(), "inner_steps_run": getattr(eng, "inner_steps_run", None)})
     out.close()
     # The benchmark does not time a graceful leave: the records are written, end the process.
+    logging.shutdown()
+    os._exit(0)
+
+
+def outer_sgd(params: Iterable[torch.nn.Parameter], a: argparse.Namespace) -> torch.optim.Optimizer:
+    """The outer SGD of every DiLoCo system in a run (Nesterov when it has momentum)."""
+    return torch.optim.SGD(list(params), lr=a.outer_lr, momentum=a.outer_momentum, nesterov=a.outer_momentum > 0)
+
+
+def torchft_main(a: argparse.Namespace) -> int:
+    """torchft 0.2.0's DiLoCo: one replica group of one rank, its store on this host."""
+    import hashlib
+    from datetime import timedelta
+    from pathlib import Path
+
+    from torch.distributed import TCPStore
+    from torchft import Manager, ProcessGroupGloo
+    from torchft.local_sgd import DiLoCo as TorchftDiLoCo
+
+    from p2pft.trainer.data import TextDataset
+    from p2pft.trainer.model import ModelConfig
+
+    logging.basicConfig(level=logging.WARNING)
+    torch.set_num_threads(1)
+    torch.manual_seed(0)   # identical initial weights on every replica (init_sync=False)
+    cfg = ModelConfig(vocab_size=256, d_model=a.d_model, n_layers=a.layers, n_heads=4, seq_len=64)
+    model = cfg.build()
+    data = TextDataset(cfg.seq_len)
+    held = TextDataset(cfg.seq_len, n_samples=64, seed=1).batch(list(range(64)))
+    inner = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.0)
+    outer = outer_sgd(model.parameters(), a)
+    host = a.listen.rsplit(":", 1)[0]
+    store = TCPStore(host, 0, is_master=True, wait_for_workers=False)
+
+    def load(sd: dict) -> None:
+        model.load_state_dict(sd["model"])
+        inner.load_state_dict(sd["inner"])
+        outer.load_state_dict(sd["outer"])
+
+    timeout = timedelta(seconds=a.comm_timeout)
+    manager = Manager(pg=ProcessGroupGloo(timeout=timeout), load_state_dict=load,
+                      state_dict=lambda: {"model": model.state_dict(), "inner": inner.state_dict(),
+                                          "outer": outer.state_dict()},
+                      min_replica_size=1, timeout=timeout, quorum_timeout=timedelta(seconds=60), rank=0,
+                      world_size=1, store_addr=host, store_port=store.port, lighthouse_addr=a.lighthouse,
+                      replica_id=f"wan_{a.replica_id}", hostname=host, init_sync=False,
+                      use_async_quorum=False)   # torchft's DiLoCo requires it
+    stop = {"flag": False}
+    signal.signal(signal.SIGTERM, lambda *_: stop.update(flag=True))
+    out = open(a.stats, "a", buffering=1)
+
+    def write(rec: dict) -> None:
+        out.write(json.dumps(rec) + "\n")
+
+    r, n, h, b = int(a.replica_id.lstrip("r")), a.min_replicas, a.sync_every, a.batch
+    write({"kind": "start", "t": time.time()})
+    t_wait = time.time() + 120
+    while a.go_file and not Path(a.go_file).exists() and time.time() < t_wait and not stop["flag"]:
+        time.sleep(0.1)
+    write({"kind": "ready", "t": time.time()})
+    evaluator = a.replica_id == "r0"
+    committed = 0          # samples in committed rounds (this replica's view: participants x H x B)
+    last_eval = 0.0
+    ran = 0
+
+    def evaluate(step: int) -> None:
+        with torch.no_grad():
+            val = float(model.loss(held))
+        write({"kind": "eval", "t": time.time(), "samples": committed, "val": val, "step": step})
+
+    with TorchftDiLoCo(manager, [model], inner, outer, sync_every=h):
+        k = 0
+        while not stop["flag"] and time.time() < a.until:
+            s = manager.current_step()
+            first = ((s * h + k) * n + r) * b
+            inner.zero_grad()
+            model.loss(data.batch(list(range(first, first + b)))).backward()
+            ran += 1
+            inner.step()   # torchft's hook syncs after every H-th
+            k += 1
+            if k < h:
+                continue
+            k = 0
+            after = manager.current_step()
+            ok = after > s
+            parts = manager.num_participants() if ok else 0
+            committed += parts * h * b
+            rec = {"t": time.time(), "step": after, "c": int(ok), "n": parts, "r": 0, "role": "torchft",
+                   "ran": ran, "kept": ran if ok else 0, "samples": committed}
+            ran = 0
+            if ok:   # after a committed round (alpha 0) the local weights are the global ones
+                rec["digest"] = hashlib.sha256(b"".join(p.detach().numpy().tobytes()
+                                                        for p in model.parameters())).hexdigest()[:16]
+            write(rec)
+            if ok and evaluator and time.time() - last_eval >= a.eval_every:
+                evaluate(after)
+                last_eval = time.time()
+        if evaluator and k == 0:   # mid-round the local weights are not the global ones
+            evaluate(manager.current_step())
+    write({"kind": "end", "t": time.time()})
+    out.close()
     logging.shutdown()
     os._exit(0)
 

@@ -150,14 +150,18 @@ class NetnsLinks:
 
     kind = "netns-tc-tbf"
 
-    def __init__(self, n: int, data_ports: list[int], rate_mbit: float) -> None:
+    def __init__(self, n: int, data_ports: list[int], rate_mbit: float, extra_hosts: int = 0) -> None:
         from p2pft.chaos.hosts import Hosts
-        self.hosts = Hosts(n, link_mbit=rate_mbit).create()
+        self.hosts = Hosts(n + extra_hosts, link_mbit=rate_mbit).create()
         self.advertise = [f"{self.hosts[i].ip}:{p}" for i, p in enumerate(data_ports)]
-        self._base = [self._counter(i) for i in range(n)]
+        self._base = [self._counter(i) for i in range(n + extra_hosts)]
 
     def ip(self, i: int) -> str:
         return self.hosts[i].ip
+
+    def ifname(self, i: int) -> str:
+        """Host i's interface (Gloo binds it: GLOO_SOCKET_IFNAME)."""
+        return self.hosts[i].inner
 
     def spawn(self, i: int, argv: list[str], **popen: object) -> "subprocess.Popen[bytes]":
         return self.hosts.spawn(i, argv, **popen)
@@ -168,23 +172,25 @@ class NetnsLinks:
             return int(f.read())
 
     def bytes_total(self) -> int:
-        """Bytes all hosts sent (control and data, with headers)."""
+        """Bytes all hosts sent (control and data, with headers; an extra host's too)."""
         return sum(self._counter(i) - b for i, b in enumerate(self._base))
 
     def close(self) -> None:
         self.hosts.close()
 
 
-def open_links(targets: list[tuple[str, int]], rate_mbit: float, kind: str = "auto") -> "Links | NetnsLinks":
+def open_links(targets: list[tuple[str, int]], rate_mbit: float, kind: str = "auto",
+               extra_hosts: int = 0) -> "Links | NetnsLinks":
     """Rate-limited links for replicas whose data ports are `targets` (host, port).
 
     kind: 'netns' (namespaces + tc tbf), 'proxy' (loopback token buckets), or 'auto' (netns where
-    it can be made, else proxy; `kind` on the result says which)."""
+    it can be made, else proxy; `kind` on the result says which). `extra_hosts` (netns only):
+    hosts after the replicas' (host n, ...) for a process that is no replica, e.g. a lighthouse."""
     if kind in ("auto", "netns"):
         from p2pft.chaos.hosts import unavailable
         why = unavailable()
         if why is None:
-            return NetnsLinks(len(targets), [p for _, p in targets], rate_mbit)
+            return NetnsLinks(len(targets), [p for _, p in targets], rate_mbit, extra_hosts)
         if kind == "netns":
             raise RuntimeError(f"network namespaces cannot be made here: {why}")
         print(f"wanlink: {why}; falling back to rate-limited proxies on loopback")
