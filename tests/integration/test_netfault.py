@@ -319,9 +319,9 @@ def test_data_plane_connections_bind_their_source_ip() -> None:
         assert comms[0].allreduce(np.ones(8, dtype=np.float32)) == 2
         th.join(10)
         srv[0].serve_state(lambda req: StateSnapshot(meta={"ok": 1}))
-        # The last DataServer created in this process is ip(8): fetch_state's default source.
+        # A replica names its data server's host as the source of its fetches (no process-wide default).
         with pytest.raises(Exception):
-            fetch_state(sink.addr, {}, timeout=0.5)
+            fetch_state(sink.addr, {}, timeout=0.5, source_host=srv[1].host)
         assert sink.peers == [ip(8)]
         assert fetch_state(srv[0].addr, {}, source_host=ip(8), timeout=5).meta == {"ok": 1}
         for c in comms:
