@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..core.meta import Status
+from ..transport import CommTimeout, PeerFailed
 from ..transport.backend import DataPlaneError
 from ..transport.stream import StateSnapshot, fetch_state
 from ..core.view import JobTarget, Role, TargetKind, View
@@ -39,6 +40,7 @@ log = logging.getLogger(__name__)
 
 POLL_S = 0.1                # one look at the view while waiting for the group or the end
 FETCH_INITIAL_TIMEOUT_S = 30.0
+ATTEMPT_TIMEOUT_S = 5.0     # one try at the lead's data port; the view is read again between tries
 IDLE_ROUND_TIMEOUT_S = 5.0  # one round with the joiners at the end barrier
 
 
@@ -294,9 +296,7 @@ class JobLife:
         lead = view.lead()
         assert lead is not None
         if lead.node == rt.node_id:
-            meta, tensors = self.capture_state()
-            self._initial = (StateSnapshot(meta=meta, tensors=tensors), self.digest())
-            log.info("holding the initial state for the group (digest %s)", self._initial[1][:12])
+            self._hold_initial()
             return
         mode = self.job.initial_state
         end = min(deadline, time.monotonic() + FETCH_INITIAL_TIMEOUT_S)
@@ -308,15 +308,29 @@ class JobLife:
                 log.error("%s", err)
                 raise err
             lead = (rt.view or view).lead()
-            if lead is None or lead.node == rt.node_id:
+            if lead is None:
+                return
+            if lead.node == rt.node_id:   # the lead was left out meanwhile: this replica leads now
+                self._hold_initial()
                 return
             try:
                 snap = fetch_state(lead.data_addr, StateRequest.initial(mode is InitialState.CHECK).to_wire(),
-                                   secret=self.secret, timeout=FETCH_INITIAL_TIMEOUT_S,
+                                   secret=self.secret, timeout=max(0.1, min(ATTEMPT_TIMEOUT_S, end - time.monotonic())),
                                    into=self._receive_into() if mode is InitialState.BROADCAST else None,
                                    source_host=self.ds.host)
             except Exception as exc:  # not held yet (the lead is still starting), or gone: look again
                 last = exc
+                if isinstance(exc, (PeerFailed, CommTimeout)):
+                    # Evidence like a failed ring connect: a lead whose data port we cannot reach
+                    # is probed and, past the bound, left out, and the next view names another.
+                    rt.report_failure(lead.node)
+                elif rt.member_step(lead.node) > 0:
+                    # The group started without us (the lead trained alone, or committed before we
+                    # asked): its step-0 copy is gone. Catch up from a snapshot as a joiner does.
+                    log.info("the lead %s is past step 0: catching up instead of taking the initial state",
+                             lead.replica_id)
+                    self.catchup.start("the group started without this replica")
+                    return
                 rt.wait_view(lambda v: False, POLL_S, loop_timeout=self.loop_timeout)
                 continue
             want = str(snap.meta["digest"])
@@ -336,6 +350,12 @@ class JobLife:
                                 "digest": mine})
             return
         raise StepTimeout(f"could not get the initial state from the leader within {FETCH_INITIAL_TIMEOUT_S} s: {last}")
+
+    def _hold_initial(self) -> None:
+        """The lead: keep a copy of this replica's state at step 0 for the others to pull."""
+        meta, tensors = self.capture_state()
+        self._initial = (StateSnapshot(meta=meta, tensors=tensors), self.digest())
+        log.info("holding the initial state for the group (digest %s)", self._initial[1][:12])
 
     def _receive_into(self) -> dict[str, Any] | None:
         rin = self.state_io.receive_into
