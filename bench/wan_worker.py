@@ -24,6 +24,8 @@ from collections.abc import Iterable
 
 import torch
 
+from p2pft.trainer.examples.signals import StopOnSignal
+
 
 def main() -> int:
     p = argparse.ArgumentParser()
@@ -80,12 +82,8 @@ def main() -> int:
                      outer_optimizer=lambda ps: outer_sgd(ps, a),
                      overlap=a.overlap, alpha=a.alpha, compression=a.compression, loop_timeout=None)
         weights = eng.global_model
-    stop = {"flag": False}
-
-    def on_signal(*_: object) -> None:
-        stop["flag"] = True
-        eng.request_stop()
-    signal.signal(signal.SIGTERM, on_signal)
+    stop = StopOnSignal((signal.SIGTERM,))   # SIGTERM: the loop ends, the trainer's call raises Stopped
+    stop.attach(eng)
     out = open(a.stats, "a", buffering=1)
 
     def write(rec: dict) -> None:
@@ -101,12 +99,12 @@ def main() -> int:
 
     write({"kind": "start", "t": time.time()})
     if a.min_replicas > 1 and eng.step == 0:
-        rt.wait_view(lambda v: len(v.participants) >= a.min_replicas or stop["flag"], timeout=60)
+        rt.wait_view(lambda v: len(v.participants) >= a.min_replicas or stop.flag, timeout=60)
     write({"kind": "ready", "t": time.time()})   # the benchmark's clock starts here, for every system
     evaluator = a.replica_id == "r0"
     last_eval = 0.0
     ran = 0
-    while not stop["flag"] and time.time() < a.until:
+    while not stop.flag and time.time() < a.until:
         try:
             idx = eng.begin()
             eng.zero_grad()

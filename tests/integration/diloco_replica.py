@@ -19,6 +19,7 @@ import torch
 from p2pft import Runtime
 from p2pft.ops.log import setup_logging
 from p2pft.trainer import DiLoCo, Stopped
+from p2pft.trainer.examples.signals import StopOnSignal
 
 WIDTH = 16
 LR = 1e-2
@@ -58,19 +59,15 @@ def main() -> int:
     rt = Runtime(replica_id=a.replica_id, listen=a.listen, seeds=[s for s in a.seeds.split(",") if s]).start()
     dl = DiLoCo(rt, model, opt, sync_every=a.sync_every, batch_per_replica=a.batch, fragments=a.fragments,
                 overlap=a.overlap, alpha=a.alpha, compression=a.compression, loop_timeout=None)
-    stop = {"flag": False}
-
-    def on_signal(*_: object) -> None:
-        stop["flag"] = True
-        dl.request_stop()
-    signal.signal(signal.SIGTERM, on_signal)
+    stop = StopOnSignal((signal.SIGTERM,))   # SIGTERM: the loop ends, the trainer's call raises Stopped
+    stop.attach(dl)
     out = open(a.stats, "a", buffering=1)
     out.write(json.dumps({"kind": "start", "t": time.time(), "node": rt.node_id}) + "\n")
     if a.min_replicas > 1 and dl.step == 0:
-        rt.wait_view(lambda v: len(v.participants) >= a.min_replicas or stop["flag"], timeout=60)
+        rt.wait_view(lambda v: len(v.participants) >= a.min_replicas or stop.flag, timeout=60)
     span = dl.schedule.span
     ran = 0
-    while not stop["flag"]:
+    while not stop.flag:
         try:
             idx = dl.begin()
             dl.zero_grad()

@@ -21,6 +21,7 @@ import torch
 from p2pft import Runtime
 from p2pft.ops.log import setup_logging
 from p2pft.trainer import FaultTolerant, Stopped
+from p2pft.trainer.examples.signals import StopOnSignal
 from p2pft.trainer.loader import StepLoader
 
 WIDTH = 16
@@ -114,16 +115,12 @@ def main() -> int:
                        min_replicas=a.min_replicas)
     data = Samples()
     loader = StepLoader(ft, data, num_workers=a.loader_workers) if a.loader_workers else None
-    stop = {"flag": False}
-
-    def on_signal(*_: object) -> None:
-        stop["flag"] = True
-        ft.request_stop()
-    signal.signal(signal.SIGTERM, on_signal)
+    stop = StopOnSignal((signal.SIGTERM,))   # SIGTERM: the loop ends, the trainer's call raises Stopped
+    stop.attach(ft)
     out = open(a.stats, "a", buffering=1)
     out.write(json.dumps({"kind": "start", "t": time.time(), "node": rt.node_id}) + "\n")
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(a.amp)
-    while not stop["flag"]:
+    while not stop.flag:
         try:
             if loader is not None:
                 batch = loader.next_batch()

@@ -13,11 +13,11 @@ class Stoppable(Protocol):
 class StopOnSignal:
     """Installed at construction; ``attach`` the trainer once it exists."""
 
-    def __init__(self) -> None:
+    def __init__(self, signals: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGINT)) -> None:
         self.flag = False
         self._trainer: Stoppable | None = None
-        signal.signal(signal.SIGTERM, self._on_signal)
-        signal.signal(signal.SIGINT, self._on_signal)
+        for sig in signals:
+            signal.signal(sig, self._on_signal)
 
     def attach(self, trainer: Stoppable) -> None:
         self._trainer = trainer
