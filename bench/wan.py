@@ -38,6 +38,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from wanlink import open_links  # noqa: E402
 
+from p2pft.chaos.records import read_stats  # noqa: E402
 from p2pft.deploy.ports import free_ports  # noqa: E402
 
 WORKER = Path(__file__).resolve().parent / "wan_worker.py"
@@ -60,18 +61,6 @@ class Row:
     kills: int
     links: str
     curve: list[tuple[float, int, float]]   # (seconds since r0 was ready to train, samples, val loss)
-
-
-def read(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            break
-    return out
 
 
 def run_one(system: str, kill: bool, a: argparse.Namespace, tmp: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
@@ -127,10 +116,10 @@ def run_one(system: str, kill: bool, a: argparse.Namespace, tmp: Path) -> tuple[
     try:
         while time.time() < deadline:
             time.sleep(0.2)
-            if tft and not go.exists() and all(read(tmp / f"{tag}-r{i}-0.jsonl") for i in range(n)):
+            if tft and not go.exists() and all(read_stats(tmp / f"{tag}-r{i}-0.jsonl") for i in range(n)):
                 go.touch()   # torchft's replicas start their inner steps together, as p2pft's wait for the view
             if t_first is None:
-                first = [r for r in read(tmp / f"{tag}-r0-0.jsonl") if r.get("kind") == "ready"]
+                first = [r for r in read_stats(tmp / f"{tag}-r0-0.jsonl") if r.get("kind") == "ready"]
                 if first:   # r0 saw its group (or torchft's go): training starts now for every system
                     t_first = first[0]["t"]
                     deadline = t_first + a.duration   # equal training time for every system
@@ -169,7 +158,7 @@ def run_one(system: str, kill: bool, a: argparse.Namespace, tmp: Path) -> tuple[
         links.close()
     recs = []
     for name in procs:
-        for r in read(tmp / f"{name}.jsonl"):
+        for r in read_stats(tmp / f"{name}.jsonl"):
             recs.append({**r, "proc": name})
     # -SIGTERM: ended by the harness before its handler was installed (a restart still starting)
     crashes = sum(1 for k, rc in rcs.items() if k not in killed and rc not in (0, -signal.SIGTERM))

@@ -1,7 +1,6 @@
 """Helpers for tests that run real replica processes of the example job on loopback."""
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -10,6 +9,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from p2pft.chaos.records import read_stats
 from p2pft.deploy.ports import free_ports
 
 
@@ -18,15 +18,8 @@ def ports(n: int) -> list[int]:
 
 
 def records(path: Path) -> list[dict[str, Any]]:
-    out = []
-    if not path.exists():
-        return out
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            break
-    return out
+    """Every complete record of a replica's stats file (none before it exists)."""
+    return read_stats(path)
 
 
 def steps(path: Path) -> list[dict[str, Any]]:
