@@ -28,6 +28,7 @@ from .engine import StepEngine
 from .ft import WHOLE_STATE
 from .group import LocalGroup
 from .optstep import GradHook, OptimizerStep
+from .options import Capacity, DataPlaneOptions, EngineOptions, Timeouts, UpdateRule
 from .outer import FragmentSchedule, merge, outer_sgd, pseudo_gradient, split_fragments
 from .pgcodec import Compression, PseudoGradCodec
 from .stepbuf import StepBuffer
@@ -83,14 +84,16 @@ class DiLoCo(StepEngine):
         outer = outer_optimizer(self._gparams)
         if {id(p) for g in outer.param_groups for p in g["params"]} != {id(p) for p in self._gparams}:
             raise ValueError("the outer optimizer must hold exactly the parameters it is given")
+        options = EngineOptions(
+            batch_per_replica=batch_per_replica * self.schedule.span,
+            timeouts=Timeouts(step_timeout=step_timeout, comm_timeout=runtime.comm_timeout, loop_timeout=loop_timeout),
+            update=UpdateRule(lr_policy=lr_policy, nominal_replicas=nominal_replicas, grad_hook=outer_grad_hook,
+                              lr_scheduler=outer_lr_scheduler(outer) if outer_lr_scheduler is not None else None),
+            capacity=Capacity(max_slots=max_slots, recent_keep=recent_keep, replay_cap_bytes=replay_cap_bytes),
+            data=DataPlaneOptions(data_plane=data_plane, secret=runtime.secret, state_rate_limit=state_rate_limit),
+            state=dict(state or {}))
         super().__init__(glob, outer, group=LocalGroup(), runtime=runtime, data_server=runtime.data,
-                         state_io=WHOLE_STATE, batch_per_replica=batch_per_replica * self.schedule.span,
-                         nominal_replicas=nominal_replicas, lr_policy=lr_policy, max_slots=max_slots,
-                         recent_keep=recent_keep, replay_cap_bytes=replay_cap_bytes, step_timeout=step_timeout,
-                         comm_timeout=runtime.comm_timeout, secret=runtime.secret,
-                         state_rate_limit=state_rate_limit, loop_timeout=loop_timeout,
-                         lr_scheduler=outer_lr_scheduler(outer) if outer_lr_scheduler is not None else None,
-                         grad_hook=outer_grad_hook, state=state, data_plane=data_plane)
+                         state_io=WHOLE_STATE, options=options)
         self.batch = batch_per_replica
         # A joiner answers each sync at once and a fast replica reaches it early: both wait in
         # the ring for the others' span, so a new ring may take up to comm_timeout to connect.

@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
-import os
 import threading
 import time
 from collections import deque
@@ -38,25 +37,18 @@ from .comms import ShardComms
 from .cursor import DataCursor
 from .donor import Donor
 from .group import ReplicaGroup
-from .optstep import GradHook, OptimizerStep
+from .optstep import OptimizerStep
+from .options import EngineOptions, exit_replica
 from .pause import Pauses
 from .recent import RecentSteps, fast_forward
 from .recovery import LogLimiter, check_usable, recover
 from .stepbuf import StepBuffer
-from .userstate import Stateful, UserState
+from .userstate import UserState
 
 log = logging.getLogger(__name__)
 
-RANK_TIMEOUT_S = 10.0       # a rank silent for this long takes its replica down
 WAIT_ROLE_S = 1.0           # one look for a view that puts us on the data plane
 WAIT_SHARDS_S = 0.5
-
-
-def exit_replica(rank: int, silent_s: float) -> None:
-    """Default reaction to a stalled rank: end this process; the launcher then ends the rest of
-    the replica and restarts it whole (the replica is the unit of failure)."""
-    logging.shutdown()
-    os._exit(75)
 
 
 @dataclass(frozen=True)
@@ -74,16 +66,13 @@ class StateIO:
 
 
 class StepEngine:
+    """One rank's step protocol; its options come grouped in one ``EngineOptions``
+    (``trainer/options.py``), built by the adapter from its documented keywords."""
+
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, group: ReplicaGroup,
-                 runtime: Runtime | None, data_server: DataServer, state_io: StateIO, batch_per_replica: int,
-                 nominal_replicas: int | None = None, lr_policy: str = "sqrt", max_slots: int = 256,
-                 recent_keep: int = 2, replay_cap_bytes: int = 2 << 30, step_timeout: float = 120.0,
-                 comm_timeout: float = 10.0, secret: bytes | None = None, state_rate_limit: float | None = None,
-                 loop_timeout: float | None = 60.0, rank_timeout: float = RANK_TIMEOUT_S,
-                 on_rank_lost: Callable[[int, float], None] = exit_replica, lr_scheduler: Any = None,
-                 grad_scaler: Any = None, grad_hook: GradHook | None = None,
-                 after_step: GradHook | None = None,
-                 state: dict[str, Stateful] | None = None, data_plane: str | None = None) -> None:
+                 runtime: Runtime | None, data_server: DataServer, state_io: StateIO,
+                 options: EngineOptions) -> None:
+        batch_per_replica = options.batch_per_replica
         self.group = group
         self.rank = self.shard = group.rank
         self.world = group.world
@@ -91,44 +80,40 @@ class StepEngine:
             raise ValueError("rank 0, and only rank 0, runs the Runtime")
         if batch_per_replica % self.world:
             raise ValueError(f"batch_per_replica={batch_per_replica} must be divisible by {self.world} ranks")
-        if loop_timeout is not None and loop_timeout <= comm_timeout:
-            raise ValueError(f"loop_timeout={loop_timeout} s must exceed the communicator timeout "
-                             f"({comm_timeout} s): an allreduce may block that long without a beat")
         self.rt = runtime
         self.model = model
         self.opt = optimizer
         self.ds = data_server
         self.state_io = state_io
-        self.buf = StepBuffer([p for p in model.parameters() if p.requires_grad], max_slots=max_slots)
-        self.cursor = DataCursor(batch_per_replica, max_slots)
-        self.optimizer_step = OptimizerStep(optimizer, lr_policy=lr_policy, nominal_replicas=nominal_replicas,
-                                            lr_scheduler=lr_scheduler, grad_scaler=grad_scaler, grad_hook=grad_hook,
-                                            after_step=after_step)
+        self.options = options
+        self._step_cap: float | None = None   # see step_timeout_capped
+        cap, upd = options.capacity, options.update
+        self.buf = StepBuffer([p for p in model.parameters() if p.requires_grad], max_slots=cap.max_slots)
+        self.cursor = DataCursor(batch_per_replica, cap.max_slots)
+        self.optimizer_step = OptimizerStep(optimizer, lr_policy=upd.lr_policy, nominal_replicas=upd.nominal_replicas,
+                                            lr_scheduler=upd.lr_scheduler, grad_scaler=upd.grad_scaler,
+                                            grad_hook=upd.grad_hook, after_step=upd.after_step)
         self.user_state = UserState()
-        if lr_scheduler is not None:
-            self.user_state.register("lr_scheduler", lr_scheduler)
-        if grad_scaler is not None:
-            self.user_state.register("grad_scaler", grad_scaler)
-        for name, obj in (state or {}).items():
+        if upd.lr_scheduler is not None:
+            self.user_state.register("lr_scheduler", upd.lr_scheduler)
+        if upd.grad_scaler is not None:
+            self.user_state.register("grad_scaler", upd.grad_scaler)
+        for name, obj in options.state.items():
             self.user_state.register(name, obj)
         self.step = 0
         self.synced = True
-        self.step_timeout = step_timeout
-        self.comm_timeout = comm_timeout
-        self.secret = secret
-        self.state_rate_limit = state_rate_limit
-        self.loop_timeout = loop_timeout  # longest the loop may go without a beat (Runtime.loop_beat)
         self.events: deque[dict[str, Any]] = deque(maxlen=10_000)
-        self.recent = RecentSteps(recent_keep)  # served to peers that fast-forward
-        self.catchup = Catchup(self, replay_cap_bytes)
+        self.recent = RecentSteps(cap.recent_keep)  # served to peers that fast-forward
+        self.catchup = Catchup(self, cap.replay_cap_bytes)
         # The backend of every communicator, from the data plane asked for (argument, else the
         # runtime's, else $P2PFT_DATA_PLANE) and the step buffer's device: an impossible 'nccl'
         # fails here, before this rank serves state or opens its side channel.
-        plane = (data_plane_from(data_plane) if data_plane is not None
+        asked = options.data.data_plane
+        plane = (data_plane_from(asked) if asked is not None
                  else runtime.data_plane if runtime is not None else data_plane_from(None))
         dev = self.buf.flat.device
         self.backend = choose_backend(plane, dev.type)
-        self.comms = ShardComms(data_server, self.shard, comm_timeout, backend=self.backend,
+        self.comms = ShardComms(data_server, self.shard, self.comm_timeout, backend=self.backend,
                                 device=dev.index if dev.type == "cuda" else None)
         self.serving = Donor(self)     # snapshots, mean gradients and step signatures for peers
         self.in_step = False           # between begin() and the end of commit(): the loop mutates the state
@@ -147,8 +132,44 @@ class StepEngine:
         host = parse_hostport(data_server.addr, "data address").host
         side = self.comms.listen(host) if self.rank != 0 else (host, 0)
         self._ranks = [tuple(a) for a in group.agree(side)[1:]]
-        self.rank_timeout = rank_timeout
-        self._on_rank_lost = on_rank_lost
+        self._on_rank_lost = options.on_rank_lost
+
+    # ------------------------------------------------------------------ options, read where used
+    @property
+    def step_timeout(self) -> float:
+        t = self.options.timeouts.step_timeout
+        return t if self._step_cap is None else min(t, self._step_cap)
+
+    @contextlib.contextmanager
+    def step_timeout_capped(self, cap: float) -> Iterator[None]:
+        """Training thread: commits inside wait at most `cap` for a view (the end barrier's
+        idle rounds), without changing the configured options."""
+        saved, self._step_cap = self._step_cap, cap
+        try:
+            yield
+        finally:
+            self._step_cap = saved
+
+    @property
+    def comm_timeout(self) -> float:
+        return self.options.timeouts.comm_timeout
+
+    @property
+    def loop_timeout(self) -> float | None:
+        """Longest the loop may go without a beat (``Runtime.loop_beat``)."""
+        return self.options.timeouts.loop_timeout
+
+    @property
+    def rank_timeout(self) -> float:
+        return self.options.timeouts.rank_timeout
+
+    @property
+    def secret(self) -> bytes | None:
+        return self.options.data.secret
+
+    @property
+    def state_rate_limit(self) -> float | None:
+        return self.options.data.state_rate_limit
 
     def _start_control(self) -> None:
         """Every rank, once the replica's state is final (after a resume): donors may copy it from

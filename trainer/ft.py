@@ -20,6 +20,7 @@ from .checkpoint import AsyncCheckpointer
 from .engine import StateIO, StepEngine
 from .job import InitialStateMismatch, JobConfigError, JobFinished, JobLife, JobOptions, MissingStateError
 from .optstep import GradHook
+from .options import Capacity, DataPlaneOptions, EngineOptions, Timeouts, UpdateRule
 from .requests import RequestKind
 from .userstate import Stateful
 from .group import LocalGroup
@@ -54,31 +55,38 @@ class FaultTolerant(JobLife, StepEngine):
     barrier, ``is_leader`` picks one participant for side work."""
 
     def __init__(self, runtime: Runtime, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
-                 batch_per_replica: int, nominal_replicas: int | None = None, lr_policy: str = "sqrt",
-                 max_slots: int = 256, recent_keep: int = 2, replay_cap_bytes: int = 2 << 30,
-                 step_timeout: float = 120.0, checkpoint_dir: str | None = None, checkpoint_every: int = 0,
-                 resume: bool = True, state_rate_limit: float | None = None,
-                 loop_timeout: float | None = 60.0, lr_scheduler: Any = None, grad_scaler: Any = None,
-                 grad_hook: GradHook | None = None, after_step: GradHook | None = None,
-                 state: dict[str, Stateful] | None = None, data_plane: str | None = None,
-                 total_steps: int | None = None, total_samples: int | None = None, min_replicas: int = 1,
-                 start_timeout: float = 120.0, resume_grace: float = 15.0, allow_restart_from_scratch: bool = False,
-                 on_finished: str = "exit", initial_state: str = "broadcast",
-                 finish_timeout: float = 300.0) -> None:
+                 batch_per_replica: int, nominal_replicas: int | None = UpdateRule.nominal_replicas,
+                 lr_policy: str = UpdateRule.lr_policy, max_slots: int = Capacity.max_slots,
+                 recent_keep: int = Capacity.recent_keep, replay_cap_bytes: int = Capacity.replay_cap_bytes,
+                 step_timeout: float = Timeouts.step_timeout, checkpoint_dir: str | None = None,
+                 checkpoint_every: int = 0, resume: bool = True,
+                 state_rate_limit: float | None = DataPlaneOptions.state_rate_limit,
+                 loop_timeout: float | None = Timeouts.loop_timeout, lr_scheduler: Any = None,
+                 grad_scaler: Any = None, grad_hook: GradHook | None = None, after_step: GradHook | None = None,
+                 state: dict[str, Stateful] | None = None, data_plane: str | None = DataPlaneOptions.data_plane,
+                 total_steps: int | None = None, total_samples: int | None = None,
+                 min_replicas: int = JobOptions.min_replicas, start_timeout: float = JobOptions.start_timeout,
+                 resume_grace: float = JobOptions.resume_grace,
+                 allow_restart_from_scratch: bool = JobOptions.allow_restart_from_scratch,
+                 on_finished: str = JobOptions.on_finished.value,
+                 initial_state: str = JobOptions.initial_state.value,
+                 finish_timeout: float = JobOptions.finish_timeout) -> None:
         # Checked first: a bad option is one error before anything is served.
         self.job = JobOptions.make(total_steps=total_steps, total_samples=total_samples, min_replicas=min_replicas,
                                    start_timeout=start_timeout, resume_grace=resume_grace,
                                    allow_restart_from_scratch=allow_restart_from_scratch,
                                    on_finished=on_finished, initial_state=initial_state,
                                    finish_timeout=finish_timeout)
+        options = EngineOptions(
+            batch_per_replica=batch_per_replica,
+            timeouts=Timeouts(step_timeout=step_timeout, comm_timeout=runtime.comm_timeout, loop_timeout=loop_timeout),
+            update=UpdateRule(lr_policy=lr_policy, nominal_replicas=nominal_replicas, lr_scheduler=lr_scheduler,
+                              grad_scaler=grad_scaler, grad_hook=grad_hook, after_step=after_step),
+            capacity=Capacity(max_slots=max_slots, recent_keep=recent_keep, replay_cap_bytes=replay_cap_bytes),
+            data=DataPlaneOptions(data_plane=data_plane, secret=runtime.secret, state_rate_limit=state_rate_limit),
+            state=dict(state or {}))
         super().__init__(model, optimizer, group=LocalGroup(), runtime=runtime, data_server=runtime.data,
-                         state_io=WHOLE_STATE, batch_per_replica=batch_per_replica,
-                         nominal_replicas=nominal_replicas, lr_policy=lr_policy, max_slots=max_slots,
-                         recent_keep=recent_keep, replay_cap_bytes=replay_cap_bytes, step_timeout=step_timeout,
-                         comm_timeout=runtime.comm_timeout, secret=runtime.secret,
-                         state_rate_limit=state_rate_limit, loop_timeout=loop_timeout,
-                         lr_scheduler=lr_scheduler, grad_scaler=grad_scaler, grad_hook=grad_hook,
-                         after_step=after_step, state=state, data_plane=data_plane)
+                         state_io=WHOLE_STATE, options=options)
         self.serving.register(RequestKind.INITIAL, self._initial_state)   # the job's step-0 state (job.py)
         if self.job.target is not None and self.job.target.kind is TargetKind.STEPS:
             self.catchup.end_step = self.job.target.n

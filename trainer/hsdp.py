@@ -19,13 +19,17 @@ from ..runtime import Runtime
 from ..transport import DataServer
 from ..transport.addr import advertised, data_bind_host
 from .attempt import StepResult, StepTimeout, Stopped
-from .engine import RANK_TIMEOUT_S, StateIO, StepEngine, exit_replica
+from .engine import StateIO, StepEngine
 from .group import DistGroup
 from .optstep import GradHook
+from .options import Capacity, DataPlaneOptions, EngineOptions, Timeouts, UpdateRule, exit_replica
 from .userstate import Stateful
 from .shardstate import capture_shard, restore_shard, shard_digest
 
 __all__ = ["HSDP", "StepResult", "StepTimeout", "Stopped", "agree"]
+
+# Per rank: every rank of a catching-up replica keeps its own log of its shard's reduced steps.
+REPLAY_CAP_BYTES = 1 << 30
 
 SHARD_STATE = StateIO(capture=capture_shard, restore=restore_shard, digest=shard_digest, copy_between_steps=False)
 
@@ -39,22 +43,27 @@ class HSDP(StepEngine):
     """One rank of a multi-rank replica. Rank 0 passes the Runtime; the others pass None."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, data_server: DataServer,
-                 runtime: Runtime | None, batch_per_replica: int, nominal_replicas: int | None = None,
-                 lr_policy: str = "sqrt", max_slots: int = 256, replay_cap_bytes: int = 1 << 30,
-                 step_timeout: float = 120.0, comm_timeout: float = 10.0, secret: bytes | None = None,
-                 state_rate_limit: float | None = None, group: Any = None, rank_timeout: float = RANK_TIMEOUT_S,
-                 on_rank_lost: Callable[[int, float], None] = exit_replica,
-                 loop_timeout: float | None = 60.0, lr_scheduler: Any = None, grad_scaler: Any = None,
+                 runtime: Runtime | None, batch_per_replica: int,
+                 nominal_replicas: int | None = UpdateRule.nominal_replicas, lr_policy: str = UpdateRule.lr_policy,
+                 max_slots: int = Capacity.max_slots, replay_cap_bytes: int = REPLAY_CAP_BYTES,
+                 step_timeout: float = Timeouts.step_timeout, comm_timeout: float = Timeouts.comm_timeout,
+                 secret: bytes | None = DataPlaneOptions.secret,
+                 state_rate_limit: float | None = DataPlaneOptions.state_rate_limit, group: Any = None,
+                 rank_timeout: float = Timeouts.rank_timeout, on_rank_lost: Callable[[int, float], None] = exit_replica,
+                 loop_timeout: float | None = Timeouts.loop_timeout, lr_scheduler: Any = None, grad_scaler: Any = None,
                  grad_hook: GradHook | None = None, after_step: GradHook | None = None,
-                 state: dict[str, Stateful] | None = None, data_plane: str | None = None) -> None:
+                 state: dict[str, Stateful] | None = None, data_plane: str | None = DataPlaneOptions.data_plane) -> None:
+        options = EngineOptions(
+            batch_per_replica=batch_per_replica,
+            timeouts=Timeouts(step_timeout=step_timeout, comm_timeout=comm_timeout, loop_timeout=loop_timeout,
+                              rank_timeout=rank_timeout),
+            update=UpdateRule(lr_policy=lr_policy, nominal_replicas=nominal_replicas, lr_scheduler=lr_scheduler,
+                              grad_scaler=grad_scaler, grad_hook=grad_hook, after_step=after_step),
+            capacity=Capacity(max_slots=max_slots, replay_cap_bytes=replay_cap_bytes),
+            data=DataPlaneOptions(data_plane=data_plane, secret=secret, state_rate_limit=state_rate_limit),
+            state=dict(state or {}), on_rank_lost=on_rank_lost)
         super().__init__(model, optimizer, group=DistGroup(group), runtime=runtime, data_server=data_server,
-                         state_io=SHARD_STATE, batch_per_replica=batch_per_replica,
-                         nominal_replicas=nominal_replicas, lr_policy=lr_policy, max_slots=max_slots,
-                         replay_cap_bytes=replay_cap_bytes, step_timeout=step_timeout, comm_timeout=comm_timeout,
-                         secret=secret, state_rate_limit=state_rate_limit, loop_timeout=loop_timeout,
-                         rank_timeout=rank_timeout, on_rank_lost=on_rank_lost, lr_scheduler=lr_scheduler,
-                         grad_scaler=grad_scaler, grad_hook=grad_hook, after_step=after_step,
-                         state=state, data_plane=data_plane)
+                         state_io=SHARD_STATE, options=options)
         self._start_control()
 
     @classmethod

@@ -152,6 +152,7 @@ class JobLife:
         ds: DataServer
 
         def state_mutation(self) -> AbstractContextManager[None]: ...
+        def step_timeout_capped(self, cap: float) -> AbstractContextManager[None]: ...
     _started = False
     _ended: int | None = None           # the finished step this replica saw
     _initial: tuple[StateSnapshot, str] | None = None
@@ -489,15 +490,12 @@ class JobLife:
     def _idle_round(self) -> StepResult | None:
         """One reduce round contributing nothing: every participant is done, so nobody else
         contributes either; joiners still catching up finish theirs (IDLE) and read the view."""
-        saved = self.step_timeout
-        self.step_timeout = min(saved, IDLE_ROUND_TIMEOUT_S)
         self._slot = None
         try:
-            return super().commit()  # type: ignore[misc]
+            with self.step_timeout_capped(IDLE_ROUND_TIMEOUT_S):
+                return super().commit()  # type: ignore[misc]
         except (StepTimeout, Stopped):
             return None
-        finally:
-            self.step_timeout = saved
 
 
 __all__ = ["InitialState", "InitialStateMismatch", "JobConfigError", "JobFinished", "JobLife", "JobOptions",

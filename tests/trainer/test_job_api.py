@@ -79,3 +79,17 @@ def test_bad_job_options_are_one_clear_error(kw: dict) -> None:
             FaultTolerant(rt, model, opt, batch_per_replica=4, **kw)
     finally:
         rt.close()
+
+
+@pytest.mark.parametrize("kw,name", [({"loop_timeout": 5.0}, "loop_timeout"), ({"max_slots": 0}, "max_slots"),
+                                     ({"nominal_replicas": 0}, "nominal_replicas"),
+                                     ({"lr_policy": "cube"}, "lr_policy|cube")])
+def test_bad_engine_options_name_the_option(kw: dict, name: str) -> None:
+    """The grouped options (trainer/options.py) still name the keyword the user wrote."""
+    rt = Runtime(replica_id="r0", data_plane="tcp", comm_timeout=10.0).start()
+    try:
+        model, opt = _model()
+        with pytest.raises(ValueError, match=name):
+            FaultTolerant(rt, model, opt, batch_per_replica=4, **kw)
+    finally:
+        rt.close()

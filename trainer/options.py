@@ -1,0 +1,97 @@
+"""The step engine's options, grouped by concept and built once.
+
+``FaultTolerant``, ``HSDP`` and ``DiLoCo`` keep their documented keywords; each builds one
+``EngineOptions`` from them and hands it to ``StepEngine``, which reads the groups instead of
+25 keywords forwarded by hand at each level. Every default lives here (the adapters' keyword
+defaults read these class attributes), and each group checks its own values once, naming the
+keyword a user wrote.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+from .optstep import GradHook
+from .userstate import Stateful
+
+RANK_TIMEOUT_S = 10.0       # a rank silent for this long takes its replica down
+
+
+def exit_replica(rank: int, silent_s: float) -> None:
+    """Default reaction to a stalled rank: end this process; the launcher then ends the rest of
+    the replica and restarts it whole (the replica is the unit of failure)."""
+    logging.shutdown()
+    os._exit(75)
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """How long each wait of the step protocol may last. Grouped because they constrain each
+    other: a loop blocked in one allreduce (``comm_timeout``) must not be taken for a stalled
+    one (``loop_timeout``)."""
+
+    step_timeout: float = 120.0         # commit() raises StepTimeout after this long without a view
+    comm_timeout: float = 10.0          # one allreduce (the Runtime's comm_timeout)
+    loop_timeout: float | None = 60.0   # longest the loop may go without a beat (Runtime.loop_beat)
+    rank_timeout: float = RANK_TIMEOUT_S  # a silent rank of a multi-rank replica takes it down
+
+    def __post_init__(self) -> None:
+        if self.loop_timeout is not None and self.loop_timeout <= self.comm_timeout:
+            raise ValueError(f"loop_timeout={self.loop_timeout} s must exceed the communicator timeout "
+                             f"({self.comm_timeout} s): an allreduce may block that long without a beat")
+
+
+@dataclass(frozen=True)
+class UpdateRule:
+    """What one optimizer step does with the mean gradient (``OptimizerStep``): the learning-rate
+    policy over contributors and the user's scheduler, scaler and hooks. Grouped because a
+    replay and a fast-forward must run exactly the same rule as a live step."""
+
+    lr_policy: str = "sqrt"
+    nominal_replicas: int | None = None
+    lr_scheduler: Any = None
+    grad_scaler: Any = None
+    grad_hook: GradHook | None = None
+    after_step: GradHook | None = None
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """What the engine keeps, and so how much memory it holds: header slots (the most
+    participants a step can count), committed steps kept for peers that fast-forward, and the
+    bytes of reduced steps a joiner logs while its snapshot arrives."""
+
+    max_slots: int = 256
+    recent_keep: int = 2
+    replay_cap_bytes: int = 2 << 30
+
+
+@dataclass(frozen=True)
+class DataPlaneOptions:
+    """How this replica's state and gradients travel: the data plane asked for ("auto", "nccl",
+    "tcp"; None: the runtime's, else ``$P2PFT_DATA_PLANE``), the shared secret of its state
+    streams, and a bound on the bytes per second it serves to joiners."""
+
+    data_plane: str | None = None
+    secret: bytes | None = None
+    state_rate_limit: float | None = None
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """Everything a ``StepEngine`` is configured with besides its model, optimizer, group and
+    servers: built once by the adapter, read by the engine and its helpers."""
+
+    batch_per_replica: int
+    timeouts: Timeouts = field(default_factory=Timeouts)
+    update: UpdateRule = field(default_factory=UpdateRule)
+    capacity: Capacity = field(default_factory=Capacity)
+    data: DataPlaneOptions = field(default_factory=DataPlaneOptions)
+    state: Mapping[str, Stateful] = field(default_factory=dict)   # registered user state, by name
+    on_rank_lost: Callable[[int, float], None] = exit_replica
+
+
+__all__ = ["Capacity", "DataPlaneOptions", "EngineOptions", "RANK_TIMEOUT_S", "Timeouts", "UpdateRule",
+           "exit_replica"]
