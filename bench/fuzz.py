@@ -48,7 +48,7 @@ from p2pft.deploy.procs import spawn as spawn_child
 from p2pft.deploy.ports import free_ports
 from p2pft.core import codec
 from p2pft.core.messages import Append, AppendResp, Ping, PushPull, Row, Snapshot, Update, Updates, ViewDelta, ViewFull, ViewRequest
-from p2pft.core.meta import Kind, MemberMeta, Status
+from p2pft.core.meta import Kind, MemberMeta, NodeSpec, Status
 from p2pft.core.node import Node
 from p2pft.core.view import Member, Role, View
 from p2pft.net.wire import FrameDecoder, WireError, encode
@@ -238,7 +238,8 @@ def phase_decoders(seed: int, seconds: float) -> dict[str, Any]:
         def __missing__(self, k: str) -> int:
             return 0
     stats = Counts()
-    node = Node(replica_id="fz", addr="127.0.0.1:7999", seeds=["127.0.0.1:7001"], rng=random.Random(seed), now=0.0)
+    node = Node(NodeSpec(replica_id="fz"), addr="127.0.0.1:7999", seeds=["127.0.0.1:7001"], rng=random.Random(seed),
+                now=0.0)
     node.ready()
     t_end = time.monotonic() + seconds
     n = 0

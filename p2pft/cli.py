@@ -55,7 +55,8 @@ def _secret(args: argparse.Namespace) -> bytes | None:
 
 # ---------------------------------------------------------------------- peer
 def cmd_peer(args: argparse.Namespace) -> int:
-    from .net.driver import NodeServer
+    from .core.meta import NodeSpec
+    from .net.driver import ConnLimits, NodeServer
     from .transport.addr import parse_hostport
     listen = args.listen or _env("LISTEN")
     if not listen:
@@ -79,12 +80,12 @@ def cmd_peer(args: argparse.Namespace) -> int:
     for name in ("max_inbound", "idle_timeout", "drain_timeout"):
         if getattr(args, name) is not None and getattr(args, name) <= 0:
             raise CliError(f"--{name.replace('_', '-')} must be positive")
-    limits = {k: getattr(args, k) for k in ("max_inbound", "idle_timeout", "drain_timeout")
-              if getattr(args, k) is not None}
+    limits = ConnLimits(**{k: getattr(args, k) for k in ("max_inbound", "idle_timeout", "drain_timeout")
+                           if getattr(args, k) is not None})
 
     async def main() -> int:
-        server = NodeServer(listen=listen, replica_id=replica_id, seeds=seeds,
-                            secret=secret, profile=profile, advertise=advertise, **limits)
+        server = NodeServer(listen=listen, spec=NodeSpec(replica_id=replica_id or ""), seeds=seeds,
+                            secret=secret, profile=profile, advertise=advertise, limits=limits)
         try:
             await server.start()
         except OSError as exc:

@@ -11,6 +11,7 @@ import asyncio
 import logging
 import threading
 import time
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable
 
 from .net import aio
@@ -19,7 +20,7 @@ from .net.dataprobe import DataProbe
 from .net.driver import NodeServer
 from .ops.log import set_context
 from .core.node import TRAINER_KIND
-from .core.meta import MemberMeta, Status
+from .core.meta import Kind, MemberMeta, NodeSpec, Status
 from .core.step import view_wait_after_failure
 from .transport.addr import advertised, data_bind_host, parse_hostport
 from .core.view import JobTarget, Member, Role, View
@@ -29,9 +30,27 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+COMM_TIMEOUT_S = 10.0   # one allreduce, unless the runtime (or an HSDP rank) is told otherwise
+
 
 class RuntimeStartError(RuntimeError):
     """The runtime could not start, or was asked for something before it had a view."""
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where this replica listens and which addresses peers are told to dial. Grouped because
+    ``start()`` resolves them together: the data port follows the control host unless told
+    otherwise, and a wildcard bind is advertised as the address peers can reach."""
+
+    listen: str = "127.0.0.1:0"
+    seeds: tuple[str, ...] = ()
+    advertise: str | None = None                # control address peers use, when not the bound one (NAT, a proxy)
+    data_host: str | None = None                # host the data port binds (default: the listen host)
+    data_listen: str | None = None              # HOST:PORT the data port binds (wins over data_host)
+    advertise_data: str | None = None           # data address peers use, when not the bound one
+    data_addrs: tuple[str, ...] | None = None   # announced as given, one per shard (HSDP): no data server here
+    metrics_port: int | str | None = None       # PORT or HOST:PORT for /metrics (None: off)
 
 
 class Runtime:
@@ -41,40 +60,38 @@ class Runtime:
 
         rt = Runtime(replica_id="r0", listen="127.0.0.1:7000", seeds=["127.0.0.1:7001"]).start()
         view = rt.view                 # latest committed View, no round trip
+
+    The keywords are grouped once into a ``Placement`` (addresses), a ``NodeSpec`` (what the
+    node announces about itself) and the timing ``Profile``, which go down to the driver and the
+    node as they are.
     """
 
-    def __init__(self, *, replica_id: str, listen: str = "127.0.0.1:0", seeds: list[str] | tuple[str, ...] = (),
-                 data_host: str | None = None, data_addrs: list[str] | None = None, shards: int = 1,
-                 secret: bytes | None = None, profile: Profile = DEFAULT, comm_timeout: float = 10.0,
-                 kind: str = TRAINER_KIND, status: Status | str = Status.FRESH, step: int = 0, advertise: str | None = None,
+    def __init__(self, *, replica_id: str, listen: str = Placement.listen,
+                 seeds: list[str] | tuple[str, ...] = (), data_host: str | None = None,
+                 data_addrs: list[str] | None = None, shards: int = NodeSpec.shards, secret: bytes | None = None,
+                 profile: Profile = DEFAULT, comm_timeout: float = COMM_TIMEOUT_S, kind: str = TRAINER_KIND,
+                 status: Status | str = Status.FRESH, step: int = NodeSpec.step, advertise: str | None = None,
                  data_listen: str | None = None, advertise_data: str | None = None,
                  metrics_port: int | str | None = None, data_plane: str | None = None,
-                 max_participants: int | None = None) -> None:
+                 max_participants: int | None = NodeSpec.max_participants) -> None:
         from .transport.backend import data_plane_from
-        self.replica_id = str(replica_id)
-        if max_participants is not None and (isinstance(max_participants, bool) or not isinstance(max_participants, int)
-                                             or max_participants < 1):
-            raise ValueError(f"max_participants must be a positive int or None, got {max_participants!r}")
-        # The job's planned participants: trainers beyond it wait as hot spares (joiners kept
-        # current by the data plane), promoted in the view that removes a dead participant.
-        self.max_participants = max_participants
+        # The job's planned participants (max_participants): trainers beyond it wait as hot
+        # spares (joiners kept current by the data plane), promoted in the view that removes a
+        # dead participant. Checked here, with the rest of what the node announces.
+        self.spec = NodeSpec(replica_id=str(replica_id), kind=Kind(kind), shards=shards, status=Status(status),
+                             step=step, max_participants=max_participants)
+        self.place = Placement(listen=listen, seeds=tuple(seeds), advertise=advertise, data_host=data_host,
+                               data_listen=data_listen, advertise_data=advertise_data,
+                               data_addrs=tuple(data_addrs) if data_addrs is not None else None,
+                               metrics_port=metrics_port)
+        self.replica_id = self.spec.replica_id
         # "auto" | "nccl" | "tcp" (None: $P2PFT_DATA_PLANE, else auto), for whoever builds communicators.
         self.data_plane = data_plane_from(data_plane)
-        self.listen = listen
-        self.seeds = list(seeds)
-        self.data_host = data_host
-        self.shards = shards
         self.secret = secret
         self.profile = profile
-        self.comm_timeout = comm_timeout
-        self.kind = kind
-        self._status = Status(status)
-        self._step = step
-        self._extra_data_addrs = data_addrs
-        # Addresses peers use when they differ from the bound ones (NAT, a fault proxy in tests).
-        self.advertise = advertise
-        self.data_listen = data_listen
-        self.advertise_data = advertise_data
+        self.comm_timeout = comm_timeout           # one allreduce of the communicators built from these views
+        self._status = self.spec.status or Status.FRESH
+        self._step = self.spec.step
         self.data: DataServer | None = None        # shard 0's data server (HSDP ranks have their own)
         self.server: NodeServer | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -86,7 +103,6 @@ class Runtime:
         self._closed = False
         self._next_beat = 0.0
         self.view_log: list[tuple[float, int, int]] = []   # (wall time, epoch, data_epoch), bounded
-        self.metrics_port = metrics_port                   # PORT or HOST:PORT for /metrics (None: off)
         self.metrics: Any = None                           # p2pft.ops.metrics.MetricsEndpoint once served
         self.probe: DataProbe | None = None                # data-port reachability of failed peers
 
@@ -97,44 +113,46 @@ class Runtime:
         from .transport.backend import check_data_plane
         from .transport.server import DataServer
         check_data_plane(self.data_plane)
-        if self._extra_data_addrs is None:
+        place = self.place
+        if place.data_addrs is None:
             # The data port follows the control address's host unless told otherwise; a wildcard
             # bind is advertised as the address peers can reach (never 0.0.0.0).
-            host, port = (parse_hostport(self.data_listen, "data listen address") if self.data_listen
-                          else (data_bind_host(self.listen, self.data_host), 0))
+            host, port = (parse_hostport(place.data_listen, "data listen address") if place.data_listen
+                          else (data_bind_host(place.listen, place.data_host), 0))
             self.data = DataServer(host, port, secret=self.secret)
-            data_addrs = [self.advertise_data or advertised(self.data.addr, advertise=self.advertise,
-                                                            toward=self.seeds)]
+            data_addrs: tuple[str, ...] = (place.advertise_data or advertised(self.data.addr, advertise=place.advertise,
+                                                                              toward=place.seeds),)
         else:
-            data_addrs = list(self._extra_data_addrs)
-        self._thread = threading.Thread(target=self._run_loop, args=(",".join(data_addrs),),
+            data_addrs = place.data_addrs
+        self._thread = threading.Thread(target=self._run_loop, args=(data_addrs,),
                                         name=f"p2pft-control-{self.replica_id}", daemon=True)
         self._thread.start()
         if not self._started.wait(timeout):
             raise RuntimeStartError(f"control plane did not start within {timeout} s")
         if self._start_error is not None:
-            raise RuntimeStartError(f"cannot start the control plane on {self.listen}: {self._start_error}")
-        if self.metrics_port is not None:
+            raise RuntimeStartError(f"cannot start the control plane on {place.listen}: {self._start_error}")
+        if place.metrics_port is not None:
             from .ops.metrics import serve_runtime_metrics
             try:
-                self.metrics = serve_runtime_metrics(self, self.metrics_port)
+                self.metrics = serve_runtime_metrics(self, place.metrics_port)
             except (OSError, ValueError) as exc:
                 self.close(leave=False)
-                raise RuntimeStartError(f"cannot serve metrics on {self.metrics_port}: {exc}") from None
+                raise RuntimeStartError(f"cannot serve metrics on {place.metrics_port}: {exc}") from None
         return self
 
-    def _run_loop(self, data_addr: str) -> None:
+    def _run_loop(self, data_addrs: tuple[str, ...]) -> None:
         loop = aio.new_event_loop()
         self._loop = loop
         asyncio.set_event_loop(loop)
-        server = NodeServer(listen=self.listen, replica_id=self.replica_id, seeds=self.seeds, kind=self.kind,
-                            data_addr=data_addr, shards=self.shards, secret=self.secret, profile=self.profile,
-                            status=self._status, step=self._step, advertise=self.advertise,
-                            max_participants=self.max_participants)
+        # What the node announces: as configured, with the data addresses just bound and the
+        # status and step the trainer may have set since.
+        spec = replace(self.spec, data_addrs=data_addrs, status=self._status, step=self._step)
+        server = NodeServer(listen=self.place.listen, spec=spec, seeds=self.place.seeds, secret=self.secret,
+                            profile=self.profile, advertise=self.place.advertise)
         server.on_view.append(self._on_view)
         self.server = server
-        if data_addr:
-            self.probe = DataProbe(server, parse_hostport(data_addr.split(",")[0], "data address").host)
+        if data_addrs:
+            self.probe = DataProbe(server, parse_hostport(data_addrs[0], "data address").host)
         try:
             loop.run_until_complete(server.start())
         except BaseException as exc:  # bind errors and the like: reported to start()
@@ -329,4 +347,4 @@ class Runtime:
         return self._status
 
 
-__all__ = ["Runtime", "RuntimeStartError", "Member", "Role", "View"]
+__all__ = ["COMM_TIMEOUT_S", "Placement", "Runtime", "RuntimeStartError", "Member", "Role", "View"]

@@ -13,6 +13,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
+from ..runtime import COMM_TIMEOUT_S
 from .optstep import GradHook
 from .userstate import Stateful
 
@@ -33,7 +34,7 @@ class Timeouts:
     one (``loop_timeout``)."""
 
     step_timeout: float = 120.0         # commit() raises StepTimeout after this long without a view
-    comm_timeout: float = 10.0          # one allreduce (the Runtime's comm_timeout)
+    comm_timeout: float = COMM_TIMEOUT_S  # one allreduce (the Runtime's comm_timeout)
     loop_timeout: float | None = 60.0   # longest the loop may go without a beat (Runtime.loop_beat)
     rank_timeout: float = RANK_TIMEOUT_S  # a silent rank of a multi-rank replica takes it down
 

@@ -126,6 +126,46 @@ class MemberMeta:
         return meta
 
 
+@dataclass(frozen=True)
+class NodeSpec:
+    """What a node says about itself when it starts: the fields of its first ``MemberMeta``.
+
+    Built once (by ``Runtime``, ``p2pft peer`` or the simulator) and passed down through the
+    driver to the ``Node``; defaults here are a witness's. Values are checked and normalized
+    once, with an error naming the option."""
+
+    replica_id: str = ""                      # empty: the node's address stands for it
+    kind: Kind = Kind.WITNESS
+    data_addrs: tuple[str, ...] = ()          # one data-server address per shard (comma-joined accepted)
+    shards: int = 1
+    status: Status | None = None              # None: ready for a witness, joining for a trainer
+    step: int = 0                             # the committed step it starts from
+    max_participants: int | None = None       # planned participants; trainers beyond it are spares
+
+    def __post_init__(self) -> None:
+        mp = self.max_participants
+        if mp is not None and (isinstance(mp, bool) or not isinstance(mp, int) or mp < 1):
+            raise ValueError(f"max_participants must be a positive int or None, got {mp!r}")
+        object.__setattr__(self, "replica_id", str(self.replica_id))
+        object.__setattr__(self, "kind", Kind(self.kind))
+        if isinstance(self.data_addrs, str):
+            object.__setattr__(self, "data_addrs", split_addrs(self.data_addrs))
+        else:
+            object.__setattr__(self, "data_addrs", tuple(self.data_addrs))
+        object.__setattr__(self, "shards", int(self.shards))
+        object.__setattr__(self, "step", int(self.step))
+        if self.status is not None:
+            object.__setattr__(self, "status", Status(self.status))
+
+    def meta(self, start: float) -> MemberMeta:
+        """The first metadata of the incarnation started at wall time `start`."""
+        status = self.status
+        if status is None:
+            status = Status.READY if self.kind is Kind.WITNESS else Status.JOINING
+        return MemberMeta(replica_id=self.replica_id, data_addrs=self.data_addrs, kind=self.kind, shards=self.shards,
+                          status=status, start=float(start), step=self.step, max_participants=self.max_participants)
+
+
 _EMPTY = MemberMeta()
 _DECODED_MAX = 8192
 _decoded: dict[tuple[Any, ...], MemberMeta] = {}
@@ -140,4 +180,4 @@ def _enum(cls: type, value: Any) -> Any:
         raise ValueError(f"{value!r} is not a valid {cls.__name__}") from None
 
 
-__all__ = ["Kind", "MemberMeta", "Status"]
+__all__ = ["Kind", "MemberMeta", "NodeSpec", "Status"]

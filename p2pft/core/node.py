@@ -16,15 +16,16 @@ import bisect
 import logging
 import random
 from collections import Counter
+from dataclasses import replace
 
 from .config import DEFAULT, Profile
 from .gossip.swim import Gossip
 from .messages import ALIVE, DEAD, LEFT, SUSPECT, Envelope, GossipMessage, Message, RaftMessage, Unknown, Update, Updates, ViewDelta, ViewFull, ViewRequest
-from .meta import Kind, MemberMeta, Status
+from .meta import Kind, NodeSpec, Status
 from .raft import LEADER, Raft
 from .ready import Ready
 from .reconcile import ViewPlanner, canonical, member_entry
-from .view import JobTarget, Member, Role, View, split_addrs
+from .view import JobTarget, Member, Role, View
 
 log = logging.getLogger(__name__)
 
@@ -46,23 +47,16 @@ class Node:
     """One node (an incarnation of a replica leader, or a witness): gossip member, Raft voter or
     learner, and the leader's view maker when Raft elects it."""
 
-    def __init__(self, *, replica_id: str, addr: str, data_addr: str = "", kind: str | Kind = WITNESS_KIND,
-                 shards: int = 1, seeds: list[str] | tuple[str, ...] = (), profile: Profile = DEFAULT,
-                 rng: random.Random, now: float, start_stamp: float | None = None,
-                 status: str | Status | None = None, step: int = 0,
-                 max_participants: int | None = None) -> None:
-        self.replica_id = str(replica_id)
+    def __init__(self, spec: NodeSpec, *, addr: str, seeds: list[str] | tuple[str, ...] = (),
+                 profile: Profile = DEFAULT, rng: random.Random, now: float, start_stamp: float | None = None) -> None:
+        self.replica_id = spec.replica_id or addr
         self.addr = addr
-        self.kind = Kind(kind)
+        self.kind = spec.kind
         self.p = profile
         self.rng = rng
         self.id = f"{self.replica_id}.{rng.getrandbits(32):08x}"
-        if status is None:
-            status = Status.READY if self.kind is Kind.WITNESS else Status.JOINING
-        meta = MemberMeta(replica_id=self.replica_id, data_addrs=split_addrs(data_addr), kind=self.kind,
-                          shards=int(shards), status=Status(status),
-                          start=float(now if start_stamp is None else start_stamp), step=int(step),
-                          max_participants=max_participants)
+        meta = replace(spec, replica_id=self.replica_id).meta(now if start_stamp is None else start_stamp)
+        step = spec.step
         self.gossip = Gossip(self.id, addr, meta, profile, rng, now, step=step)
         self.raft = Raft(self.id, profile, rng, now, first_entry=self._first_view)
         self.stats: Counter[str] = Counter()

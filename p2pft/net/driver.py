@@ -26,14 +26,15 @@ import os
 import random
 import time
 from collections import Counter, OrderedDict, deque
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..core import codec
 from .aio import Wakeup, read_or_idle
 from ..core.config import DEFAULT, Profile
 from ..ops.log import set_context
-from ..core.meta import Kind, Status
-from ..core.node import Node, WITNESS_KIND
+from ..core.meta import NodeSpec
+from ..core.node import Node
 from ..ops.observe import Observer
 from ..transport.addr import is_wildcard, join_hostport, parse_hostport, reachable_host
 from ..transport.wire import source_address
@@ -43,12 +44,27 @@ from .wire import DEFAULT_MAX_FRAME, FrameDecoder, ReplayGuard, WireError, encod
 log = logging.getLogger(__name__)
 
 MAX_QUEUE = 1024          # frames queued per peer; the oldest is dropped past it (gossip tolerates loss)
-MAX_INBOUND = 2048        # inbound connections; past it the longest-idle one is closed (NodeServer(max_inbound=))
-IDLE_TIMEOUT = 60.0       # an inbound connection that sends nothing for this long is closed (idle_timeout=)
 CONNECT_TIMEOUT = 1.0
-DRAIN_TIMEOUT = 2.0       # a peer that does not read for this long loses its connection (drain_timeout=)
-REPLAY_WINDOW = 30.0      # accepted send-time skew of control frames, seconds (replay_window=)
 REJECT_LOG_EVERY = 5.0    # seconds between two log lines about the same kind of rejected connection
+
+
+@dataclass(frozen=True)
+class ConnLimits:
+    """Bounds on what peers can make this node hold: frame size, open inbound connections, idle
+    and slow readers, accepted clock skew of frames. Grouped because together they are the
+    node's defence against hostile or broken connections (``p2pft peer --max-inbound`` ...)."""
+
+    max_frame: int = DEFAULT_MAX_FRAME
+    max_inbound: int = 2048       # past it the longest-idle inbound connection is closed
+    idle_timeout: float = 60.0    # an inbound connection that sends nothing for this long is closed
+    drain_timeout: float = 2.0    # a peer that does not read for this long loses its connection
+    replay_window: float = 30.0   # accepted send-time skew of control frames, seconds
+
+    def __post_init__(self) -> None:
+        for name in ("max_frame", "max_inbound", "idle_timeout", "drain_timeout", "replay_window"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+                raise ValueError(f"{name} must be positive, got {v!r}")
 
 
 class _Peer:
@@ -95,11 +111,11 @@ class _Peer:
                         while self.queue:
                             writer.write(self.queue.popleft())
                         if writer.transport.get_write_buffer_size():
-                            await asyncio.wait_for(writer.drain(), self.server.drain_timeout)
+                            await asyncio.wait_for(writer.drain(), self.server.limits.drain_timeout)
                         self.wake.clear()
                         if self.queue:
                             continue  # queued while we drained
-                        woken = await self.wake.wait(self.server.idle_timeout / 2)
+                        woken = await self.wake.wait(self.server.limits.idle_timeout / 2)
                         if eof.done():
                             self.server.counters["peer_eof"] += 1
                             self.server.evidence(self.addr, certain=False)
@@ -134,35 +150,22 @@ class _Peer:
 class NodeServer:
     """Runs one node on a TCP listen address until stopped."""
 
-    def __init__(self, *, listen: str, replica_id: str | None = None, seeds: list[str] | None = None,
-                 kind: str | Kind = WITNESS_KIND, data_addr: str = "", shards: int = 1, secret: bytes | None = None,
-                 profile: Profile = DEFAULT, max_frame: int = DEFAULT_MAX_FRAME, status: str | Status | None = None,
-                 step: int = 0, seed: int | None = None, advertise: str | None = None,
-                 max_inbound: int = MAX_INBOUND, idle_timeout: float = IDLE_TIMEOUT,
-                 drain_timeout: float = DRAIN_TIMEOUT, replay_window: float = REPLAY_WINDOW,
-                 max_participants: int | None = None) -> None:
+    def __init__(self, *, listen: str, spec: NodeSpec = NodeSpec(), seeds: list[str] | tuple[str, ...] = (),
+                 secret: bytes | None = None, profile: Profile = DEFAULT, limits: ConnLimits = ConnLimits(),
+                 advertise: str | None = None, seed: int | None = None) -> None:
         self.listen = listen
-        self.max_participants = max_participants
         self.host, self.port = parse_hostport(listen, "listen address")
         if advertise:
             parse_hostport(advertise, "advertised address")
         self.advertise = advertise or None
         # A wildcard bind is never advertised: peers get this host's address towards the seeds.
         self.reach_host = reachable_host(self.host, toward=seeds or ()) if is_wildcard(self.host) else None
-        self.max_inbound = int(max_inbound)
-        self.idle_timeout = float(idle_timeout)
-        self.drain_timeout = float(drain_timeout)
-        self.replay = ReplayGuard(window=replay_window)
-        self.replica_id = replica_id
-        self.seeds = list(seeds or [])
-        self.kind = kind
-        self.data_addr = data_addr
-        self.shards = shards
+        self.limits = limits
+        self.replay = ReplayGuard(window=limits.replay_window)
+        self.spec = spec
+        self.seeds = list(seeds)
         self.secret = secret
         self.profile = profile
-        self.max_frame = max_frame
-        self.status = status
-        self.step = step
         self.rng = random.Random(seed)
         self.node: Node | None = None
         self.counters: Counter[str] = Counter()
@@ -204,10 +207,8 @@ class NodeServer:
         if self.port == 0:
             self.port = self._server.sockets[0].getsockname()[1]
         self.replay = ReplayGuard(window=self.replay.window)   # the start of this process's table
-        self.node = Node(replica_id=self.replica_id or self.addr, addr=self.addr, data_addr=self.data_addr,
-                         kind=self.kind, shards=self.shards, seeds=self.seeds, profile=self.profile,
-                         rng=self.rng, now=time.monotonic(), start_stamp=time.time(), status=self.status,
-                         step=self.step, max_participants=self.max_participants)
+        self.node = Node(self.spec, addr=self.addr, seeds=self.seeds, profile=self.profile, rng=self.rng,
+                         now=time.monotonic(), start_stamp=time.time())
         self._wake = Wakeup()
         self._timer = asyncio.get_running_loop().create_task(self._timer_loop())
         self._flush()
@@ -277,7 +278,7 @@ class NodeServer:
                 last, body = msg, codec.to_wire(msg)
             try:
                 # a frame per destination: each gets its own send sequence number
-                frame = encode(body["t"], node.id, body, secret=self.secret, max_frame=self.max_frame)
+                frame = encode(body["t"], node.id, body, secret=self.secret, max_frame=self.limits.max_frame)
             except WireError as exc:
                 self.counters["encode_failed"] += 1
                 log.warning("not sending %s to %s: %s", body["t"], addr, exc)
@@ -314,24 +315,24 @@ class NodeServer:
             writer.close()
             return
         now = time.monotonic()
-        while len(self._inbound) >= self.max_inbound:
+        while len(self._inbound) >= self.limits.max_inbound:
             # Full: the connection idle longest goes (a flood of idle connections cannot lock out
             # peers and admin clients; a live peer whose connection goes simply reconnects).
             old, since = self._inbound.popitem(last=False)
             self.counters["inbound_evicted"] += 1
             self._log_reject("inbound_evicted", "%d inbound connections (the limit): closing the one idle "
-                             "longest (%.1f s, from %s)", self.max_inbound, now - since,
+                             "longest (%.1f s, from %s)", self.limits.max_inbound, now - since,
                              _fmt_peer(old.get_extra_info("peername")))
             old.close()
         self._inbound[writer] = now
-        decoder = FrameDecoder(secret=self.secret, max_frame=self.max_frame, guard=self.replay)
+        decoder = FrameDecoder(secret=self.secret, max_frame=self.limits.max_frame, guard=self.replay)
         try:
             while not self.closing:
-                data = await read_or_idle(reader, writer, 1 << 16, self.idle_timeout)
+                data = await read_or_idle(reader, writer, 1 << 16, self.limits.idle_timeout)
                 if data is None:
                     self.counters["idle_closed"] += 1
                     self._log_reject("idle_closed", "closing connection from %s: nothing received for %g s",
-                                     _fmt_peer(peer), self.idle_timeout)
+                                     _fmt_peer(peer), self.limits.idle_timeout)
                     return
                 if writer not in self._inbound:
                     return  # evicted to make room
@@ -359,12 +360,12 @@ class NodeServer:
                     # Admin answers are waiting: a client that does not read them is not served
                     # more (no reads meanwhile), and loses the connection after drain_timeout.
                     try:
-                        await asyncio.wait_for(writer.drain(), self.drain_timeout)
+                        await asyncio.wait_for(writer.drain(), self.limits.drain_timeout)
                     except asyncio.TimeoutError:
                         self.counters["slow_reader_closed"] += 1
                         self._log_reject("slow_reader_closed", "closing connection from %s: it has not read "
                                          "its answers (%d bytes waiting) for %g s", _fmt_peer(peer),
-                                         writer.transport.get_write_buffer_size(), self.drain_timeout)
+                                         writer.transport.get_write_buffer_size(), self.limits.drain_timeout)
                         writer.transport.abort()
                         return
         except (ConnectionError, OSError):
@@ -388,7 +389,7 @@ class NodeServer:
         if mtype.startswith("admin."):
             reply = self._admin(mtype, body)
             try:
-                writer.write(encode("admin.reply", node.id, reply, secret=self.secret, max_frame=self.max_frame))
+                writer.write(encode("admin.reply", node.id, reply, secret=self.secret, max_frame=self.limits.max_frame))
             except WireError:
                 return False
             return True

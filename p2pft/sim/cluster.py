@@ -21,7 +21,7 @@ import msgpack
 
 from ..core import codec
 from ..core.config import DEFAULT, Profile
-from ..core.meta import Status
+from ..core.meta import NodeSpec, Status
 from ..core.node import WITNESS_KIND, Node
 from ..core.view import View
 
@@ -93,11 +93,11 @@ class Simulator:
         return self._start(addr, spec)
 
     def _start(self, addr: str, spec: dict[str, Any]) -> Node:
-        node = Node(replica_id=spec["replica_id"], addr=addr, data_addr=addr, kind=spec["kind"],
-                    shards=spec["shards"], seeds=spec["seeds"], profile=self.profile,
-                    rng=random.Random(self.rng.getrandbits(64)), now=self.now,
-                    status=Status.FRESH if spec["kind"] != WITNESS_KIND else None,
-                    max_participants=spec.get("max_participants"))
+        node = Node(NodeSpec(replica_id=spec["replica_id"], kind=spec["kind"], data_addrs=(addr,),
+                             shards=spec["shards"], status=Status.FRESH if spec["kind"] != WITNESS_KIND else None,
+                             max_participants=spec.get("max_participants")),
+                    addr=addr, seeds=spec["seeds"], profile=self.profile,
+                    rng=random.Random(self.rng.getrandbits(64)), now=self.now)
         self.nodes[addr] = node
         self.crashed.pop(addr, None)
         self._after(addr, node)

@@ -261,6 +261,7 @@ def test_rules_change_at_run_time_on_an_open_connection(nf: NetFault, server: Se
 def test_node_server_binds_its_source_ip_and_advertises_the_proxy(nf: NetFault) -> None:
     """Outgoing control connections of a node bound to 127.0.0.N come from 127.0.0.N, and the
     address in views is the advertised one."""
+    from p2pft.core.meta import NodeSpec
     from p2pft.net.driver import NodeServer
     from p2pft.transport.wire import source_address
 
@@ -279,9 +280,9 @@ def test_node_server_binds_its_source_ip_and_advertises_the_proxy(nf: NetFault) 
     b_adv = nf.add_proxy(f"{ip(6)}:0", b_real)
 
     async def run() -> None:
-        b = NodeServer(listen=b_real, advertise=b_adv, replica_id="b")
+        b = NodeServer(listen=b_real, advertise=b_adv, spec=NodeSpec(replica_id="b"))
         await b.start()
-        a = NodeServer(listen=f"{ip(5)}:{ports[0]}", replica_id="a", seeds=[b_adv, sink.addr])
+        a = NodeServer(listen=f"{ip(5)}:{ports[0]}", spec=NodeSpec(replica_id="a"), seeds=[b_adv, sink.addr])
         await a.start()
         try:
             deadline = time.monotonic() + 15

@@ -3,6 +3,7 @@ node's one output value per step (Node.ready)."""
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 from typing import Any
 
 import msgpack
@@ -10,7 +11,7 @@ import pytest
 
 from p2pft.core import codec
 from p2pft.core.messages import ALIVE, DEAD, LEFT, SUSPECT, Ack, Append, AppendResp, Nack, Ping, PreVote, PreVoteResp, ProbeRequest, PushPull, Row, Snapshot, Unknown, Update, Updates, ViewDelta, ViewFull, ViewRequest, Vote, VoteResp, Who
-from p2pft.core.meta import Kind, MemberMeta, Status
+from p2pft.core.meta import Kind, MemberMeta, NodeSpec, Status
 from p2pft.core.node import Node
 from p2pft.core.view import Member, Role, View
 
@@ -132,8 +133,8 @@ def test_unknown_type_is_its_own_message() -> None:
 
 # ---------------------------------------------------------------------- the node's outputs
 def _node(seeds: tuple[str, ...] = ()) -> Node:
-    return Node(replica_id="r1", addr="10.0.0.1:7000", data_addr="10.0.0.1:8000", kind="trainer", seeds=seeds,
-                rng=random.Random(1), now=0.0, status="ready")
+    return Node(NodeSpec(replica_id="r1", data_addrs=("10.0.0.1:8000",), kind=Kind.TRAINER, status=Status.READY),
+                addr="10.0.0.1:7000", seeds=seeds, rng=random.Random(1), now=0.0)
 
 
 def test_ready_hands_each_output_once() -> None:
@@ -171,3 +172,20 @@ def test_request_data_epoch_and_status_go_into_gossip_metadata() -> None:
     assert node.gossip.meta.status is Status.JOINING and node.gossip.meta.step == 12 and node.step == 12
     node.loop_beat(1.2, 5.0)
     assert node.gossip.meta.loop_timeout == 5.0
+
+
+def test_node_spec_is_checked_once_and_is_the_first_metadata() -> None:
+    """The options a node starts with (``NodeSpec``): normalized, checked with the option's
+    name, and a witness's defaults; they become the node's first ``MemberMeta``."""
+    spec = NodeSpec(replica_id="r1", kind="trainer", data_addrs="10.0.0.1:8000,10.0.0.1:8001", shards=2)
+    assert spec.kind is Kind.TRAINER and spec.data_addrs == ("10.0.0.1:8000", "10.0.0.1:8001")
+    meta = spec.meta(start=5.0)
+    assert (meta.status, meta.start, meta.step, meta.shards) == (Status.JOINING, 5.0, 0, 2)
+    assert NodeSpec().meta(start=0.0).status is Status.READY     # a witness
+    for bad in (0, -1, True, 1.5):
+        with pytest.raises(ValueError, match="max_participants"):
+            NodeSpec(max_participants=bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        NodeSpec(kind="boss")  # type: ignore[arg-type]
+    node = Node(replace(spec, replica_id=""), addr="10.0.0.1:7000", rng=random.Random(1), now=0.0)
+    assert node.replica_id == "10.0.0.1:7000", "an empty replica id is the node's address"

@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from p2pft.core.meta import NodeSpec
 from p2pft.net.driver import NodeServer, admin_request
 from p2pft.net.wire import FrameDecoder, ReplayGuard, WireError, encode
 
@@ -124,11 +125,11 @@ async def _send(addr: str, data: bytes) -> bytes:
 
 async def test_a_frame_recorded_on_the_wire_and_replayed_is_rejected(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.WARNING, logger="p2pft.net.driver")
-    b = NodeServer(listen="127.0.0.1:0", secret=SECRET, replica_id="b")
+    b = NodeServer(listen="127.0.0.1:0", secret=SECRET, spec=NodeSpec(replica_id="b"))
     await b.start()
     record = bytearray()
     relay, tap = await _recording_relay(b.addr, record)
-    a = NodeServer(listen="127.0.0.1:0", secret=SECRET, replica_id="a", seeds=[tap])
+    a = NodeServer(listen="127.0.0.1:0", secret=SECRET, spec=NodeSpec(replica_id="a"), seeds=[tap])
     await a.start()
     try:
         deadline = time.monotonic() + 10

@@ -14,7 +14,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from p2pft.net.driver import NodeServer, admin_request
+from p2pft.core.meta import NodeSpec
+from p2pft.net.driver import ConnLimits, NodeServer, admin_request
 from p2pft.net.wire import DEFAULT_MAX_FRAME, FLAG_MAC, MAC_LEN, PROTOCOL_VERSION, FrameDecoder, Message, WireError, encode, load_secret
 
 SECRET = b"cluster-secret"
@@ -246,7 +247,7 @@ BAD_INPUTS = [
 
 @pytest.fixture
 async def server():
-    srv = NodeServer(listen="127.0.0.1:0", secret=SECRET, replica_id="wire-test")
+    srv = NodeServer(listen="127.0.0.1:0", secret=SECRET, spec=NodeSpec(replica_id="wire-test"))
     await srv.start()
     try:
         yield srv
@@ -349,3 +350,9 @@ async def test_garbage_after_good_frames_closes_only_that_connection(server: Nod
     assert server.counters["bad_frame_oversized"] == 1
     rep = await admin_request(server.addr, "admin.members", secret=SECRET)
     assert rep["members"][0]["replica_id"] == "wire-test"
+
+
+@pytest.mark.parametrize("name", ["max_frame", "max_inbound", "idle_timeout", "drain_timeout", "replay_window"])
+def test_connection_limits_name_a_bad_value(name: str) -> None:
+    with pytest.raises(ValueError, match=name):
+        ConnLimits(**{name: 0})
