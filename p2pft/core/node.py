@@ -19,6 +19,7 @@ from collections import Counter
 from dataclasses import replace
 
 from .config import DEFAULT, Profile
+from .gossip.events import GossipEventKind
 from .gossip.swim import Gossip
 from .messages import ALIVE, DEAD, LEFT, SUSPECT, Envelope, GossipMessage, Message, RaftMessage, Unknown, Update, Updates, ViewDelta, ViewFull, ViewRequest
 from .meta import Kind, NodeSpec, Status
@@ -384,15 +385,15 @@ class Node:
         if raft.leader:
             self.leader = raft.leader
             self.leader_addr = self._addr_of(self.leader)
-        for kind, node in g.events:
-            if kind == "epoch":
-                self._ask_view(node, now)
+        for ev in g.events:
+            if ev.kind is GossipEventKind.NEWER_VIEW:
+                self._ask_view(ev.node, now)
             else:
                 self._dirty = True
-                if kind != "update":  # suspect / dead / alive / left: when detection happened
-                    log.debug("gossip: %s %s", node, kind, extra={"node": self.id})
-                if kind in (DEAD, LEFT):
-                    raft.leader_failed(node, now)
+                if ev.kind is not GossipEventKind.UPDATE:  # suspect / dead / alive / left: when detection happened
+                    log.debug("gossip: %s %s", ev.node, ev.kind, extra={"node": self.id})
+                if ev.lost:
+                    raft.leader_failed(ev.node, now)
         g.events.clear()
         declared = g.take_declared()
         if declared and self.leader_addr and self.leader != self.id and not self.is_leader():

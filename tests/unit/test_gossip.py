@@ -12,6 +12,7 @@ import pytest
 
 from p2pft.core import codec
 from p2pft.core.config import DEFAULT, Profile
+from p2pft.core.gossip.events import GossipEventKind
 from p2pft.core.gossip.swim import ALIVE, DEAD, LEFT, SUSPECT, Gossip, Suspicion
 from p2pft.core.messages import Updates
 from p2pft.core.meta import MemberMeta
@@ -33,7 +34,7 @@ class Net:
         self.g: dict[str, Gossip] = {}
         self.down: set[str] = set()
         self.blocked: set[tuple[str, str]] = set()
-        self.events: list[tuple[float, str, str, str]] = []   # (time, observer addr, kind, node)
+        self.events: list[tuple[float, str, GossipEventKind, str]] = []   # (time, observer addr, kind, node)
         self.sent: list[tuple[str, dict[str, Any]]] = []   # (sender addr, wire dict)
         self._q: list[tuple[float, int, str, bytes]] = []
         self._seq = itertools.count()
@@ -62,8 +63,8 @@ class Net:
             if (addr, dst) not in self.blocked:
                 heapq.heappush(self._q, (self.now + 0.001, next(self._seq), dst, msgpack.packb(wire)))
         g.outbox.clear()
-        for kind, node in g.events:
-            self.events.append((self.now, addr, kind, node))
+        for ev in g.events:
+            self.events.append((self.now, addr, ev.kind, ev.node))
         g.events.clear()
 
     def run(self, until: float) -> None:
@@ -91,9 +92,9 @@ class Net:
         m = self.g[observer].members.get(self.id(addr))
         return m.state if m else None
 
-    def first(self, kind: str, addr: str, since: float = 0.0) -> float | None:
+    def first(self, kind: GossipEventKind, addr: str, since: float = 0.0) -> float | None:
         node = self.id(addr)
-        times = [t for t, _, k, n in self.events if k == kind and n == node and t >= since]
+        times = [t for t, _, k, n in self.events if k is kind and n == node and t >= since]
         return min(times) if times else None
 
 
@@ -119,14 +120,14 @@ def test_crashed_member_is_suspected_then_declared_dead() -> None:
     net.run(t_crash + 5.0)
     survivors = [a for a in net.addrs if a != victim]
     assert all(net.state(o, victim) == DEAD for o in survivors)
-    t_suspect = net.first(SUSPECT, victim, t_crash)
-    t_dead = net.first(DEAD, victim, t_crash)
+    t_suspect = net.first(GossipEventKind.SUSPECT, victim, t_crash)
+    t_dead = net.first(GossipEventKind.DEAD, victim, t_crash)
     assert t_suspect is not None and t_dead is not None
     # Suspicion is used (never instant death from one missed ack) and its timeout is bounded.
     assert t_dead - t_suspect >= DEFAULT.suspicion_min - 1e-9
     assert t_dead - t_crash < 3.0
     # No survivor was ever suspected.
-    assert not [e for e in net.events if e[2] in (SUSPECT, DEAD) and e[3] != net.id(victim)]
+    assert not [e for e in net.events if e[2] in (GossipEventKind.SUSPECT, GossipEventKind.DEAD) and e[3] != net.id(victim)]
 
 
 def test_suspected_member_refutes_with_a_higher_incarnation() -> None:
@@ -141,7 +142,7 @@ def test_suspected_member_refutes_with_a_higher_incarnation() -> None:
     net.run(net.now + 3.0)
     assert net.g[target].inc > inc0
     assert everyone_alive(net)
-    assert net.first(DEAD, target) is None
+    assert net.first(GossipEventKind.DEAD, target) is None
 
 
 def test_confirmations_shrink_the_suspicion_timeout() -> None:
@@ -198,7 +199,7 @@ def test_graceful_leave_is_seen_everywhere_quickly() -> None:
     assert all(net.state(o, leaver) == LEFT for o in others)
     net.run(t0 + 5.0)
     assert all(net.state(o, leaver) == LEFT for o in others)   # not resurrected, not "dead"
-    assert net.first(DEAD, leaver) is None
+    assert net.first(GossipEventKind.DEAD, leaver) is None
 
 
 def test_piggyback_is_bounded_and_each_update_sent_a_limited_number_of_times() -> None:
@@ -253,7 +254,7 @@ def test_indirect_probes_avoid_a_false_suspicion_over_a_broken_link() -> None:
     net.blocked.add((a, b))               # a cannot reach b directly; everyone else can
     t0 = net.now
     net.run(t0 + 10.0)
-    assert net.first(DEAD, b, t0) is None
+    assert net.first(GossipEventKind.DEAD, b, t0) is None
     assert net.state(a, b) in (ALIVE, SUSPECT)
     assert everyone_alive(net) or net.state(a, b) == SUSPECT
     assert any(m["t"] == "g.preq" for src, m in net.sent if src == a)

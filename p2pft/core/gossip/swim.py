@@ -1,7 +1,7 @@
 """Sans-IO SWIM membership with the Lifeguard refinements.
 
 No sockets, no clock, no global random: callers feed messages and the current time, and drain
-``outbox`` (``(addr, message)`` pairs) and ``events`` (``(kind, node)`` pairs). The same object
+``outbox`` (``(addr, message)`` pairs) and ``events`` (``GossipEvent`` values). The same object
 runs under the asyncio driver and under the simulator. The member table and suspicions live in
 ``p2pft.core.gossip.members``, the piggyback queue in ``p2pft.core.gossip.broadcast``, the probe order in ``p2pft.core.gossip.probe``.
 
@@ -25,6 +25,7 @@ from dataclasses import replace
 from typing import Any
 
 from .broadcast import BroadcastQueue
+from .events import GossipEvent, GossipEventKind
 from ..config import Profile
 from .members import GossipMember, MemberTable, Suspicion
 from ..messages import ALIVE, DEAD, LEFT, SUSPECT, Ack, GossipMessage, GossipMsg, Nack, Ping, ProbeRequest, PushPull, Row, Update, Updates, Who
@@ -46,7 +47,7 @@ class Gossip:
         self.table = MemberTable(GossipMember(node, addr, 0, ALIVE, meta, now))
         self.members: dict[str, GossipMember] = self.table.by_id     # read-only for callers
         self.outbox: list[tuple[str, GossipMsg]] = []
-        self.events: list[tuple[str, str]] = []
+        self.events: list[GossipEvent] = []
         self._declared: list[Update] = []              # 'dead' updates we originated (for the node layer)
         self._epoch = 0                                # our committed epoch, told on probes
         self._step = int(step)                         # our committed step, told on probes
@@ -212,7 +213,7 @@ class Gossip:
                 m.heard = True
                 m.epoch = max(m.epoch, msg.epoch)
                 if m.epoch > self._epoch:
-                    self.events.append(("epoch", src))
+                    self.events.append(GossipEvent(GossipEventKind.NEWER_VIEW, src))
             if msg.step is not None:
                 m.step = msg.step
             if msg.beat is not None and msg.beat != m.beat:
@@ -252,7 +253,7 @@ class Gossip:
             if msg.join or not msg.reply:
                 self._send_pp(msg.frm, join=False, reply=True)
             if msg.join:
-                self.events.append(("join_request", src))
+                self.events.append(GossipEvent(GossipEventKind.JOIN_REQUEST, src))
         elif isinstance(msg, Who):
             if not self.leaving:
                 out = Updates()
@@ -360,7 +361,7 @@ class Gossip:
         if m is None:
             self.table.add(GossipMember(node, u.addr, inc, ALIVE, meta, now))
             self.probes.learned(node)
-            self.events.append(("join", node))
+            self.events.append(GossipEvent(GossipEventKind.JOIN, node))
             if not self._quiet:
                 self._bcast.push(u, urgent=False)
             return
@@ -373,9 +374,9 @@ class Gossip:
         self._susp.pop(node, None)
         if was != ALIVE:
             self.table.set_state(m, ALIVE, now)
-            self.events.append(("alive", node))
+            self.events.append(GossipEvent(GossipEventKind.ALIVE, node))
         elif changed:
-            self.events.append(("update", node))
+            self.events.append(GossipEvent(GossipEventKind.UPDATE, node))
         self._bcast.push(u)
 
     def _apply_suspect(self, u: Update, now: float) -> None:
@@ -401,7 +402,7 @@ class Gossip:
         min_t = max(self.p.suspicion_min, self.p.suspicion_mult * math.log10(n) * self.p.probe_interval)
         s = Suspicion(inc, now, min_t, min_t * self.p.suspicion_max_mult, origin=frm or self.me)
         self._susp[node] = s
-        self.events.append(("suspect", node))
+        self.events.append(GossipEvent(GossipEventKind.SUSPECT, node))
         if frm and frm != self.me and not (self._probe and self._probe.target == node):
             self.probes.next_up(node)  # a confirmation (or the suspect's news) one probe away
         self._bcast.push(u if frm else Update(SUSPECT, node, inc, accuser=self.me))
@@ -419,7 +420,7 @@ class Gossip:
         m.inc = inc
         self.table.set_state(m, state, now)
         self._susp.pop(node, None)
-        self.events.append((state, node))
+        self.events.append(GossipEvent(GossipEventKind.gone(state), node))
         self._bcast.push(u)
         if state == DEAD and u.accuser == self.me:
             self._declared.append(u)
