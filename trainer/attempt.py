@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from ..core.view import shard_addr
+
 
 class Plan(enum.Enum):
     ALLREDUCE = "allreduce"
@@ -39,7 +41,7 @@ class Attempt:
     behind: bool = False                          # a synced joiner whose donor holds a later step
 
     def peers(self, shard: int) -> list[str]:
-        return [a[min(shard, len(a) - 1)] for a in self.addrs]
+        return [shard_addr(a, shard) for a in self.addrs]
 
 
 @dataclass(frozen=True)

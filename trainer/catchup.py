@@ -25,6 +25,7 @@ import torch
 from ..core.meta import Status
 from ..runtime import Runtime
 from ..core.step import ReplayLog
+from ..core.view import shard_addr
 from ..transport import CommError, DataServer
 from ..transport.stream import StateSnapshot, fetch_state
 from .attempt import Entry
@@ -44,7 +45,6 @@ class Replica(Protocol):
     """What catch-up needs of the step engine (``engine.StepEngine``)."""
 
     rt: Runtime | None
-    synced: bool
     step: int
     shard: int
     secret: bytes | None
@@ -56,6 +56,11 @@ class Replica(Protocol):
 
     @property
     def stopping(self) -> bool: ...
+
+    @property
+    def synced(self) -> bool: ...
+
+    def mark_synced(self, synced: bool) -> None: ...
 
     @property
     def state_io(self) -> Any: ...
@@ -90,7 +95,7 @@ class Catchup:
         with self.lock:
             if not e.synced and not again:
                 return
-            e.synced = False
+            e.mark_synced(False)
             self.log.clear()
             self._gen += 1
             self._at_head = False
@@ -147,7 +152,7 @@ class Catchup:
     def _hand_over(self) -> None:
         """Under the lock: this replica holds the cluster's state again (the training thread
         commits from here on)."""
-        self.e.synced = True
+        self.e.mark_synced(True)
         self._gen += 1
         self._at_head = False
         self._cond.notify_all()
@@ -292,7 +297,7 @@ class Catchup:
         if self.donor is None:
             raise CommError("no participant to pull a snapshot from")
         node, addrs = self.donor
-        addr = addrs[min(e.shard, len(addrs) - 1)]
+        addr = shard_addr(addrs, e.shard, node)
         replica = node.rsplit(".", 1)[0]  # node ids are "<replica id>.<incarnation>"
         self._say(log, logging.INFO, f"fetching from {node}",
                   "fetching a snapshot of step >= %d from %s (%s, shard %d)", min_step, replica, node, e.shard)

@@ -100,7 +100,7 @@ class ShardComms:
         if me is None or me.role not in (Role.PARTICIPANT, Role.JOINER) or any(
                 len(m.data_addrs) != world for m in members):
             return
-        peers = [m.data_addrs[min(self.shard, len(m.data_addrs) - 1)] for m in members]
+        peers = view.shard_addrs(self.shard)
         try:
             self.get(view.data_epoch, view.data_rank(node), peers)
         except Exception as exc:  # noqa: BLE001 - the training thread builds it, and reports, itself

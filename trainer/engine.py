@@ -101,7 +101,7 @@ class StepEngine:
         for name, obj in options.state.items():
             self.user_state.register(name, obj)
         self.step = 0
-        self.synced = True
+        self._synced = True            # see the synced property; written by mark_synced only
         self.events: deque[dict[str, Any]] = deque(maxlen=10_000)
         self.recent = RecentSteps(cap.recent_keep)  # served to peers that fast-forward
         self.catchup = Catchup(self, cap.replay_cap_bytes)
@@ -187,6 +187,17 @@ class StepEngine:
     @property
     def stopping(self) -> bool:
         return self._stop.is_set()
+
+    @property
+    def synced(self) -> bool:
+        """This replica holds the cluster's committed state and trains; False while it catches
+        up (the catch-up worker owns the model and the gradients meanwhile)."""
+        return self._synced
+
+    def mark_synced(self, synced: bool) -> None:
+        """Catch-up's start (False) and hand-over (True), under its lock: the one writer of
+        ``synced``."""
+        self._synced = synced
 
     # ------------------------------------------------------------------ public loop API
     def begin(self, stop: bool = False) -> list[int]:

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from ..core.view import shard_addr
 from ..transport import CommError
 from ..transport.stream import StateSnapshot, fetch_state
 from .attempt import Attempt, Entry
@@ -83,7 +84,7 @@ def fetch_recent(lo: int, hi: int, att: Attempt, steps: dict[int, int], shard: i
         if steps.get(slot, -1) < hi or node == att.node:
             continue
         try:
-            snap = fetch_state(addrs[min(shard, len(addrs) - 1)],
+            snap = fetch_state(shard_addr(addrs, shard, node),
                                StateRequest.grads(lo, hi, shard).to_wire(),
                                secret=secret, timeout=FAST_FORWARD_TIMEOUT_S, source_host=source_host)
         except CommError as exc:

@@ -8,6 +8,7 @@ edges (the node's messages, the driver, the simulator).
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -83,10 +84,8 @@ class Member:
         return self.data_addrs[0] if self.data_addrs else ""
 
     def shard_addr(self, shard: int) -> str:
-        """Data address for shard `shard` (a one-shard replica serves every shard index)."""
-        if not self.data_addrs:
-            raise ValueError(f"{self.node} has no data address")
-        return self.data_addrs[min(shard, len(self.data_addrs) - 1)]
+        """Data address for shard `shard` (see ``shard_addr``)."""
+        return shard_addr(self.data_addrs, shard, self.node)
 
     def to_wire(self) -> dict[str, Any]:
         return {"node": self.node, "replica_id": self.replica_id, "addr": self.addr,
@@ -101,6 +100,15 @@ class Member:
                    data_addrs=split_addrs(d.get("data_addr", "")), role=Role(d["role"]),
                    slot=None if slot is None else int(slot), shards=int(d.get("shards", 1)),
                    since=int(d.get("since", 0)))
+
+
+def shard_addr(addrs: Sequence[str], shard: int, who: str = "a member") -> str:
+    """The address of shard `shard` among a replica's data addresses (one per shard): the
+    rule every layer uses. A one-shard replica serves every shard index (shards past its last
+    address go to its last one), so replicas of different shard counts still pair up."""
+    if not addrs:
+        raise ValueError(f"{who} has no data address")
+    return addrs[min(shard, len(addrs) - 1)]
 
 
 def split_addrs(joined: str | list[str] | tuple[str, ...]) -> tuple[str, ...]:
@@ -216,4 +224,5 @@ def job_from_wire(d: dict[str, Any]) -> dict[str, Any]:
     return {"target": JobTarget.from_wire(d.get("tg")), "finished": None if fin is None else int(fin)}
 
 
-__all__ = ["JobTarget", "Member", "Role", "TargetKind", "View", "job_from_wire", "job_to_wire", "split_addrs"]
+__all__ = ["JobTarget", "Member", "Role", "TargetKind", "View", "job_from_wire", "job_to_wire", "shard_addr",
+           "split_addrs"]
