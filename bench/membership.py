@@ -241,7 +241,7 @@ def _peer_cmd() -> list[str]:
 
 
 async def _ask(addr: str, mtype: str = "admin.members") -> dict[str, Any] | None:
-    from p2pft.net.driver import admin_request
+    from p2pft.net.admin import admin_request
     try:
         return await admin_request(addr, mtype, timeout=1.0)
     except (OSError, asyncio.TimeoutError, ConnectionError):

@@ -144,7 +144,7 @@ def _metrics_port(value: str | None, listen: str) -> str | None:
 
 # ---------------------------------------------------------------------- members
 def cmd_members(args: argparse.Namespace) -> int:
-    from .net.driver import admin_error, admin_request
+    from .net.admin import admin_error, admin_request
     from .transport.addr import parse_hostport
     try:
         parse_hostport(args.peer, "--peer")

@@ -18,7 +18,7 @@ from typing import Any, Awaitable, Callable, Iterator
 
 import pytest
 
-from p2pft.net.driver import admin_request
+from p2pft.net.admin import admin_request
 from p2pft.deploy.ports import free_ports
 
 HOST = "127.0.0.1"

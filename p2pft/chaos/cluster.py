@@ -313,7 +313,7 @@ class Cluster:
     def leader(self) -> int | None:
         """Ask a live replica's control port who leads Raft; map the leader to a replica index."""
         from ..net import aio
-        from ..net.driver import admin_request
+        from ..net.admin import admin_request
         for i in self.live():
             try:
                 rep = aio.run(admin_request(self.addrs[i], "admin.members", timeout=1.0))

@@ -3,8 +3,8 @@
 Messages are one-way frames: every node keeps at most one outgoing connection per peer
 address and answers on its own outgoing connection, so the protocol needs no request/response
 pairing (the simulator delivers the same messages the same way). Admin requests
-(``admin.*``, used by ``p2pft members``) are the exception and are answered on the connection
-they came in on.
+(``admin.*``, used by ``p2pft members``; client in ``p2pft.net.admin``) are the exception and
+are answered on the connection they came in on.
 
 Transport errors are evidence for the membership layer: a refused connection to a member's
 address means its process is gone (declared dead at once); an EOF on an outgoing connection
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import random
 import time
 from collections import Counter, OrderedDict, deque
@@ -30,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..core import codec
+from .admin import members_report
 from .aio import Wakeup, read_or_idle
 from ..core.config import DEFAULT, Profile
 from ..ops.log import set_context
@@ -420,21 +420,8 @@ class NodeServer:
 
     def members_report(self) -> dict[str, Any]:
         """The committed view as this node sees it (the `p2pft members --json` object)."""
-        node = self.node
-        assert node is not None
-        view = node.view
-        out: dict[str, Any] = {"node": node.id, "epoch": view.epoch if view else 0, "leader": node.leader,
-                               "committed_at": self.view_wall_time, "members": []}
-        if view:
-            voters = set(view.voters)
-            for m in view.members:
-                state = node.member_state(m.node) if m.node != node.id else "alive"
-                out["members"].append({
-                    "node": m.node, "replica_id": m.replica_id, "addr": m.addr, "role": m.role.value,
-                    "state": state, "step": node.member_step(m.node), "data_addr": ",".join(m.data_addrs),
-                    "slot": m.slot, "voter": m.node in voters})
-            out["data_epoch"] = view.data_epoch
-        return out
+        assert self.node is not None
+        return members_report(self.node, self.view_wall_time)
 
 
 def _describe(view: View) -> str:
@@ -446,42 +433,3 @@ def _fmt_peer(peer: Any) -> str:
     if isinstance(peer, tuple) and len(peer) >= 2:
         return f"{peer[0]}:{peer[1]}"
     return str(peer)
-
-
-async def admin_request(addr: str, mtype: str, *, secret: bytes | None = None, timeout: float = 3.0,
-                        max_frame: int = DEFAULT_MAX_FRAME) -> dict[str, Any]:
-    """One admin request/response over a fresh connection (raises OSError/TimeoutError/WireError)."""
-    host, port = parse_hostport(addr)
-    reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
-    try:
-        # A sender id of its own: the node's replay table keys on it, and other admin clients
-        # (other processes, with their own sequence numbers) must not look like replays.
-        sender = f"admin.{os.getpid()}.{random.getrandbits(32):08x}"
-        writer.write(encode(mtype, sender, {}, secret=secret, max_frame=max_frame))
-        await asyncio.wait_for(writer.drain(), timeout)
-        decoder = FrameDecoder(secret=secret, max_frame=max_frame)
-        deadline = time.monotonic() + timeout
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise asyncio.TimeoutError()
-            data = await asyncio.wait_for(reader.read(1 << 16), left)
-            if not data:
-                raise ConnectionError("peer closed the connection without answering (wrong secret?)")
-            for m in decoder.feed(data):
-                return m.body
-    finally:
-        writer.close()
-
-
-def admin_error(exc: BaseException, peer: str, timeout: float) -> str | None:
-    """The one line a CLI prints when an admin request to `peer` failed (None: not ours to explain)."""
-    if isinstance(exc, ConnectionRefusedError):
-        return f"nothing listens on {peer} (connection refused)"
-    if isinstance(exc, (asyncio.TimeoutError, TimeoutError)):
-        return f"no answer from {peer} within {timeout:g} s"
-    if isinstance(exc, (OSError, ConnectionError)):
-        return f"cannot reach {peer}: {exc}"
-    if isinstance(exc, WireError):
-        return f"bad answer from {peer}: {exc}"
-    return None

@@ -203,7 +203,7 @@ def _with_error(f: Frame, error: str) -> Frame:
 
 
 def run_top(args: argparse.Namespace, secret: bytes | None, fail: Callable[[str], Exception]) -> int:
-    from ..net.driver import admin_error, admin_request
+    from ..net.admin import admin_error, admin_request
     from ..transport.addr import parse_hostport
     from ..net.wire import WireError
     try:

@@ -53,7 +53,7 @@ def _flood(addr: str, n: int) -> list[socket.socket]:
 
 
 def _stats(ctl: Any, addr: str) -> dict[str, Any]:
-    from p2pft.net.driver import admin_request
+    from p2pft.net.admin import admin_request
     return aio.run(admin_request(addr, "admin.stats", timeout=5.0))["counters"]
 
 

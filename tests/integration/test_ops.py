@@ -156,7 +156,7 @@ def test_top_plain_shows_the_cluster(cluster: OpsCluster, ctl: Any) -> None:
 
 def test_admin_top_answer(cluster: OpsCluster, ctl: Any) -> None:
     import asyncio
-    from p2pft.net.driver import admin_request
+    from p2pft.net.admin import admin_request
     rep = asyncio.run(admin_request(cluster.addrs[0], "admin.top", timeout=5))
     assert {m["replica_id"] for m in rep["members"]} == {"r0", "r1", "w0"}
     assert rep["term"] >= 1 and rep["now"] > 0 and isinstance(rep["events"], list)

@@ -10,7 +10,8 @@ import time
 import pytest
 
 from p2pft.core.meta import NodeSpec
-from p2pft.net.driver import NodeServer, admin_request
+from p2pft.net.admin import admin_request
+from p2pft.net.driver import NodeServer
 from p2pft.net.wire import FrameDecoder, ReplayGuard, WireError, encode
 
 SECRET = b"cluster-secret"

@@ -15,7 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from p2pft.core.meta import NodeSpec
-from p2pft.net.driver import ConnLimits, NodeServer, admin_request
+from p2pft.net.admin import admin_request
+from p2pft.net.driver import ConnLimits, NodeServer
 from p2pft.net.wire import DEFAULT_MAX_FRAME, FLAG_MAC, MAC_LEN, PROTOCOL_VERSION, FrameDecoder, Message, WireError, encode, load_secret
 
 SECRET = b"cluster-secret"
