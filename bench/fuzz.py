@@ -39,19 +39,19 @@ from typing import Any
 
 import msgpack
 
-from p2pft.transport import DataServer, ProtocolMismatch
-from p2pft.transport.stream import StateSnapshot, fetch_state
-from p2pft.transport.wire import (ACK_LEN, HELLO_LEN, KIND_RING, ST_AUTH, ST_OK, find_error_frame, pack_ack,
-                                  pack_error_frame, pack_hello, parse_ack, parse_hello)
-from p2pft.transport.errors import PeerFailed
-from p2pft.deploy.procs import spawn as spawn_child
-from p2pft.deploy.ports import free_ports
 from p2pft.core import codec
 from p2pft.core.messages import Append, AppendResp, Ping, PushPull, Row, Snapshot, Update, Updates, ViewDelta, ViewFull, ViewRequest
 from p2pft.core.meta import Kind, MemberMeta, NodeSpec, Status
 from p2pft.core.node import Node
 from p2pft.core.view import Member, Role, View
+from p2pft.deploy.ports import free_ports
+from p2pft.deploy.procs import spawn as spawn_child
 from p2pft.net.wire import FrameDecoder, WireError, encode
+from p2pft.transport import DataServer, ProtocolMismatch
+from p2pft.transport.errors import PeerFailed
+from p2pft.transport.stream import StateSnapshot, fetch_state
+from p2pft.transport.wire import (ACK_LEN, HELLO_LEN, KIND_RING, ST_AUTH, ST_OK, find_error_frame, pack_ack,
+                                  pack_error_frame, pack_hello, parse_ack, parse_hello)
 
 SECRET = b"fuzz-secret-0123456789"
 

@@ -18,11 +18,11 @@ import sys
 import time
 from typing import Any, Sequence
 
-from .net import aio
 from .core.config import PROFILES
 from .deploy.launch import add_launch_args
-from .ops.log import log_level, setup_logging
+from .net import aio
 from .net.wire import WireError, load_secret
+from .ops.log import log_level, setup_logging
 
 log = logging.getLogger("p2pft.cli")
 

@@ -14,16 +14,16 @@ import time
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable
 
-from .net import aio
 from .core.config import DEFAULT, Profile
+from .core.meta import Kind, MemberMeta, NodeSpec, Status
+from .core.node import TRAINER_KIND
+from .core.step import view_wait_after_failure
+from .core.view import JobTarget, Member, Role, View
+from .net import aio
 from .net.dataprobe import DataProbe
 from .net.driver import NodeServer
 from .ops.log import set_context
-from .core.node import TRAINER_KIND
-from .core.meta import Kind, MemberMeta, NodeSpec, Status
-from .core.step import view_wait_after_failure
 from .transport.addr import advertised, data_bind_host, parse_hostport
-from .core.view import JobTarget, Member, Role, View
 
 if TYPE_CHECKING:
     from .transport.server import DataServer

@@ -18,8 +18,8 @@ from typing import Any, Awaitable, Callable, Iterator
 
 import pytest
 
-from p2pft.net.admin import admin_request
 from p2pft.deploy.ports import free_ports
+from p2pft.net.admin import admin_request
 
 HOST = "127.0.0.1"
 

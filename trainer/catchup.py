@@ -23,9 +23,9 @@ from typing import Any, Protocol
 import torch
 
 from ..core.meta import Status
-from ..runtime import Runtime
 from ..core.step import ReplayLog
 from ..core.view import shard_addr
+from ..runtime import Runtime
 from ..transport import CommError, DataServer
 from ..transport.stream import StateSnapshot, fetch_state
 from .attempt import Entry

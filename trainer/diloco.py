@@ -27,8 +27,8 @@ from .attempt import Entry, StepResult, StepTimeout, Stopped
 from .engine import StepEngine
 from .ft import WHOLE_STATE
 from .group import LocalGroup
-from .optstep import GradHook, OptimizerStep
 from .options import Capacity, DataPlaneOptions, EngineOptions, Timeouts, UpdateRule
+from .optstep import GradHook, OptimizerStep
 from .outer import FragmentSchedule, merge, outer_sgd, pseudo_gradient, split_fragments
 from .pgcodec import Compression, PseudoGradCodec
 from .stepbuf import StepBuffer

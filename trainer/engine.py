@@ -24,21 +24,21 @@ from typing import Any, Callable, Iterator
 import torch
 
 from ..core.meta import Status
-from ..runtime import Runtime
 from ..core.step import RETRY_PAUSE_S, Action, Reduced, decide, idle_backoff
+from ..core.view import Role
+from ..runtime import Runtime
 from ..transport import CommAborted, CommError, DataServer, SharedDevice
 from ..transport.addr import parse_hostport
 from ..transport.backend import choose_backend, data_plane_from
 from ..transport.stream import StateSnapshot
-from ..core.view import Role
 from .attempt import Attempt, Entry, Plan, StepResult, StepTimeout, Stopped, Verdict
 from .catchup import Catchup
 from .comms import ShardComms
 from .cursor import DataCursor
 from .donor import Donor
 from .group import ReplicaGroup
-from .optstep import OptimizerStep
 from .options import EngineOptions, exit_replica
+from .optstep import OptimizerStep
 from .pause import Pauses
 from .recent import RecentSteps, fast_forward
 from .recovery import LogLimiter, check_usable, recover

@@ -13,18 +13,18 @@ from typing import Any
 
 import torch
 
-from ..runtime import Runtime
 from ..core.view import TargetKind
+from ..runtime import Runtime
 from .attempt import StepResult, StepTimeout, Stopped
 from .checkpoint import AsyncCheckpointer
 from .engine import StateIO, StepEngine
-from .job import InitialStateMismatch, JobConfigError, JobFinished, JobLife, JobOptions, MissingStateError
-from .optstep import GradHook
-from .options import Capacity, DataPlaneOptions, EngineOptions, Timeouts, UpdateRule
-from .requests import RequestKind
-from .userstate import Stateful
 from .group import LocalGroup
+from .job import InitialStateMismatch, JobConfigError, JobFinished, JobLife, JobOptions, MissingStateError
+from .options import Capacity, DataPlaneOptions, EngineOptions, Timeouts, UpdateRule
+from .optstep import GradHook
+from .requests import RequestKind
 from .state import capture, restore, state_digest
+from .userstate import Stateful
 
 log = logging.getLogger(__name__)
 

@@ -21,10 +21,10 @@ from ..transport.addr import advertised, data_bind_host
 from .attempt import StepResult, StepTimeout, Stopped
 from .engine import StateIO, StepEngine
 from .group import DistGroup
-from .optstep import GradHook
 from .options import Capacity, DataPlaneOptions, EngineOptions, Timeouts, UpdateRule, exit_replica
-from .userstate import Stateful
+from .optstep import GradHook
 from .shardstate import capture_shard, restore_shard, shard_digest
+from .userstate import Stateful
 
 __all__ = ["HSDP", "StepResult", "StepTimeout", "Stopped", "agree"]
 

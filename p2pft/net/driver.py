@@ -29,16 +29,16 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..core import codec
-from .admin import members_report
-from .aio import Wakeup, read_or_idle
 from ..core.config import DEFAULT, Profile
-from ..ops.log import set_context
 from ..core.meta import NodeSpec
 from ..core.node import Node
+from ..core.view import View
+from ..ops.log import set_context
 from ..ops.observe import Observer
 from ..transport.addr import is_wildcard, join_hostport, parse_hostport, reachable_host
 from ..transport.wire import source_address
-from ..core.view import View
+from .admin import members_report
+from .aio import Wakeup, read_or_idle
 from .wire import DEFAULT_MAX_FRAME, FrameDecoder, ReplayGuard, WireError, encode
 
 log = logging.getLogger(__name__)

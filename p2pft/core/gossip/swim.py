@@ -24,12 +24,12 @@ import random
 from dataclasses import replace
 from typing import Any
 
-from .broadcast import BroadcastQueue
-from .events import GossipEvent, GossipEventKind
 from ..config import Profile
-from .members import GossipMember, MemberTable, Suspicion
 from ..messages import ALIVE, DEAD, LEFT, SUSPECT, Ack, GossipMessage, GossipMsg, Nack, Ping, ProbeRequest, PushPull, Row, Update, Updates, Who
 from ..meta import MemberMeta
+from .broadcast import BroadcastQueue
+from .events import GossipEvent, GossipEventKind
+from .members import GossipMember, MemberTable, Suspicion
 from .probe import Probe, ProbeOrder
 
 
