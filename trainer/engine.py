@@ -30,6 +30,7 @@ from ..core.step import RETRY_PAUSE_S, Action, Reduced, decide, idle_backoff
 from ..transport import CommAborted, CommError, DataServer, SharedDevice
 from ..transport.addr import parse_hostport
 from ..transport.backend import choose_backend, data_plane_from
+from ..transport.device import written_event
 from ..transport.stream import StateSnapshot
 from ..core.view import Role
 from .attempt import Attempt, Entry, Plan, StepResult, StepTimeout, Stopped, Verdict
@@ -411,7 +412,8 @@ class StepEngine:
             return None
         assert d.step is not None
         mask = [i in reduced.steps for i in range(self.buf.max_slots)]
-        entry = Entry(d.step, self.buf.flat.clone(), reduced.count, mask)
+        flat = self.buf.flat.clone()
+        entry = Entry(d.step, flat, reduced.count, mask, ready=written_event(flat))
         ranks = {s: r for s, r in att.slot_ranks if s < len(mask) and mask[s]}
         if d.action is Action.LOG:
             if self.catchup.on_reduced(entry, all(v.ready == d.step for v in verdicts)):

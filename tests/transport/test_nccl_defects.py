@@ -286,3 +286,43 @@ def test_donor_copies_after_the_stream_that_wrote_the_state() -> None:
     out = subprocess.run([sys.executable, "-c", _DONOR], capture_output=True, text=True, timeout=60, env=_env())
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip() == "OK", out.stdout + out.stderr[-2000:]
+
+
+_RECENT = r"""
+import time
+import torch
+import fakedevice
+from p2pft.transport import CommError, DataServer, fetch_state
+from p2pft.transport.device import written_event
+from p2pft.trainer.attempt import Entry
+from p2pft.trainer.recent import RecentSteps
+
+dev = fakedevice.DEVICE
+recent = RecentSteps(keep=2)
+flat = torch.full((4096,), 3.0)          # step 5's reduced buffer, cloned on the training stream
+recent.append(Entry(5, flat, 2, [True, True], ready=written_event(flat)))
+dev.slow_kernel(20.0)                    # the next tag exchange, stuck until the fetching peer joins it
+s = DataServer("127.0.0.1", 0)
+s.state_chunk_bytes = 4096
+s.serve_state(lambda req: recent.serve(5, 6))
+t0 = time.monotonic()
+try:
+    snap = fetch_state(s.addr, {}, timeout=3.0)
+except CommError as e:
+    print(f"BLOCKED after {time.monotonic() - t0:.1f} s: {e}")
+else:
+    print("OK" if snap.tensors["g5"].tolist() == [3.0] * 4096 else "STALE")
+s.close()
+"""
+
+
+def test_fast_forward_source_does_not_wait_behind_its_next_collective() -> None:
+    """A replica whose allreduce of step N failed while its peer's succeeded fast-forwards from
+    that peer, which is already in step N+1's tag exchange waiting for it. The peer's donor
+    thread copied step N's buffer on a stream that waited for everything queued on the
+    compute stream so far, stuck collective included: both waited until the communicator's
+    timeout (10 s stalls in `p2pft chaos --data-plane nccl`). The copy now waits only for the
+    event recorded when the buffer was written."""
+    out = subprocess.run([sys.executable, "-c", _RECENT], capture_output=True, text=True, timeout=60, env=_env())
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == "OK", out.stdout + out.stderr[-2000:]
