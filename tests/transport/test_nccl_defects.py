@@ -150,6 +150,19 @@ def test_close_during_a_stuck_collective(ranks: Ranks, violations: Path) -> None
     assert not violations.exists() or violations.read_text() == "", violations.read_text()
 
 
+def test_close_after_a_failure_another_thread_has_not_aborted_yet(ranks: Ranks, violations: Path) -> None:
+    """close() chose ncclCommDestroy when no operation was in flight, but an operation that ended
+    in an error leaves its kernel queued, stuck on the peer. With the failure recorded by another
+    thread that had not reached ncclCommAbort yet, destroy waited for that kernel for ever while
+    holding the communicator's lock, and the abort waited for the lock: the replica hung (a 30 s
+    stall in `p2pft chaos --data-plane nccl` on the stand-in). close() now aborts whenever the
+    communicator failed or a collective was not seen to finish."""
+    res = ranks.run("close_after_failure", {"FAKE_NCCL_VIOLATIONS": str(violations)})[0]
+    assert res["err"] == "CommAborted", res
+    assert res["ok"] and res["s"] < 2.0, res
+    assert not violations.exists() or violations.read_text() == "", violations.read_text()
+
+
 def test_two_ranks_on_one_device_is_one_clear_error(ranks: Ranks) -> None:
     """Defect 4: NCCL refuses two ranks on one GPU at init; the ranks now compare device
     identities during the id hand-off and fail with one error that says so and what to do."""
