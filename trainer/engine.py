@@ -343,9 +343,20 @@ class StepEngine:
                          loop_timeout=self.loop_timeout)
             return Attempt(Plan.WAIT)
         rejoin, self._rejoin_pending = self._rejoin_pending, False
+        donor = view.donor(exclude=me.node) or self._paused_donor(view, me.node)
+        if rejoin and donor is None and self.synced:
+            # Nobody else holds the committed state (the others died, and we were left out,
+            # e.g. falsely under load): ours is the job's. A snapshot from nobody would be waited
+            # for until the step timeout, while the leader waits for a holder of the high-water
+            # step to resume from. So stay ready; catch up once someone else holds a state.
+            if me.role is Role.JOINER:
+                self._rejoin_pending = True
+                self._say(log, logging.WARNING, "sole", "left out of view %d after being a participant at step "
+                          "%d, and no other replica holds the committed state: offering ours to resume from",
+                          view.epoch, self.step)
+            rejoin = False
         still_mine = (slot is not None and self.synced and not rejoin and me.role is Role.PARTICIPANT
                       and me.slot == slot)
-        donor = view.donor(exclude=me.node) or self._paused_donor(view, me.node)
         behind = (self.synced and me.role is Role.JOINER and donor is not None
                   and rt.member_step(donor.node) > self.step)
         self._attempt_view = view
