@@ -66,6 +66,9 @@ class Entry:
     count: int
     mask: list[bool]
     extra: dict[str, Any] = field(default_factory=dict)
+    #: device tensors: an event recorded once `flat` was written (``written_event``), so a donor
+    #: serving it to a peer that fast-forwards does not wait behind this rank's next collective
+    ready: Any = None
 
     @property
     def nbytes(self) -> int:

@@ -30,6 +30,7 @@ from ..runtime import Runtime
 from ..transport import CommAborted, CommError, DataServer, SharedDevice
 from ..transport.addr import parse_hostport
 from ..transport.backend import choose_backend, data_plane_from
+from ..transport.device import written_event
 from ..transport.stream import StateSnapshot
 from .attempt import Attempt, Entry, Plan, StepResult, StepTimeout, Stopped, Verdict
 from .catchup import Catchup
@@ -374,9 +375,20 @@ class StepEngine:
                          loop_timeout=self.loop_timeout)
             return Attempt(Plan.WAIT)
         rejoin, self._rejoin_pending = self._rejoin_pending, False
+        donor = view.donor(exclude=me.node) or self._paused_donor(view, me.node)
+        if rejoin and donor is None and self.synced:
+            # Nobody else holds the committed state (the others died, and we were left out,
+            # e.g. falsely under load): ours is the job's. A snapshot from nobody would be waited
+            # for until the step timeout, while the leader waits for a holder of the high-water
+            # step to resume from. So stay ready; catch up once someone else holds a state.
+            if me.role is Role.JOINER:
+                self._rejoin_pending = True
+                self._say(log, logging.WARNING, "sole", "left out of view %d after being a participant at step "
+                          "%d, and no other replica holds the committed state: offering ours to resume from",
+                          view.epoch, self.step)
+            rejoin = False
         still_mine = (slot is not None and self.synced and not rejoin and me.role is Role.PARTICIPANT
                       and me.slot == slot)
-        donor = view.donor(exclude=me.node) or self._paused_donor(view, me.node)
         behind = (self.synced and me.role is Role.JOINER and donor is not None
                   and rt.member_step(donor.node) > self.step)
         self._attempt_view = view
@@ -443,7 +455,8 @@ class StepEngine:
             return None
         assert d.step is not None
         mask = [i in reduced.steps for i in range(self.buf.max_slots)]
-        entry = Entry(d.step, self.buf.flat.clone(), reduced.count, mask)
+        flat = self.buf.flat.clone()
+        entry = Entry(d.step, flat, reduced.count, mask, ready=written_event(flat))
         ranks = {s: r for s, r in att.slot_ranks if s < len(mask) and mask[s]}
         if d.action is Action.LOG:
             if self.catchup.on_reduced(entry, all(v.ready == d.step for v in verdicts)):

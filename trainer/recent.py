@@ -17,6 +17,7 @@ import torch
 
 from ..core.view import shard_addr
 from ..transport import CommError
+from ..transport.device import written_event
 from ..transport.stream import StateSnapshot, fetch_state
 from .attempt import Attempt, Entry
 from .requests import StateRequest
@@ -73,7 +74,8 @@ class RecentSteps:
             return None
         return StateSnapshot(meta={"steps": [e.step for e in entries], "counts": [e.count for e in entries],
                                    "masks": [[int(b) for b in e.mask] for e in entries]},
-                             tensors={f"g{e.step}": e.flat for e in entries})
+                             tensors={f"g{e.step}": e.flat for e in entries},
+                             ready=entries[-1].ready)   # one stream wrote them all, in step order
 
 
 def fetch_recent(lo: int, hi: int, att: Attempt, steps: dict[int, int], shard: int, secret: bytes | None,
@@ -94,8 +96,10 @@ def fetch_recent(lo: int, hi: int, att: Attempt, steps: dict[int, int], shard: i
         if not got or got[0] != lo or len(got) != hi - lo:
             continue
         # The log arrives in host memory; apply() reads it on the step buffer's device.
-        return node, [Entry(int(s), snap.tensors[f"g{s}"].to(device), int(snap.meta["counts"][i]),
-                            [bool(x) for x in snap.meta["masks"][i]]) for i, s in enumerate(got)]
+        flats = [snap.tensors[f"g{s}"].to(device) for s in got]
+        ready = written_event(flats[-1])
+        return node, [Entry(int(s), flats[i], int(snap.meta["counts"][i]),
+                            [bool(x) for x in snap.meta["masks"][i]], ready=ready) for i, s in enumerate(got)]
     return None
 
 

@@ -20,7 +20,8 @@ import sys
 import threading
 from typing import Any, Protocol
 
-__all__ = ["ENV_DEVICE_MODULE", "CudaDevice", "DeviceApi", "Event", "Stream", "device_api", "reset_device_api"]
+__all__ = ["ENV_DEVICE_MODULE", "CudaDevice", "DeviceApi", "Event", "Stream", "device_api", "reset_device_api",
+           "written_event"]
 
 ENV_DEVICE_MODULE = "P2PFT_DEVICE_MODULE"
 
@@ -228,3 +229,13 @@ def reset_device_api() -> None:
     global _api
     with _lock:
         _api = None
+
+
+def written_event(t: Any) -> Event | None:
+    """An event on `t`'s current stream, recorded now: later readers on other streams (a donor's
+    copy stream) wait for exactly the work that wrote `t`, not for kernels queued after it, such
+    as a collective that is stuck until the very peer that reads `t` joins it. None for a host
+    tensor."""
+    api = device_api()
+    return api.current_stream(t).record() if api.is_device_tensor(t) else None
+

@@ -183,6 +183,10 @@ class NcclCommunicator(Communicator):
         self._comm: Any = None
         self._closed = False
         self._inflight = 0                     # operations between their first enqueue and their end
+        # Work queued on the device that was not seen to finish: an operation that ended in an
+        # error (a failure seen first by another thread, a timeout) leaves its kernel queued, and
+        # possibly stuck, after the host call returned. Only abort releases the communicator then.
+        self._unfinished = False
         self._init_error: BaseException | None = None
         self._init_done = threading.Event()
         self._init_thread = threading.Thread(target=self._init, daemon=True,
@@ -403,8 +407,10 @@ class NcclCommunicator(Communicator):
 
     def _collective(self, stream: Stream, timeout: float, what: str, fn: Callable[[Any], None]) -> None:
         start = stream.record()
+        self._unfinished = True
         self._call(what, fn)
         self._wait(start, stream.record(), timeout, what)
+        self._unfinished = False
 
     def allreduce(self, tensor: Any, *, contribute: bool = True, tag: int = 0, timeout: float | None = None) -> int:
         """All-gather (tag, contribute, count, dtype) of every rank and check them; then, unless a
@@ -479,8 +485,10 @@ class NcclCommunicator(Communicator):
         self._fail(CommAborted(f"aborted: {reason}"))
 
     def close(self) -> None:
-        """Release the communicator: ncclCommDestroy when nothing is in flight, else ncclCommAbort
-        (destroy waits for queued work, which never ends when a collective is stuck)."""
+        """Release the communicator: ncclCommDestroy when it never failed and every collective
+        was seen to finish, else ncclCommAbort (destroy waits for queued work, which never ends
+        when a collective is stuck; a failure another thread recorded may not have aborted yet,
+        and its abort would then wait for our destroy, holding the same lock: a deadlock)."""
         with self._lock:
             if self._closed:
                 return
@@ -488,7 +496,7 @@ class NcclCommunicator(Communicator):
             first = self._failed is None
             if first:
                 self._failed = CommAborted("communicator closed")
-            idle = self._inflight == 0
+            idle = first and self._inflight == 0 and not self._unfinished
             tcp = self.tcp
         if tcp is not None:
             tcp.close()

@@ -43,6 +43,13 @@ def voter_preference(m: Member) -> tuple[int, int, str]:
     return (0 if m.role is Role.WITNESS else 1, int(m.since), m.node)
 
 
+
+def held_step(m: GossipMember) -> int:
+    """The step of the state a trainer holds. Its status carries the step it was said at; a
+    'ready' trainer has committed steps since (every commit is gossiped, not every status), so
+    its step is the later of the two. A paused one says -1 when it holds no committed state."""
+    return max(m.meta.step, m.step) if m.meta.status is Status.READY else m.meta.step
+
 class ViewPlanner:
     """Leader-side state for deriving views: loop-stall bookkeeping, the headless grace period,
     the voter change in progress and the high-water step."""
@@ -86,7 +93,7 @@ class ViewPlanner:
         observed = [m.step for m in g.members.values() if m.meta.kind is Kind.TRAINER
                     and (m.state in (ALIVE, SUSPECT) or cur.member(m.node) is not None)]
         hw = max([self.high_water, cur.high_water, head or 0, step] + observed)
-        trainers = [Trainer(m.node, m.meta.start, m.meta.status, m.meta.step, m.meta.target, m.meta.allow_scratch,
+        trainers = [Trainer(m.node, m.meta.start, m.meta.status, held_step(m), m.meta.target, m.meta.allow_scratch,
                             stalled=self._loop_stalled(m, now))
                     for _, m in newest.values() if m.meta.kind is Kind.TRAINER]
         job = self.job.next_state(cur, trainers, hw, head is None, now)

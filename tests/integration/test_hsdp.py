@@ -13,6 +13,7 @@ Checked from the replicas' own records:
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -29,11 +30,20 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 SCRIPT = str(Path(__file__).resolve().parents[2] / "trainer" / "examples" / "hsdp_replica.py")
 
 
+FAKES = str(Path(__file__).resolve().parents[1] / "fakes")
+
+
 class Cluster(ProcessSet):
     stop_timeout = 30.0
 
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, nccl: bool = False) -> None:
         super().__init__(tmp)
+        # nccl: every rank's cross-replica shard goes over the CPU stand-in of CuPy's NCCL
+        # (tests/fakes), one stand-in device per rank, as on a GPU node.
+        self.env = dict(os.environ, OMP_NUM_THREADS="1")
+        if nccl:
+            self.env.update(P2PFT_DATA_PLANE="nccl",
+                            PYTHONPATH=os.pathsep.join(filter(None, [FAKES, os.environ.get("PYTHONPATH")])))
         a, b, w0, w1 = (f"127.0.0.1:{p}" for p in ports(4))
         self.addr = {"a": a, "b": b}
         self.witnesses = [w0, w1]
@@ -41,7 +51,7 @@ class Cluster(ProcessSet):
     def _popen(self, name: str, cmd: list[str]) -> None:
         with open(self.tmp / f"{name}.log", "wb") as log:
             self.procs[name] = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log,
-                                                env=dict(os.environ, OMP_NUM_THREADS="1"))
+                                                env=self.env)
 
     def spawn_witnesses(self) -> None:
         everyone = list(self.addr.values()) + self.witnesses
@@ -69,13 +79,16 @@ def _alive(pid: int) -> bool:
 RANK_TIMEOUT = 3.0
 
 
-@pytest.mark.parametrize("victim,sig", [(1, signal.SIGKILL), (0, signal.SIGKILL), (1, signal.SIGSTOP)],
-                         ids=["rank1", "leader", "stop-rank1"])
-def test_hsdp_rank_kill_survivor_continues_and_replica_rejoins(tmp_path: Path, victim: int, sig: int) -> None:
+@pytest.mark.parametrize("victim,sig,nccl", [(1, signal.SIGKILL, False), (0, signal.SIGKILL, False),
+                                            (1, signal.SIGSTOP, False), (1, signal.SIGKILL, True)],
+                         ids=["rank1", "leader", "stop-rank1", "rank1-nccl-standin"])
+def test_hsdp_rank_kill_survivor_continues_and_replica_rejoins(tmp_path: Path, victim: int, sig: int,
+                                                              nccl: bool) -> None:
     """SIGSTOP of one rank: its sockets stay open and rank 0 still gossips, so only rank 0's
-    ping watchdog (--rank-timeout) can take the stalled replica out; A then continues."""
+    ping watchdog (--rank-timeout) can take the stalled replica out; A then continues. With
+    `nccl`, the same kill with the shards reduced over the NCCL stand-in."""
     t0 = time.time()
-    c = Cluster(tmp_path)
+    c = Cluster(tmp_path, nccl)
     c.spawn_witnesses()
     c.spawn("a", "a")
     c.spawn("b", "b0", ("--rank-timeout", str(RANK_TIMEOUT)))
@@ -132,6 +145,12 @@ def test_hsdp_rank_kill_survivor_continues_and_replica_rejoins(tmp_path: Path, v
     a_steps_d = {r["step"] for r in steps(c.stats["a"]) if "digest" in r}
     compared = sorted(b1_steps & a_steps_d)
     assert len(compared) >= 2 and all(len(digests[s].split(",")) == 2 for s in compared)
+    if nccl:  # the shards really went over the stand-in's NCCL, on both replicas, every shard
+        for name in ("a", "b1"):
+            text = (c.tmp / f"{name}.log").read_text()
+            for shard in (0, 1):
+                assert re.search(rf"nccl communicator epoch=\d+ shard={shard} rank=\d+ world=2 ready", text), \
+                    f"{name}: no 2-replica NCCL communicator for shard {shard}"
     b1_start = [r for r in records(c.stats["b1"]) if r.get("kind") == "start"][0]
     print(f"\nHSDP, rank {victim} of B {signal.Signals(sig).name}: first commit of A alone {during[0]['t'] - t_kill:.2f} s after the "
           f"kill, A's longest gap {longest:.2f} s; restart -> B contributes {t_back - t_restart:.2f} s (launch -> "

@@ -8,6 +8,7 @@
 """
 from __future__ import annotations
 
+import re
 import signal
 import time
 from pathlib import Path
@@ -45,6 +46,35 @@ def test_paused_replica_is_excluded_then_catches_up(tmp_path: Path) -> None:
     # after the resume either applied the common mean or came from its catch-up.
     after = [r for r in steps(rs.stats["r2"]) if r["t"] > t_stop and r.get("c")]
     assert after, "no commits after the resume"
+
+
+def test_last_participant_left_out_goes_on_from_its_own_state(tmp_path: Path) -> None:
+    """The only replica left is paused past the failure timeout (as a loaded host can make it),
+    so the views drop it. Back, it is a joiner that was a participant: with nobody else holding
+    the committed state it must not wait for a snapshot from nobody (it did, until the step
+    timeout, while the leader waited for a holder of the high-water step); it offers its own
+    state, is made a participant again and goes on from its step."""
+    rs = Replicas(tmp_path, 1, ["--min-replicas", "1"], witnesses=2)
+    rs.spawn_witness(0)
+    rs.spawn_witness(1)
+    rs.spawn(0, "r0")
+    try:
+        rs.wait(lambda: rs.last_step("r0") >= 10, 60, "10 steps")
+        rs.procs["r0"].send_signal(signal.SIGSTOP)
+        time.sleep(3.0)
+        at_stop = rs.last_step("r0")
+        rs.procs["r0"].send_signal(signal.SIGCONT)
+        t_cont = time.time()
+        rs.wait(lambda: rs.last_step("r0") >= at_stop + 10, 30, "10 more steps after the resume")
+    finally:
+        rcs = rs.stop_all()
+    assert all(rc == 0 for rc in rcs.values()), rcs
+    views = re.findall(r"view e\d+: (.*)", (tmp_path / "w0.log").read_text())
+    joined = next(i for i, v in enumerate(views) if "r0(" in v)
+    assert any("r0(" not in v for v in views[joined:]), f"the views never dropped the paused replica: {views}"
+    after = [r for r in steps(rs.stats["r0"]) if r["t"] > t_cont and r.get("c")]
+    assert after and after[0]["step"] == at_stop + 1, (at_stop, after[:3])   # nothing lost, nothing redone
+    check_invariants(rs.stats)
 
 
 def test_all_replicas_killed_resume_from_checkpoint_not_from_zero(tmp_path: Path) -> None:

@@ -61,6 +61,34 @@ def run(scenario: str, epoch: int, rank: int, ds: DataServer, peers: list[str]) 
             th.join(5)
             return result(t0, ok=not th.is_alive(), returned_s=round(closed_s, 3),
                           err=type(errs[0]).__name__ if errs else None)
+        elif scenario == "close_after_failure":
+            # Rank 1 takes no part, so rank 0's tag exchange is stuck. Another thread records a
+            # failure (as the view follower aborting an old data epoch does) and is slow to get
+            # to ncclCommAbort (telling the peers first); meanwhile the caller sees the failure
+            # and closes the communicator, as the engine does when it moves to the next epoch.
+            if rank == 1:
+                comm.wait_init(20)
+                time.sleep(3)
+                return result(t0, ok=True)
+            comm.wait_init(20)
+            star = comm._star
+            slow_close = star.close
+
+            def late_close() -> None:
+                if threading.current_thread() is aborter:
+                    time.sleep(0.5)
+                slow_close()
+            star.close = late_close
+            aborter = threading.Timer(0.5, comm.abort, args=("superseded",))
+            aborter.start()
+            try:
+                comm.allreduce(torch.ones(8), timeout=30.0)
+            except CommError as e:
+                t0 = time.monotonic()
+                done = threading.Event()
+                threading.Thread(target=lambda: (comm.close(), done.set()), daemon=True).start()
+                return result(t0, ok=done.wait(5.0), err=type(e).__name__)
+            return result(t0, ok=False, msg="the collective did not fail")
         elif scenario == "slow_first_step":
             fakedevice.DEVICE.slow_kernel(1.5)
             x = torch.full((16,), float(rank + 1))

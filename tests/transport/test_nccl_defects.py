@@ -150,6 +150,19 @@ def test_close_during_a_stuck_collective(ranks: Ranks, violations: Path) -> None
     assert not violations.exists() or violations.read_text() == "", violations.read_text()
 
 
+def test_close_after_a_failure_another_thread_has_not_aborted_yet(ranks: Ranks, violations: Path) -> None:
+    """close() chose ncclCommDestroy when no operation was in flight, but an operation that ended
+    in an error leaves its kernel queued, stuck on the peer. With the failure recorded by another
+    thread that had not reached ncclCommAbort yet, destroy waited for that kernel for ever while
+    holding the communicator's lock, and the abort waited for the lock: the replica hung (a 30 s
+    stall in `p2pft chaos --data-plane nccl` on the stand-in). close() now aborts whenever the
+    communicator failed or a collective was not seen to finish."""
+    res = ranks.run("close_after_failure", {"FAKE_NCCL_VIOLATIONS": str(violations)})[0]
+    assert res["err"] == "CommAborted", res
+    assert res["ok"] and res["s"] < 2.0, res
+    assert not violations.exists() or violations.read_text() == "", violations.read_text()
+
+
 def test_two_ranks_on_one_device_is_one_clear_error(ranks: Ranks) -> None:
     """Defect 4: NCCL refuses two ranks on one GPU at init; the ranks now compare device
     identities during the id hand-off and fail with one error that says so and what to do."""
@@ -284,5 +297,45 @@ def test_donor_copies_after_the_stream_that_wrote_the_state() -> None:
     """Defect 8: the donor's copy stream waited on its own thread's current stream, not on the
     stream that wrote the tensors it serves; now on the snapshot's `ready` event."""
     out = subprocess.run([sys.executable, "-c", _DONOR], capture_output=True, text=True, timeout=60, env=_env())
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == "OK", out.stdout + out.stderr[-2000:]
+
+
+_RECENT = r"""
+import time
+import torch
+import fakedevice
+from p2pft.transport import CommError, DataServer, fetch_state
+from p2pft.transport.device import written_event
+from p2pft.trainer.attempt import Entry
+from p2pft.trainer.recent import RecentSteps
+
+dev = fakedevice.DEVICE
+recent = RecentSteps(keep=2)
+flat = torch.full((4096,), 3.0)          # step 5's reduced buffer, cloned on the training stream
+recent.append(Entry(5, flat, 2, [True, True], ready=written_event(flat)))
+dev.slow_kernel(20.0)                    # the next tag exchange, stuck until the fetching peer joins it
+s = DataServer("127.0.0.1", 0)
+s.state_chunk_bytes = 4096
+s.serve_state(lambda req: recent.serve(5, 6))
+t0 = time.monotonic()
+try:
+    snap = fetch_state(s.addr, {}, timeout=3.0)
+except CommError as e:
+    print(f"BLOCKED after {time.monotonic() - t0:.1f} s: {e}")
+else:
+    print("OK" if snap.tensors["g5"].tolist() == [3.0] * 4096 else "STALE")
+s.close()
+"""
+
+
+def test_fast_forward_source_does_not_wait_behind_its_next_collective() -> None:
+    """A replica whose allreduce of step N failed while its peer's succeeded fast-forwards from
+    that peer, which is already in step N+1's tag exchange waiting for it. The peer's donor
+    thread copied step N's buffer on a stream that waited for everything queued on the
+    compute stream so far, stuck collective included: both waited until the communicator's
+    timeout (10 s stalls in `p2pft chaos --data-plane nccl`). The copy now waits only for the
+    event recorded when the buffer was written."""
+    out = subprocess.run([sys.executable, "-c", _RECENT], capture_output=True, text=True, timeout=60, env=_env())
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip() == "OK", out.stdout + out.stderr[-2000:]
