@@ -42,6 +42,10 @@ def log_level(value: str) -> str:
     return value.upper()
 
 
+#: third-party loggers kept at INFO when p2pft logs at DEBUG
+QUIET_LIBRARIES = ("matplotlib", "PIL", "asyncio", "urllib3")
+
+
 def setup_logging(level: str | int | None = None, stream=None) -> None:
     """Configure the root logger once (CLI entry points call this)."""
     if level is None:
@@ -58,3 +62,6 @@ def setup_logging(level: str | int | None = None, stream=None) -> None:
     handler._p2pft = True  # type: ignore[attr-defined]
     root.addHandler(handler)
     root.setLevel(level)
+    # At DEBUG, our own lines, not every library's (matplotlib lists each font it scores).
+    for noisy in QUIET_LIBRARIES:
+        logging.getLogger(noisy).setLevel(max(level, logging.INFO))
