@@ -26,6 +26,7 @@ import torch
 from ..core.meta import Status
 from ..core.step import RETRY_PAUSE_S, Action, Reduced, decide, idle_backoff
 from ..core.view import Role
+from ..ops.log import set_context
 from ..runtime import Runtime
 from ..transport import CommAborted, CommError, DataServer, SharedDevice
 from ..transport.addr import parse_hostport
@@ -79,6 +80,8 @@ class StepEngine:
         self.world = group.world
         if (runtime is not None) != (self.rank == 0):
             raise ValueError("rank 0, and only rank 0, runs the Runtime")
+        if runtime is None:  # rank 0's runtime names the node in log lines; the other ranks name themselves
+            set_context(node=f"rank{self.rank}")
         if batch_per_replica % self.world:
             raise ValueError(f"batch_per_replica={batch_per_replica} must be divisible by {self.world} ranks")
         self.rt = runtime
@@ -265,6 +268,8 @@ class StepEngine:
         retries = 0
         while True:
             att = self.group.broadcast(self._plan(slot) if self.rt is not None else None)
+            if self.rt is None and att.node:   # this replica's node, as rank 0 knows it
+                set_context(node=f"{att.node}/rank{self.rank}", epoch=att.epoch)
             if att.kind is Plan.STOP:
                 raise Stopped(f"stopped while committing step {self.step}")
             if att.kind is Plan.TIMEOUT:
@@ -521,6 +526,8 @@ class StepEngine:
             self.rt.publish_step(self.step)
             if self.rt.status is Status.FRESH:  # it committed with the others: it holds their state
                 self.rt.set_status(Status.READY, self.step)
+        else:
+            set_context(step=self.step)
         self.serving.serve_queued()
 
     def restore_snapshot(self, snap: StateSnapshot) -> None:
