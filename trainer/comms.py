@@ -11,11 +11,13 @@ other replicas' allreduces time out again and again.
 
 On the NCCL plane a new communicator is a rendezvous of every rank (id hand-off,
 ncclCommInitRank, connect), so rank 0 builds this shard's communicator of a new data epoch as
-soon as the view announces it, on the view thread: the set-up overlaps the step being computed
-instead of following it, and the engine's next attempt finds it built.
+soon as the view announces it, on the view thread, and tells every other rank on the side
+channel which one to build (data epoch, rank, peers): the set-up overlaps the step being
+computed instead of following it, and the engine's next attempt finds it built.
 """
 from __future__ import annotations
 
+import json
 import logging
 import socket
 import struct
@@ -31,6 +33,9 @@ from ..transport.backend import Backend
 log = logging.getLogger(__name__)
 
 _PING = struct.pack(">q", -1)   # on the side channel: "answer if you are running"
+_PREPARE = -2                   # on the side channel: a JSON body follows (length, then bytes)
+_PREPARE_HEAD = struct.Struct(">qI")
+MAX_PREPARE_BYTES = 1 << 16     # a body's data addresses; a longer one is a broken peer
 SIDE_CONNECTIONS = 8            # only rank 0 connects (two connections); refuse a flood
 PING_EVERY_S = 0.5
 
@@ -93,18 +98,36 @@ class ShardComms:
         now, with the rank and peers the engine's attempt will ask for (the same view), so that its
         set-up runs while the training thread still computes. The TCP ring connects lazily and
         cheaply: nothing to prepare."""
+        plan = self._plan(view, node, world, self.shard)
+        if plan is not None:
+            self._prepare(*plan)
+
+    def _plan(self, view: Any, node: str, world: int, shard: int) -> tuple[int, int, list[str]] | None:
+        """(data epoch, rank, peers) of `shard`'s communicator in `view`, when one is worth
+        building ahead: NCCL, and this replica on the data plane with every rank's address."""
         if not self.backend.nccl or self._closed.is_set():
-            return
+            return None
         me = view.member(node)
-        members = view.data_members
         if me is None or me.role not in (Role.PARTICIPANT, Role.JOINER) or any(
-                len(m.data_addrs) != world for m in members):
-            return
-        peers = view.shard_addrs(self.shard)
+                len(m.data_addrs) != world for m in view.data_members):
+            return None
+        return view.data_epoch, view.data_rank(node), view.shard_addrs(shard)
+
+    def _prepare(self, d: int, rank: int, peers: list[str]) -> None:
         try:
-            self.get(view.data_epoch, view.data_rank(node), peers)
+            self.get(d, rank, peers)
         except Exception as exc:  # noqa: BLE001 - the training thread builds it, and reports, itself
-            log.debug("communicator of data epoch %d not prepared: %r", view.data_epoch, exc)
+            log.debug("communicator of data epoch %d not prepared: %r", d, exc)
+
+    def prepare_frame(self, view: Any, node: str, world: int, shard: int) -> bytes:
+        """Rank 0: what tells rank `shard` to build its communicator of `view`'s data epoch ahead
+        (it does not see views); empty when there is nothing to prepare."""
+        plan = self._plan(view, node, world, shard)
+        if plan is None:
+            return b""
+        d, rank, peers = plan
+        body = json.dumps({"d": d, "rank": rank, "peers": peers}).encode()
+        return _PREPARE_HEAD.pack(_PREPARE, len(body)) + body
 
     def unusable(self) -> BaseException | None:
         """A communicator's failure that no retry can fix (two ranks on one device under an
@@ -158,29 +181,59 @@ class ShardComms:
             threading.Thread(target=self._serve_side, args=(conn,), daemon=True, name="p2pft-side-conn").start()
 
     def _serve_side(self, conn: socket.socket) -> None:
-        """Abort communicators older than each data epoch rank 0 announces; answer pings."""
+        """Abort communicators older than each data epoch rank 0 announces; build the new one
+        ahead when told to (NCCL); answer pings. A malformed frame ends the connection."""
         buf = b""
         try:
             while True:
                 try:
-                    chunk = conn.recv(64)
+                    chunk = conn.recv(4096)
                 except OSError:
                     return
                 if not chunk:
                     return
                 buf += chunk
                 while len(buf) >= 8:
-                    (d,), buf = struct.unpack(">q", buf[:8]), buf[8:]
+                    (d,) = struct.unpack(">q", buf[:8])
                     if d >= 0:
+                        buf = buf[8:]
                         self.abort_below(d)
-                        continue
-                    try:
-                        conn.sendall(b"\x01")
-                    except OSError:
-                        return
+                    elif d == _PREPARE:
+                        if len(buf) < _PREPARE_HEAD.size:
+                            break
+                        _, n = _PREPARE_HEAD.unpack(buf[:_PREPARE_HEAD.size])
+                        if n > MAX_PREPARE_BYTES:
+                            log.warning("side channel: a prepare frame of %d bytes; closing the connection", n)
+                            return
+                        if len(buf) < _PREPARE_HEAD.size + n:
+                            break
+                        body, buf = buf[_PREPARE_HEAD.size:_PREPARE_HEAD.size + n], buf[_PREPARE_HEAD.size + n:]
+                        if not self._start_prepare(body):
+                            return
+                    else:
+                        buf = buf[8:]
+                        try:
+                            conn.sendall(b"\x01")
+                        except OSError:
+                            return
         finally:
             conn.close()
             self._side_slots.release()
+
+    def _start_prepare(self, body: bytes) -> bool:
+        """Build the communicator rank 0 described, on a thread of its own (the side channel
+        keeps answering pings meanwhile); False for a body that is not one."""
+        try:
+            msg = json.loads(body)
+            d, rank, peers = int(msg["d"]), int(msg["rank"]), [str(p) for p in msg["peers"]]
+        except (ValueError, KeyError, TypeError):
+            log.warning("side channel: a malformed prepare frame; closing the connection")
+            return False
+        if d < self._superseded_by or self._closed.is_set():
+            return True
+        threading.Thread(target=self._prepare, args=(d, rank, peers), daemon=True,
+                         name=f"p2pft-prepare-e{d}").start()
+        return True
 
     # ------------------------------------------------------------------ rank 0
     def follow_views(self, rt: Runtime, ranks: list[tuple[str, int]]) -> None:
@@ -198,11 +251,12 @@ class ShardComms:
             self.abort_below(seen)
             self.prepare(v, rt.node_id, len(ranks) + 1)
             for i, addr in enumerate(ranks):
+                frame = struct.pack(">q", seen) + self.prepare_frame(v, rt.node_id, len(ranks) + 1, i + 1)
                 for _ in range(2):  # one reconnect: the rank may have restarted its accept
                     try:
                         if i not in socks:
                             socks[i] = socket.create_connection(addr, timeout=1.0)
-                        socks[i].sendall(struct.pack(">q", seen))
+                        socks[i].sendall(frame)
                         break
                     except OSError:
                         old = socks.pop(i, None)

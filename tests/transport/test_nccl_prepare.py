@@ -60,3 +60,52 @@ def test_prepare_builds_the_communicator_the_attempt_then_gets() -> None:
     out = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True, timeout=60, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip() == "OK", out.stdout + out.stderr[-2000:]
+
+
+_RANKS = r"""
+import socket, struct, time
+from p2pft.transport import DataServer
+from p2pft.transport.backend import Backend
+from p2pft.trainer.comms import ShardComms, _PREPARE_HEAD
+from p2pft.core.view import Member, Role, View
+
+ds0, ds1 = DataServer("127.0.0.1", 0, secret=b"s"), DataServer("127.0.0.1", 0, secret=b"s")
+view = View(7, (Member("r0.a", "r0", "127.0.0.1:1", (ds0.addr, ds1.addr), Role.JOINER, None),), data_epoch=5)
+rank0 = ShardComms(ds0, 0, 5.0, backend=Backend.NCCL)
+rank1 = ShardComms(ds1, 1, 5.0, backend=Backend.NCCL)
+side = rank1.listen("127.0.0.1")
+
+assert ShardComms(ds0, 0, 5.0, backend=Backend.TCP).prepare_frame(view, "r0.a", 2, 1) == b"", "TCP: nothing ahead"
+frame = rank0.prepare_frame(view, "r0.a", 2, 1)
+s = socket.create_connection(side, timeout=5)
+s.sendall(struct.pack(">q", 5) + frame[:5])        # split across reads, as TCP may deliver it
+time.sleep(0.1)
+s.sendall(frame[5:])
+deadline = time.monotonic() + 10
+while 5 not in rank1._comms and time.monotonic() < deadline:
+    time.sleep(0.01)
+built = rank1._comms.get(5)
+assert built is not None, "rank 1 did not build the communicator it was told of"
+assert built.wait_init(10), "rank 1's prepared communicator sets itself up without its training thread"
+assert rank1.get(5, 0, [ds1.addr]) is built, "rank 1's attempt gets the prepared communicator"
+s.sendall(struct.pack(">q", -1))                    # still answers pings on the same connection
+assert s.recv(1) == b"\x01"
+s.sendall(_PREPARE_HEAD.pack(-2, 1 << 20))          # a body no rank 0 sends: the connection ends
+assert s.recv(1) == b"", "a malformed frame must end the side connection"
+for x in (rank0, rank1):
+    x.close()
+for d in (ds0, ds1):
+    d.close()
+print("OK")
+"""
+
+
+def test_other_ranks_build_the_communicator_rank0_tells_them_of() -> None:
+    """Ranks other than 0 do not see views: rank 0 tells each on the side channel which
+    communicator of a new data epoch to build (data epoch, rank, peers), and the rank's next
+    attempt gets it built; a frame no rank 0 sends ends the connection."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(FAKES)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    out = subprocess.run([sys.executable, "-c", _RANKS], capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == "OK", out.stdout + out.stderr[-2000:]
