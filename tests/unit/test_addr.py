@@ -74,25 +74,30 @@ def test_data_port_follows_the_control_host() -> None:
     assert data_bind_host("0.0.0.0:7100") == "0.0.0.0"
 
 
+def announced_data_addr(rt: Runtime) -> str:
+    """The data address this node gossips: what its peers connect to."""
+    return rt.server.node.gossip.meta.data_addrs[0]
+
+
 def test_runtime_data_address_defaults() -> None:
     """Runtime(listen=...) alone: the data port binds and is advertised on the listen host; a
     wildcard listen advertises a host peers can reach on both ports, never 0.0.0.0."""
     rt = Runtime(replica_id="a", listen="127.0.0.2:0").start()
     try:
         assert parse_hostport(rt.data.addr).host == "127.0.0.2"
-        assert parse_hostport(rt.server.data_addr).host == "127.0.0.2"
+        assert parse_hostport(announced_data_addr(rt)).host == "127.0.0.2"
     finally:
         rt.close(leave=False)
     rt = Runtime(replica_id="b", listen="0.0.0.0:0", seeds=["127.0.0.1:9"]).start()
     try:
-        ctl, data = parse_hostport(rt.addr), parse_hostport(rt.server.data_addr)
+        ctl, data = parse_hostport(rt.addr), parse_hostport(announced_data_addr(rt))
         assert ctl.host == data.host == "127.0.0.1"                                   # towards the seeds
         assert data.port == parse_hostport(rt.data.addr).port
     finally:
         rt.close(leave=False)
     rt = Runtime(replica_id="c", listen="0.0.0.0:0", advertise="127.0.0.3:7100").start()
     try:
-        assert rt.addr == "127.0.0.3:7100" and parse_hostport(rt.server.data_addr).host == "127.0.0.3"
+        assert rt.addr == "127.0.0.3:7100" and parse_hostport(announced_data_addr(rt)).host == "127.0.0.3"
     finally:
         rt.close(leave=False)
 
