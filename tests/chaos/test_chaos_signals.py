@@ -3,7 +3,7 @@
 SIGTERM and SIGHUP stop it the way Ctrl-C does (clusters stopped, report written when training
 had begun); a SIGKILL, which no handler sees, still takes every replica and witness with it
 (their parent-death signal). Each case collects the harness's descendants from /proc before the
-signal and checks that none is alive 5 s after the harness ended.
+signal and checks that every one is gone within 5 s of the harness's end.
 """
 from __future__ import annotations
 
@@ -107,7 +107,9 @@ def test_no_process_outlives_the_harness(tmp_path: Path) -> None:
             seen.update(kids)
             os.kill(h.pid, sig)
             rc = h.wait(timeout=60)
-            time.sleep(5)
+            deadline = time.monotonic() + 5          # every child gone within 5 s of the harness
+            while alive(kids) and time.monotonic() < deadline:
+                time.sleep(0.1)
             left = alive(kids)
             assert not left, f"{sig.name}: {len(left)} of {len(kids)} processes outlived the harness"
             if sig == signal.SIGKILL:

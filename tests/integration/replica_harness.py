@@ -76,15 +76,29 @@ class ProcessSet:
 class Replicas(ProcessSet):
     tolerate_sigkill = True
 
-    def __init__(self, tmp: Path, n: int, extra: list[str] | None = None, witnesses: int = 0) -> None:
+    def __init__(self, tmp: Path, n: int, extra: list[str] | None = None, witnesses: int = 0,
+                 running_seeds: bool = False) -> None:
+        """``running_seeds``: a process's seeds are only the processes already started, not every
+        address of the test. A seed that is not running yet holds bootstrap back for its give-up
+        time (10 bootstrap waits, 6 s: ``p2pft.core.node``), which a test that starts some
+        processes later would otherwise pay once at the start; the first process started then
+        bootstraps the cluster (and leads it) instead of the lowest address."""
         super().__init__(tmp)
         all_ports = ports(n + witnesses)
         self.addrs = [f"127.0.0.1:{p}" for p in all_ports[:n]]
         self.witness_addrs = [f"127.0.0.1:{p}" for p in all_ports[n:]]
         self.extra = extra or []
+        self.running_seeds = running_seeds
+        self._addr_of: dict[str, str] = {}   # process name -> its control address
+
+    def _seeds(self, me: str) -> str:
+        if self.running_seeds:
+            running = [a for name, a in self._addr_of.items() if self.procs[name].poll() is None]
+            return ",".join(dict.fromkeys(a for a in running if a != me))
+        return ",".join(a for a in self.addrs + self.witness_addrs if a != me)
 
     def spawn(self, i: int, name: str) -> None:
-        seeds = ",".join([a for j, a in enumerate(self.addrs) if j != i] + self.witness_addrs)
+        seeds = self._seeds(self.addrs[i])
         stats = self.tmp / f"{name}.jsonl"
         cmd = [sys.executable, "-m", "p2pft.trainer.examples.replica", "--replica-id", f"r{i}",
                "--listen", self.addrs[i], "--seeds", seeds, "--stats", str(stats), "--step-delay", "0.05",
@@ -94,15 +108,17 @@ class Replicas(ProcessSet):
                                             env=dict(os.environ, OMP_NUM_THREADS="1"))
         log.close()
         self.stats[name] = stats
+        self._addr_of[name] = self.addrs[i]
 
     def spawn_witness(self, k: int) -> None:
         addr = self.witness_addrs[k]
-        seeds = ",".join(a for a in self.addrs + self.witness_addrs if a != addr)
+        seeds = self._seeds(addr)
         log = open(self.tmp / f"w{k}.log", "wb")
         self.procs[f"w{k}"] = subprocess.Popen(
             [sys.executable, "-m", "p2pft", "--log-level", "INFO", "peer", "--listen", addr, "--seeds", seeds,
              "--replica-id", f"w{k}"], stdout=subprocess.DEVNULL, stderr=log)
         log.close()
+        self._addr_of[f"w{k}"] = addr
 
 
 

@@ -70,7 +70,7 @@ def test_pause_longer_than_loop_timeout_is_not_a_failure(tmp_path: Path) -> None
 
 def test_joiner_catches_up_while_the_others_are_paused(tmp_path: Path) -> None:
     base = ["--min-replicas", "2", *FAST]
-    rs = Replicas(tmp_path, 3, base, witnesses=1)
+    rs = Replicas(tmp_path, 3, base, witnesses=1, running_seeds=True)   # r2 starts later
     rs.spawn_witness(0)
     for i in range(2):
         rs.extra = base + ["--pause-at-step", "8", "--pause-s", "20"]
@@ -101,7 +101,8 @@ def test_lone_joiner_whose_only_holder_is_wedged_gives_up_without_spinning(tmp_p
     a fresh replica cannot train from it and must not train a new model from step 0. It waits
     its bounded grace without spinning, then refuses with one ERROR naming the step (exit 3);
     the leader neither resumes from the wedged replica nor repeats its warning at every tick."""
-    rs = Replicas(tmp_path, 2, list(FAST), witnesses=2)  # voters enough to elect a leader without r0
+    # Voters enough to elect a leader without r0; r1 starts later.
+    rs = Replicas(tmp_path, 2, list(FAST), witnesses=2, running_seeds=True)
     rs.spawn_witness(0)
     rs.spawn_witness(1)
     rs.extra = [*FAST, "--hang-at-step", "5"]

@@ -60,8 +60,13 @@ def test_last_participant_left_out_goes_on_from_its_own_state(tmp_path: Path) ->
     rs.spawn(0, "r0")
     try:
         rs.wait(lambda: rs.last_step("r0") >= 10, 60, "10 steps")
+
+        def w0_views() -> list[str]:
+            return re.findall(r"view e\d+: (.*)", (tmp_path / "w0.log").read_text())
+        seen = len(w0_views())
         rs.procs["r0"].send_signal(signal.SIGSTOP)
-        time.sleep(3.0)
+        # Paused until the views drop it (past the failure timeout), then resumed.
+        rs.wait(lambda: any("r0(" not in v for v in w0_views()[seen:]), 20, "the views to drop the paused r0")
         at_stop = rs.last_step("r0")
         rs.procs["r0"].send_signal(signal.SIGCONT)
         t_cont = time.time()
