@@ -103,6 +103,7 @@ class Runtime:
             host, port = (parse_hostport(self.data_listen, "data listen address") if self.data_listen
                           else (data_bind_host(self.listen, self.data_host), 0))
             self.data = DataServer(host, port, secret=self.secret)
+            self.data.ring_ack_timeout = self.profile.data_ack_timeout
             data_addrs = [self.advertise_data or advertised(self.data.addr, advertise=self.advertise,
                                                             toward=self.seeds)]
         else:

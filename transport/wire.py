@@ -10,6 +10,7 @@ import hashlib
 import hmac
 import ipaddress
 import os
+import select
 import socket
 import struct
 import time
@@ -385,6 +386,50 @@ def tune_socket(sock: socket.socket, bufsize: int | None) -> None:
     if bufsize:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, bufsize)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, bufsize)
+
+
+_TCP_INFO = struct.Struct("8B13I")   # struct tcp_info up to tcpi_last_ack_recv (linux/tcp.h)
+
+
+def unacknowledged(sock: socket.socket, after: float) -> bool:
+    """Whether the peer's host has acknowledged nothing for `after` seconds while data we sent
+    waits and the kernel already retransmitted it (TCP_INFO: retransmits, unacked,
+    last_ack_recv).
+
+    The peer's kernel acknowledges, not its process, so a live host whose process is busy,
+    descheduled or SIGSTOPped does not match: a full receive window is probed (zero-window
+    probes, not retransmissions) and the probes are answered. A host that vanished without a
+    reset (power, panic, link) matches after Linux's first retransmission (its minimum RTO is
+    0.2 s). TCP_USER_TIMEOUT would do this in the kernel, but it also fails a connection whose
+    window stays closed that long (Linux 6: a sender to a SIGSTOPped receiver got ETIMEDOUT
+    after 0.3 s), so a paused receiver would be blamed. The
+    caller makes sure its first unacknowledged send is at least `after` old (a connection idle
+    before the send has an old last ACK). False where TCP_INFO is not available."""
+    opt = getattr(socket, "TCP_INFO", None)
+    if opt is None:
+        return False
+    try:
+        raw = sock.getsockopt(socket.IPPROTO_TCP, opt, _TCP_INFO.size)
+    except OSError:
+        return False
+    if len(raw) < _TCP_INFO.size:
+        return False
+    f = _TCP_INFO.unpack_from(raw)
+    retransmits, unacked, last_ack_recv_ms = f[2], f[8 + 4], f[8 + 12]
+    return retransmits > 0 and unacked > 0 and last_ack_recv_ms >= after * 1000
+
+
+def right_link_stopped(sock: socket.socket) -> bool:
+    """Whether a ring connection to the right neighbour ended while nothing was being written to
+    it: the neighbour sent what it only ever sends back, its error frame or EOF, or the kernel
+    failed the connection. Non-destructive: the error and the frame stay for the code that
+    reports them (sender.write_failed)."""
+    try:
+        p = select.poll()
+        p.register(sock.fileno(), select.POLLIN | getattr(select, "POLLRDHUP", 0))  # ERR/HUP come always
+        return any(ev for _fd, ev in p.poll(0))
+    except (OSError, ValueError):
+        return True   # closed under us: stopped
 
 
 def split_addr(addr: str) -> tuple[str, int]:

@@ -264,6 +264,48 @@ def test_unreachable_data_port_is_named_and_left_out(tmp_path: Path) -> None:
     print(f"stall before r0/r1 trained without r2: {stall:.1f} s")
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("loop", ["native", "python"])
+def test_vanished_host_fails_the_ring_within_the_ack_timeout(tmp_path: Path, loop: str) -> None:
+    """Three ring ranks on three hosts; host 2's link goes down between ops (no reset, no EOF).
+    Rank 1 sends to it: it fails within about the ack timeout, blaming rank 2, and rank 0 (which
+    waits on rank 2) hears rank 1's verdict and blames rank 2 too, long before the op timeout
+    (10 s). This is the data-plane evidence the failure detector gets for a lost host."""
+    from p2pft.transport.options import RING_ACK_TIMEOUT_S
+    worker = Path(__file__).with_name("ring_rank.py")
+    env = dict(_env(), P2PFT_NATIVE_RING="1" if loop == "native" else "0")
+    with Hosts(3) as hs:
+        peers = [f"{hs[i].ip}:7300" for i in range(3)]
+        outs = [tmp_path / f"rank{i}.out" for i in range(3)]
+        for i in range(3):
+            with open(outs[i], "wb") as out:
+                hs.spawn(i, [sys.executable, str(worker), str(i), "10", *peers], stdout=out,
+                         stderr=subprocess.STDOUT, env=env, cwd=REPO)
+
+        def lines(i: int) -> list[dict]:
+            import json
+            return [json.loads(ln) for ln in outs[i].read_text().splitlines() if ln.startswith("{")]
+        deadline = time.monotonic() + 30
+        while not all(any(m.get("ready") for m in lines(i)) for i in range(3)):
+            assert time.monotonic() < deadline, [outs[i].read_text()[-2000:] for i in range(3)]
+            time.sleep(0.1)
+        down = time.time()
+        hs.link(2, False)
+        deadline = time.monotonic() + 8
+        while not all(any("error" in m for m in lines(i)) for i in (0, 1)):
+            assert time.monotonic() < deadline, [outs[i].read_text()[-2000:] for i in range(2)]
+            time.sleep(0.05)
+    errs = {i: next(m for m in lines(i) if "error" in m) for i in (0, 1)}
+    for i, e in errs.items():
+        assert e["peer"] == peers[2], errs
+        # the next op's first send (<= 0.05 s of compute away), then the ack timeout and one
+        # 0.05 s slice; slack for two loaded cores
+        assert e["t"] - down < RING_ACK_TIMEOUT_S + 1.0, (i, e["t"] - down, errs)
+    assert "acknowledged nothing" in errs[1]["reason"], errs
+    print({i: round(e["t"] - down, 2) for i, e in errs.items()})
+
+
 RUNTIME_ONLY = '''
 import sys, time
 from p2pft import Runtime
