@@ -6,6 +6,7 @@ All integers are little-endian. See docs/transport.md for the full description.
 from __future__ import annotations
 
 import collections
+import errno
 import hashlib
 import hmac
 import ipaddress
@@ -21,6 +22,7 @@ import msgpack
 
 from .addr import parse_hostport
 from .errors import ERROR_CLASSES, CommError, ProtocolMismatch
+from .sockutil import close_quietly
 
 PROTOCOL_VERSION = 2   # 2: the hello's nonce is a send time + 8 random bytes (replay protection)
 
@@ -262,6 +264,48 @@ def read_reverse_error(sock: socket.socket) -> RemoteError | None:
 
 
 # --- socket helpers --------------------------------------------------------------------------
+CONNECT_POLL_S = 0.05   # how often a pending connect looks whether it was given up on
+
+
+def connect_abortable(host: str, port: int, timeout: float, source: tuple[str, int] | None,
+                      given_up: Callable[[], bool]) -> socket.socket | None:
+    """socket.create_connection that a failed or aborted communicator can stop: a connect to a
+    host that vanished (no reset: its SYNs go unanswered) would otherwise hold the caller for
+    the whole `timeout` after a newer view made the connection pointless. Returns the
+    connected blocking socket, or None once `given_up()`; raises OSError (socket.timeout after
+    `timeout`) like create_connection."""
+    last: OSError = OSError("no address")
+    for family, kind, proto, _name, sockaddr in socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM):
+        sock = socket.socket(family, kind, proto)
+        try:
+            if source is not None:
+                sock.bind(source)
+            sock.setblocking(False)
+            err = sock.connect_ex(sockaddr)
+            deadline = time.monotonic() + timeout
+            p = select.poll()
+            p.register(sock.fileno(), select.POLLOUT)
+            while err in (errno.EINPROGRESS, errno.EALREADY, errno.EWOULDBLOCK, errno.EINTR):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise socket.timeout("timed out")
+                if p.poll(int(min(left, CONNECT_POLL_S) * 1000) + 1):
+                    err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+                    break
+                if given_up():
+                    close_quietly(sock)
+                    return None
+            if err:
+                raise OSError(err, os.strerror(err))
+            sock.setblocking(True)
+            sock.settimeout(max(0.001, deadline - time.monotonic()))
+            return sock
+        except OSError as e:
+            close_quietly(sock)
+            last = e
+    raise last
+
+
 def recv_exact(sock: socket.socket, view: memoryview) -> None:
     """Fill `view` from `sock` (Python-level timeout, if any, applies per call); EOFError if the peer closes first."""
     got = 0
