@@ -120,6 +120,7 @@ class Runtime:
             host, port = (parse_hostport(place.data_listen, "data listen address") if place.data_listen
                           else (data_bind_host(place.listen, place.data_host), 0))
             self.data = DataServer(host, port, secret=self.secret)
+            self.data.ring_ack_timeout = self.profile.data_ack_timeout
             data_addrs: tuple[str, ...] = (place.advertise_data or advertised(self.data.addr, advertise=place.advertise,
                                                                               toward=place.seeds),)
         else:

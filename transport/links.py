@@ -18,7 +18,7 @@ from .options import RingOptions
 from .sockutil import close_quietly, shutdown_quietly
 from .wire import (
     ACK_LEN, KIND_RING, ST_BUSY, ST_CLOSED, ST_OK, ST_PENDING, STATUS_TEXT, pack_hello, parse_ack,
-    read_reverse_error, recv_exact, source_address, split_addr, tune_socket,
+    connect_abortable, read_reverse_error, recv_exact, source_address, split_addr, tune_socket,
 )
 
 __all__ = ["RingLinks"]
@@ -148,7 +148,10 @@ class RingLinks:
             hello = pack_hello(opts.secret, KIND_RING, self.epoch, self.shard, self.rank, self.right,
                                self.world, lane, opts.lanes, opts.chunk_bytes)
             try:
-                sock = socket.create_connection((host, port), timeout=min(remaining, 2.0), source_address=source)
+                # Abortable: a newer view must not wait for a connect to a vanished host.
+                sock = connect_abortable(host, port, min(remaining, 2.0), source, lambda: state.failed is not None)
+                if sock is None:
+                    raise state.failed or CommAborted("connect given up")
                 tune_socket(sock, opts.sock_bufsize)
                 sock.sendall(hello)
                 ack = bytearray(ACK_LEN)

@@ -39,6 +39,7 @@ class Status:
     INTERRUPTED = 9  # a signal handler raised; the exception is returned in the header slot
     FAILED = 10  # the communicator failed elsewhere (another lane, abort) while this lane ran
     NO_THREAD = 11  # the loop could not start its sender thread (errno in the err slot)
+    RIGHT_SILENT = 12  # the right neighbour's host acknowledged nothing for the ack timeout
 
 
 def _load() -> ModuleType | None:

@@ -15,8 +15,8 @@ from typing import Callable
 
 from .wire import split_addr
 
-__all__ = ["DEFAULT_CHUNK_BYTES", "DEFAULT_STATE_CHUNK_BYTES", "RING_BUFSIZE_ENV", "SHARED_CORES_BUFSIZE", "ChunkHook",
-           "DonorLimits", "RingOptions", "checked_bufsize", "configured_bufsize", "ring_bufsize_for",
+__all__ = ["DEFAULT_CHUNK_BYTES", "DEFAULT_STATE_CHUNK_BYTES", "RING_BUFSIZE_ENV", "RING_ACK_TIMEOUT_S", "SHARED_CORES_BUFSIZE",
+           "ChunkHook", "DonorLimits", "RingOptions", "checked_bufsize", "configured_bufsize", "ring_bufsize_for",
            "ring_bufsize_from_env"]
 
 #: Ring chunk size: per-frame overhead is negligible above it, and a chunk still fits the
@@ -48,6 +48,10 @@ class RingOptions:
     #: Listen IP of this process's DataServer: the source of outgoing ring connections
     #: (see wire.source_address for when it is used).
     source_host: str | None = None
+    #: Seconds the right neighbour's host may leave our data unacknowledged, with the kernel
+    #: already retransmitting, before the op fails blaming it (wire.unacknowledged): a host gone
+    #: without a reset is evidence long before the op timeout. None: only the op timeout.
+    ack_timeout: float | None = None
 
 
 @dataclass(frozen=True)
@@ -61,6 +65,10 @@ class DonorLimits:
     chunk_bytes: int = DEFAULT_STATE_CHUNK_BYTES
     chunk_hook: ChunkHook | None = None
 
+
+#: Default RingOptions.ack_timeout (seconds): above Linux's minimum RTO (0.2 s), with room for
+#: the first retransmission's acknowledgement; docs/control-plane.md, "Timing knobs".
+RING_ACK_TIMEOUT_S = 0.3
 
 RING_BUFSIZE_ENV = "P2PFT_RING_BUFSIZE"
 #: Ring socket buffers on a host whose ring members outnumber its cores.

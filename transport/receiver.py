@@ -9,10 +9,12 @@ lane's sender.
 
 from __future__ import annotations
 
+import errno
 import os
 import queue
 import socket
 import threading
+import time
 from types import ModuleType
 from typing import Any, Callable
 
@@ -24,7 +26,8 @@ from .ring import LanePlan
 from .sender import STOP, LaneSender
 from .wire import (
     F_EMPTY, FRAME_LEN, FRAME_MAGIC, FRAME_PREFIX, FRAME_SUFFIX, MAX_ERROR_PAYLOAD, OP_ERROR, OP_KEEPALIVE,
-    PREFIX_LEN, io_slice, parse_error_payload, recv_exact_timed, set_io_slice,
+    PREFIX_LEN, io_slice, parse_error_payload, recv_exact_timed, right_link_stopped, set_io_slice,
+    unacknowledged,
 )
 
 __all__ = ["LaneReceiver", "LaneWorker"]
@@ -35,7 +38,7 @@ class LaneReceiver:
 
     def __init__(self, sock: socket.socket, sender: LaneSender, *, epoch: int, shard: int, rank: int,
                  world: int, left: int, left_addr: str, chunk_bytes: int, timeout: float,
-                 hooks: FailHooks) -> None:
+                 hooks: FailHooks, ack_timeout: float | None = None) -> None:
         self.sock = sock
         self.sender = sender
         self.epoch = epoch
@@ -46,6 +49,7 @@ class LaneReceiver:
         self.left_addr = left_addr
         self.chunk_bytes = chunk_bytes
         self.timeout = timeout  # the communicator's default: bounds reading a neighbour's error frame
+        self.ack_timeout = ack_timeout  # RingOptions.ack_timeout: a silent right host fails the op
         self.fail = hooks.fail
         self.hooks = hooks
         self._scratch = bytearray(0)
@@ -140,14 +144,18 @@ class LaneReceiver:
         # Holding the lane's write lock keeps the sender thread from writing an error frame into
         # the middle of a frame this loop is writing; a half-written one is handed to it below.
         with snd.wlock:
-            st, total, err, detail, hdr, pending = loop.allreduce_lane(
-                self.sock.fileno(), snd.sock.fileno(), buf.mv, self._scratch, sends, plan.first_sends, recvs,
-                prefix_out, prefix_in, self._keepalive, contrib, buf.dtype_code, self.world, tmo, io_slice(tmo),
-                self.hooks.state)
+            args = (self.sock.fileno(), snd.sock.fileno(), buf.mv, self._scratch, sends, plan.first_sends, recvs,
+                    prefix_out, prefix_in, self._keepalive, contrib, buf.dtype_code, self.world, tmo, io_slice(tmo),
+                    self.hooks.state)
+            if getattr(loop, "WATCHES_RIGHT", 0):  # a build that also watches the right connection
+                args += (self.ack_timeout or 0.0,)
+            st, total, err, detail, hdr, pending = loop.allreduce_lane(*args)
             if st == Status.OK:
                 return total
             if st in (Status.SEND_ERROR, Status.SEND_TIMEOUT):
                 raise self.fail(snd.write_failed(st == Status.SEND_TIMEOUT, err, tmo))
+            if st == Status.RIGHT_SILENT:
+                raise self.fail(snd.silent(self.ack_timeout or 0.0))
             if pending is not None:
                 rest, off, n = pending
                 snd.hand_over(rest, buf.mv[off:off + n] if n else None)
@@ -220,13 +228,24 @@ class LaneReceiver:
         """While this thread starves on its left neighbour, tell the right neighbour every
         timeout/4 that we are alive (a keepalive frame when nothing else is queued), so that
         only the rank next to a stalled peer times out on it and the others hear its verdict
-        instead of blaming their own, innocent, left neighbour."""
+        instead of blaming their own, innocent, left neighbour. A right neighbour that stopped
+        (its error frame or EOF came back) fails this rank at once, blaming whom it blamed; one
+        whose host acknowledged nothing for `ack_timeout` (wire.unacknowledged) is blamed itself."""
         snd = self.sender
         every = tmo / 4
         frame = self._keepalive
         state = [every]
 
+        t0 = time.monotonic()
+        ack = self.ack_timeout
+
         def idle(waited: float) -> None:
+            # As the C loop: the right neighbour stopped (its error frame, EOF) or its host is silent.
+            if right_link_stopped(snd.sock):
+                e = snd.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) if snd.sock.fileno() >= 0 else 0
+                raise self.fail(snd.write_failed(False, e or errno.EPIPE, tmo))
+            if ack and time.monotonic() - t0 >= ack and unacknowledged(snd.sock, ack):
+                raise self.fail(snd.silent(ack))
             if waited >= state[0]:
                 state[0] = waited + every
                 if snd.submitted == snd.completed:

@@ -199,6 +199,15 @@ class LaneSender:
         self._close_sock(self.sock)
         return err
 
+    def silent(self, after: float) -> CommError:
+        """The right neighbour's host acknowledged nothing for `after` seconds although the
+        kernel retransmitted (wire.unacknowledged): it is gone without a reset, or cut off.
+        The socket is closed after it."""
+        err = PeerFailed(f"rank {self.right}'s host acknowledged nothing for {after:.3g} s (gone without a reset?)",
+                         peer_rank=self.right, peer_addr=self.right_addr)
+        self._close_sock(self.sock)
+        return err
+
     def _finish_with_error(self, job: Any) -> None:
         """Complete a frame the producer left half-written, then append the error frame."""
         frame = self.state.error_frame

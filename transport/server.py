@@ -26,8 +26,8 @@ from .backend import Backend
 from .errors import CommTimeout, ProtocolMismatch
 from .nccl import NcclCommunicator
 from .ncclid import KIND_NCCL_ID
-from .options import (DEFAULT_CHUNK_BYTES, DEFAULT_STATE_CHUNK_BYTES, ChunkHook, DonorLimits, RingOptions,
-                      configured_bufsize, ring_bufsize_for)
+from .options import (DEFAULT_CHUNK_BYTES, DEFAULT_STATE_CHUNK_BYTES, RING_ACK_TIMEOUT_S, ChunkHook, DonorLimits,
+                      RingOptions, configured_bufsize, ring_bufsize_for)
 from .sockutil import close_quietly, shutdown_quietly
 from .stream import StateSnapshot, serve_state_connection
 from .staging import DEFAULT_PIECE_BYTES, StagingTcpCommunicator
@@ -104,6 +104,9 @@ class DataServer:
         self.state_timeout = state_timeout
         #: fault-injection hook for tests: (chunk seq, payload) -> payload actually sent.
         self.state_chunk_hook: ChunkHook | None = None
+        #: RingOptions.ack_timeout of this process's rings (None: off). A runtime sets it from
+        #: its timing profile; docs/control-plane.md says how it was chosen.
+        self.ring_ack_timeout: float | None = RING_ACK_TIMEOUT_S
 
         self.max_handshakes = int(max_handshakes)
         #: rejections and drops, by kind (see the module docstring)
@@ -254,8 +257,9 @@ class DataServer:
     # ------------------------------------------------------------------ settings handed out
     def _ring_options(self, peers: list[str], rank: int) -> RingOptions:
         return RingOptions(chunk_bytes=self.chunk_bytes, lanes=self.lanes,
-                                sock_bufsize=ring_bufsize_for(peers, rank, self.sock_bufsize),
-                                inline_send=self.inline_send, secret=self.secret, source_host=self._host)
+                           sock_bufsize=ring_bufsize_for(peers, rank, self.sock_bufsize),
+                           inline_send=self.inline_send, secret=self.secret, source_host=self._host,
+                           ack_timeout=self.ring_ack_timeout)
 
     def _donor_limits(self) -> DonorLimits:
         return DonorLimits(timeout=self.state_timeout, rate_limit=self.state_rate_limit,

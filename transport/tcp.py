@@ -239,7 +239,7 @@ class TcpCommunicator(Communicator):
             self._receivers.append(LaneReceiver(
                 links.lefts[lane], snd, epoch=self.epoch, shard=self.shard, rank=self.rank,  # type: ignore[arg-type]
                 world=self.world, left=self.left, left_addr=self.peers[self.left], chunk_bytes=self.chunk_bytes,
-                timeout=self.timeout, hooks=self._hooks))
+                timeout=self.timeout, hooks=self._hooks, ack_timeout=self._options.ack_timeout))
         for lane in range(1, self.lanes):
             self._workers.append(LaneWorker(f"p2pft-recv-{name}l{lane}", lane, self._fs.wake_waiters))
         self._connected = True

@@ -6,10 +6,12 @@ All integers are little-endian. See docs/transport.md for the full description.
 from __future__ import annotations
 
 import collections
+import errno
 import hashlib
 import hmac
 import ipaddress
 import os
+import select
 import socket
 import struct
 import time
@@ -20,6 +22,7 @@ import msgpack
 
 from .addr import parse_hostport
 from .errors import ERROR_CLASSES, CommError, ProtocolMismatch
+from .sockutil import close_quietly
 
 PROTOCOL_VERSION = 2   # 2: the hello's nonce is a send time + 8 random bytes (replay protection)
 
@@ -261,6 +264,48 @@ def read_reverse_error(sock: socket.socket) -> RemoteError | None:
 
 
 # --- socket helpers --------------------------------------------------------------------------
+CONNECT_POLL_S = 0.05   # how often a pending connect looks whether it was given up on
+
+
+def connect_abortable(host: str, port: int, timeout: float, source: tuple[str, int] | None,
+                      given_up: Callable[[], bool]) -> socket.socket | None:
+    """socket.create_connection that a failed or aborted communicator can stop: a connect to a
+    host that vanished (no reset: its SYNs go unanswered) would otherwise hold the caller for
+    the whole `timeout` after a newer view made the connection pointless. Returns the
+    connected blocking socket, or None once `given_up()`; raises OSError (socket.timeout after
+    `timeout`) like create_connection."""
+    last: OSError = OSError("no address")
+    for family, kind, proto, _name, sockaddr in socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM):
+        sock = socket.socket(family, kind, proto)
+        try:
+            if source is not None:
+                sock.bind(source)
+            sock.setblocking(False)
+            err = sock.connect_ex(sockaddr)
+            deadline = time.monotonic() + timeout
+            p = select.poll()
+            p.register(sock.fileno(), select.POLLOUT)
+            while err in (errno.EINPROGRESS, errno.EALREADY, errno.EWOULDBLOCK, errno.EINTR):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise socket.timeout("timed out")
+                if p.poll(int(min(left, CONNECT_POLL_S) * 1000) + 1):
+                    err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+                    break
+                if given_up():
+                    close_quietly(sock)
+                    return None
+            if err:
+                raise OSError(err, os.strerror(err))
+            sock.setblocking(True)
+            sock.settimeout(max(0.001, deadline - time.monotonic()))
+            return sock
+        except OSError as e:
+            close_quietly(sock)
+            last = e
+    raise last
+
+
 def recv_exact(sock: socket.socket, view: memoryview) -> None:
     """Fill `view` from `sock` (Python-level timeout, if any, applies per call); EOFError if the peer closes first."""
     got = 0
@@ -385,6 +430,50 @@ def tune_socket(sock: socket.socket, bufsize: int | None) -> None:
     if bufsize:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, bufsize)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, bufsize)
+
+
+_TCP_INFO = struct.Struct("8B13I")   # struct tcp_info up to tcpi_last_ack_recv (linux/tcp.h)
+
+
+def unacknowledged(sock: socket.socket, after: float) -> bool:
+    """Whether the peer's host has acknowledged nothing for `after` seconds while data we sent
+    waits and the kernel already retransmitted it (TCP_INFO: retransmits, unacked,
+    last_ack_recv).
+
+    The peer's kernel acknowledges, not its process, so a live host whose process is busy,
+    descheduled or SIGSTOPped does not match: a full receive window is probed (zero-window
+    probes, not retransmissions) and the probes are answered. A host that vanished without a
+    reset (power, panic, link) matches after Linux's first retransmission (its minimum RTO is
+    0.2 s). TCP_USER_TIMEOUT would do this in the kernel, but it also fails a connection whose
+    window stays closed that long (Linux 6: a sender to a SIGSTOPped receiver got ETIMEDOUT
+    after 0.3 s), so a paused receiver would be blamed. The
+    caller makes sure its first unacknowledged send is at least `after` old (a connection idle
+    before the send has an old last ACK). False where TCP_INFO is not available."""
+    opt = getattr(socket, "TCP_INFO", None)
+    if opt is None:
+        return False
+    try:
+        raw = sock.getsockopt(socket.IPPROTO_TCP, opt, _TCP_INFO.size)
+    except OSError:
+        return False
+    if len(raw) < _TCP_INFO.size:
+        return False
+    f = _TCP_INFO.unpack_from(raw)
+    retransmits, unacked, last_ack_recv_ms = f[2], f[8 + 4], f[8 + 12]
+    return retransmits > 0 and unacked > 0 and last_ack_recv_ms >= after * 1000
+
+
+def right_link_stopped(sock: socket.socket) -> bool:
+    """Whether a ring connection to the right neighbour ended while nothing was being written to
+    it: the neighbour sent what it only ever sends back, its error frame or EOF, or the kernel
+    failed the connection. Non-destructive: the error and the frame stay for the code that
+    reports them (sender.write_failed)."""
+    try:
+        p = select.poll()
+        p.register(sock.fileno(), select.POLLIN | getattr(select, "POLLRDHUP", 0))  # ERR/HUP come always
+        return any(ev for _fd, ev in p.poll(0))
+    except (OSError, ValueError):
+        return True   # closed under us: stopped
 
 
 def split_addr(addr: str) -> tuple[str, int]:

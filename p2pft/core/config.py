@@ -33,12 +33,15 @@ class Profile:
     bootstrap_wait: float = 0.6        # with seeds but no view anywhere, wait before bootstrapping
     view_retry: float = 0.5            # re-ask for a view we heard of but did not get
     compact_after: int = 64            # Raft log entries kept before compacting to a snapshot
+    # --- data plane ---
+    data_ack_timeout: float = 0.3      # a ring neighbour's host silent this long (TCP) fails the op, blaming it
 
     def scaled(self, factor: float) -> "Profile":
         """All durations multiplied by factor (for slow networks)."""
         fields = {k: getattr(self, k) * factor for k in (
             "probe_interval", "probe_timeout", "suspicion_min", "pushpull_interval", "dead_keep", "reconnect_interval",
-            "heartbeat", "election_min", "election_max", "batch_window", "bootstrap_wait", "view_retry")}
+            "heartbeat", "election_min", "election_max", "batch_window", "bootstrap_wait", "view_retry",
+            "data_ack_timeout")}
         return replace(self, **fields)
 
 

@@ -23,37 +23,6 @@ pytestmark = [pytest.mark.skipif(WHY is not None, reason=f"no network namespaces
 
 REPO = Path(__file__).resolve().parents[2]
 CTL, REPLICA_PORT = 7000, 7100
-# The README's API example (section "The API"), with a pace per step and a line per step.
-README_LOOP = '''
-import sys
-import time
-import torch
-from p2pft import Runtime
-from p2pft.trainer import FaultTolerant
-from p2pft.trainer.data import TextDataset
-from p2pft.trainer.model import model_config_for
-
-replica_id, listen, *seeds = sys.argv[1:]
-torch.manual_seed(0)                                   # same initial weights on every replica
-cfg = model_config_for("tiny")
-model, data = cfg.build(), TextDataset(cfg.seq_len)
-opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-
-rt = Runtime(replica_id=replica_id, listen=listen, seeds=seeds).start()
-ft = FaultTolerant(rt, model, opt, batch_per_replica=8, lr_policy="sqrt")
-while ft.step < STEPS:
-    idx = ft.begin()              # this replica's samples for the step ([] while it catches up)
-    ft.zero_grad()
-    if idx:
-        model.loss(data.batch(idx)).backward()
-    time.sleep(0.05)              # test pacing: an accelerator's time per step (the restart needs ~5 s)
-    ft.commit()                   # allreduce, retry across views, optimizer step, commit
-    print("step", ft.step, flush=True)
-print(replica_id, "step", ft.step, "digest", ft.digest(), flush=True)
-ft.close(); rt.close()
-'''
-
-
 def _env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("P2PFT_")}
     return dict(env, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
@@ -185,39 +154,47 @@ def test_readme_command_lines_train_across_hosts(tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_readme_api_loop_trains_across_hosts(tmp_path: Path) -> None:
-    """The README's `Runtime(replica_id=..., listen=..., seeds=...)` loop on three hosts (two
-    witnesses on two more): one replica is SIGKILLed and restarted, and every replica prints the
-    same digest at the final step."""
-    script = tmp_path / "train.py"
-    script.write_text(README_LOOP.replace("STEPS", "150"))
+    """The README's loop as written (trainer/examples/loop.py: `Runtime(replica_id=...,
+    listen=..., seeds=...)`, the job's end at step 60) on three hosts, two witnesses on two
+    more. A replica that is not the leader is SIGKILLed once the leader evaluated step 20 and
+    restarted at once: the survivors end at step 60 with the same digest, and the restarted one
+    either catches up and ends with them or, arriving as the job ends, trains nothing; every
+    one exits 0. About 30 s on an idle machine."""
     with Hosts(5) as hs:
         ps = HostSet(tmp_path, hs)
         ps.witnesses()
-        seeds = ps.seeds.split(",")
+        addrs = [f"{hs[2 + i].ip}:{REPLICA_PORT}" for i in range(3)]
 
         def run(i: int, name: str) -> None:
-            ps.start(2 + i, name, [sys.executable, str(script), f"r{i}", f"{hs[2 + i].ip}:{REPLICA_PORT}", *seeds])
-
-        def last(name: str) -> int:
-            lines = [ln for ln in ps.log(name).splitlines() if ln.startswith("step ")]
-            return int(lines[-1].split()[1]) if lines else -1
+            ps.start(2 + i, name, [sys.executable, "-m", "p2pft.trainer.examples.loop", f"r{i}", addrs[i],
+                                   *ps.seeds.split(","), *(a for j, a in enumerate(addrs) if j != i)])
         for i in range(3):
             run(i, f"r{i}-0")
         try:
-            ps.wait(lambda: all(last(f"r{i}-0") >= 20 for i in range(3)), 45, "20 steps on every replica")
-            ps.procs["r1-0"].send_signal(signal.SIGKILL)
-            ps.procs["r1-0"].wait(timeout=5)
-            run(1, "r1-1")
-            ps.wait(lambda: all(ps.procs[n].poll() is not None for n in ("r0-0", "r2-0", "r1-1")), 60,
-                    "every replica to reach step 150 and exit", allow_exit=("r0-0", "r2-0", "r1-1"))
+            ps.wait(lambda: any("step 20 eval loss" in ps.log(f"r{i}-0") for i in range(3)), 40,
+                    "the leader's evaluation at step 20")
+            leader = next(i for i in range(3) if "step 20 eval loss" in ps.log(f"r{i}-0"))
+            victim = (leader + 1) % 3
+            ps.procs[f"r{victim}-0"].send_signal(signal.SIGKILL)
+            ps.procs[f"r{victim}-0"].wait(timeout=5)
+            run(victim, f"r{victim}-1")
+            names = [f"r{i}-0" for i in range(3) if i != victim] + [f"r{victim}-1"]
+            ps.wait(lambda: all(ps.procs[n].poll() is not None for n in names), 40,
+                    "every replica to finish the job and exit", allow_exit=tuple(names))
         finally:
             rcs = ps.stop_all()
-        out = {n: ps.log(n) for n in ("r0-0", "r2-0", "r1-1")}
-    assert rcs["r0-0"] == 0 and rcs["r2-0"] == 0 and rcs["r1-1"] == 0, f"exit statuses {rcs}"
-    finals = {n: [ln for ln in text.splitlines() if " digest " in ln] for n, text in out.items()}
+        out = {n: ps.log(n) for n in names}
+    assert all(rcs[n] == 0 for n in names), (rcs, {n: o[-1500:] for n, o in out.items()})
+    finals = {n: [ln.split() for ln in o.splitlines() if " digest " in ln] for n, o in out.items()}
     assert all(len(f) == 1 for f in finals.values()), finals
-    assert {f[0].split()[2] for f in finals.values()} == {"150"}, finals
-    assert len({f[0].split()[-1] for f in finals.values()}) == 1, f"digests differ: {finals}"
+    survivors, restarted = names[:2], names[2]
+    assert {finals[n][0][2] for n in survivors} == {"60"}, finals
+    assert len({finals[n][0][-1] for n in survivors}) == 1, f"digests differ: {finals}"
+    # The restarted one caught up and ended with them, or it came as the job ended (during the
+    # end barrier, or after it: then it says so) and trained nothing.
+    assert finals[restarted][0][2] in ("60", "0"), finals
+    if finals[restarted][0][2] == "60":
+        assert finals[restarted][0][-1] == finals[survivors[0]][0][-1], f"digests differ: {finals}"
 
 
 @pytest.mark.slow
@@ -262,6 +239,48 @@ def test_unreachable_data_port_is_named_and_left_out(tmp_path: Path) -> None:
     assert "data port unreachable, left out: r2 " + addr in top.stdout, top.stdout + top.stderr
     check_invariants(ps.stats)
     print(f"stall before r0/r1 trained without r2: {stall:.1f} s")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("loop", ["native", "python"])
+def test_vanished_host_fails_the_ring_within_the_ack_timeout(tmp_path: Path, loop: str) -> None:
+    """Three ring ranks on three hosts; host 2's link goes down between ops (no reset, no EOF).
+    Rank 1 sends to it: it fails within about the ack timeout, blaming rank 2, and rank 0 (which
+    waits on rank 2) hears rank 1's verdict and blames rank 2 too, long before the op timeout
+    (10 s). This is the data-plane evidence the failure detector gets for a lost host."""
+    from p2pft.transport.options import RING_ACK_TIMEOUT_S
+    worker = Path(__file__).with_name("ring_rank.py")
+    env = dict(_env(), P2PFT_NATIVE_RING="1" if loop == "native" else "0")
+    with Hosts(3) as hs:
+        peers = [f"{hs[i].ip}:7300" for i in range(3)]
+        outs = [tmp_path / f"rank{i}.out" for i in range(3)]
+        for i in range(3):
+            with open(outs[i], "wb") as out:
+                hs.spawn(i, [sys.executable, str(worker), str(i), "10", *peers], stdout=out,
+                         stderr=subprocess.STDOUT, env=env, cwd=REPO)
+
+        def lines(i: int) -> list[dict]:
+            import json
+            return [json.loads(ln) for ln in outs[i].read_text().splitlines() if ln.startswith("{")]
+        deadline = time.monotonic() + 30
+        while not all(any(m.get("ready") for m in lines(i)) for i in range(3)):
+            assert time.monotonic() < deadline, [outs[i].read_text()[-2000:] for i in range(3)]
+            time.sleep(0.1)
+        down = time.time()
+        hs.link(2, False)
+        deadline = time.monotonic() + 8
+        while not all(any("error" in m for m in lines(i)) for i in (0, 1)):
+            assert time.monotonic() < deadline, [outs[i].read_text()[-2000:] for i in range(2)]
+            time.sleep(0.05)
+    errs = {i: next(m for m in lines(i) if "error" in m) for i in (0, 1)}
+    for i, e in errs.items():
+        assert e["peer"] == peers[2], errs
+        # the next op's first send (<= 0.05 s of compute away), then the ack timeout and one
+        # 0.05 s slice; slack for two loaded cores
+        assert e["t"] - down < RING_ACK_TIMEOUT_S + 1.0, (i, e["t"] - down, errs)
+    assert "acknowledged nothing" in errs[1]["reason"], errs
+    print({i: round(e["t"] - down, 2) for i, e in errs.items()})
 
 
 RUNTIME_ONLY = '''

@@ -94,10 +94,10 @@ static PyObject *allreduce_lane(PyObject *self, PyObject *args) {
     int lfd, rfd, contrib, dtype, world;
     Py_buffer buf, scratch, sends, recvs, pout, pin, ka;
     Py_ssize_t first_sends;
-    double tmo, slice;
+    double tmo, slice, ack = 0.0;
     PyObject *fstate;
-    if (!PyArg_ParseTuple(args, "iiw*w*y*ny*y*y*y*piiddO", &lfd, &rfd, &buf, &scratch, &sends, &first_sends,
-                          &recvs, &pout, &pin, &ka, &contrib, &dtype, &world, &tmo, &slice, &fstate))
+    if (!PyArg_ParseTuple(args, "iiw*w*y*ny*y*y*y*piiddO|d", &lfd, &rfd, &buf, &scratch, &sends, &first_sends,
+                          &recvs, &pout, &pin, &ka, &contrib, &dtype, &world, &tmo, &slice, &fstate, &ack))
         return NULL;
     PyObject *result = NULL;
     Loop L;
@@ -125,6 +125,7 @@ static PyObject *allreduce_lane(PyObject *self, PyObject *args) {
     L.world = world;
     L.tmo = tmo;
     L.slice = slice;
+    L.ack = ack > 0 ? ack : 0.0;
     L.fstate = fstate;
     /* bounds: every frame lies in the buffer, every scratch receive fits the scratch */
     for (Py_ssize_t i = 0; i < L.nsends; i++) {
@@ -216,7 +217,8 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_ringloop", NULL, -1
 
 PyMODINIT_FUNC PyInit__ringloop(void) {
     PyObject *m = PyModule_Create(&module);
-    if (m != NULL && PyModule_AddIntConstant(m, "SCRATCH_BYTES", SCRATCH_BYTES) < 0) {
+    if (m != NULL && (PyModule_AddIntConstant(m, "SCRATCH_BYTES", SCRATCH_BYTES) < 0
+                      || PyModule_AddIntConstant(m, "WATCHES_RIGHT", 1) < 0)) {
         Py_DECREF(m);
         return NULL;
     }

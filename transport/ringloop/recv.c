@@ -3,6 +3,9 @@
 #include "ringloop.h"
 
 #include <errno.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
 #include <signal.h>
 #include <sys/socket.h>
 
@@ -130,11 +133,42 @@ static int received(Loop *L, size_t k) {
     return L->got == L->want ? finish_frame(L) : ST_OK;
 }
 
-/* Idle bookkeeping while starved on the left: a timeout, or a keepalive to the right. */
+/* Whether the right neighbour's host acknowledged nothing for L->ack seconds while our data
+ * waits and the kernel already retransmitted it (wire.unacknowledged says why not a
+ * TCP_USER_TIMEOUT). The op's first send is at least L->ack old, so an old last ACK from before
+ * the op does not count. */
+static int right_silent(Loop *L, double t) {
+    if (!(L->ack > 0) || t - L->t0 < L->ack)
+        return 0;
+    struct tcp_info ti;
+    socklen_t n = sizeof ti;
+    memset(&ti, 0, sizeof ti);
+    if (getsockopt(L->rfd, IPPROTO_TCP, TCP_INFO, &ti, &n) < 0)
+        return 0;
+    return ti.tcpi_retransmits > 0 && ti.tcpi_unacked > 0 && ti.tcpi_last_ack_recv >= (uint32_t)(L->ack * 1000);
+}
+
+/* Idle bookkeeping while starved on the left: a timeout, the right neighbour gone, or a
+ * keepalive to the right. */
 static int starved(Loop *L, double t) {
     double idle = t - L->last_rx;
     if (idle >= L->tmo)
         return ST_RECV_TIMEOUT;
+    /* The connection to the right ended while nothing was being written to it: the right
+     * neighbour sent back what it only ever sends, its error frame or EOF, or the kernel failed
+     * it. Waiting on the left would only end at the op timeout; Python blames from the frame,
+     * if any, else the right neighbour (sender.write_failed). */
+    struct pollfd p = {.fd = L->rfd, .events = POLLIN | POLLRDHUP, .revents = 0};
+    if (poll(&p, 1, 0) == 1 && p.revents) {
+        int e = 0;
+        socklen_t n = sizeof e;
+        if (getsockopt(L->rfd, SOL_SOCKET, SO_ERROR, &e, &n) < 0 || e == 0)
+            e = EPIPE;
+        L->err = e;
+        return ST_SEND_ERROR;
+    }
+    if (right_silent(L, t))
+        return ST_RIGHT_SILENT;
     if (idle >= L->ka_at) {
         L->ka_at = idle + L->tmo / 4;
         pthread_mutex_lock(&L->mu);
@@ -196,7 +230,8 @@ static int receive_all(Loop *L) {
 
 int rl_run(Loop *L) {
     L->total = -1;
-    L->last_rx = rl_now();
+    L->t0 = rl_now();
+    L->last_rx = L->t0;
     L->ka_at = L->tmo / 4;
     start_header(L);
     /* the sender thread takes no signals: they go to Python's handlers via the calling thread */

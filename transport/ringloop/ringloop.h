@@ -36,6 +36,7 @@ enum {
     ST_INTERRUPTED = 9,   /* a Python signal handler raised (Ctrl-C): the exception is handed back */
     ST_FAILED = 10,       /* the communicator failed elsewhere (another lane, abort) */
     ST_NO_THREAD = 11,    /* the sender thread could not be started (err: its errno) */
+    ST_RIGHT_SILENT = 12, /* the right neighbour's host acknowledged nothing for `ack` seconds */
 };
 
 /* dtype codes of transport/buffers.py that this loop adds; others stay on the Python loop. */
@@ -62,6 +63,7 @@ typedef struct {
     const unsigned char *prefix_out, *prefix_in, *keepalive;
     int contrib, dtype, world;
     double tmo, slice;
+    double ack, t0;       /* the ack timeout (0: off) and when this op began */
     /* send queue (ring buffer), shared with the sender thread under `mu` */
     pthread_mutex_t mu;
     pthread_cond_t cv;    /* a frame queued, close or stop asked, the sender exited */
