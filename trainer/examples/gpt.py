@@ -15,7 +15,8 @@ the lines that make the loop fault tolerant (docs/recipes.md shows the diff)::
 
 Each step is appended to ``--stats`` as one JSON line, in the format of ``replica.py`` plus
 ``lr`` and ``loss``; ``--final-weights`` saves the parameters at exit (for the replay oracle,
-``p2pft.chaos.oracle``).
+``p2pft.chaos.oracle``). ``--sync-every H`` trains the same recipe with DiLoCo instead
+(``gpt_diloco.py``: this AdamW inside, an outer Nesterov SGD every H inner steps).
 """
 from __future__ import annotations
 
