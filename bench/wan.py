@@ -119,6 +119,9 @@ def run_one(system: str, kill: bool, a: argparse.Namespace, tmp: Path) -> tuple[
             if tft and not go.exists() and all(read_stats(tmp / f"{tag}-r{i}-0.jsonl") for i in range(n)):
                 go.touch()   # torchft's replicas start their inner steps together, as p2pft's wait for the view
             if t_first is None:
+                if all(p.poll() is not None for _, p in procs.values()):
+                    print(f"  every {system} worker exited before training started: see {tmp}/{tag}-*.log")
+                    break
                 first = [r for r in read_stats(tmp / f"{tag}-r0-0.jsonl") if r.get("kind") == "ready"]
                 if first:   # r0 saw its group (or torchft's go): training starts now for every system
                     t_first = first[0]["t"]
@@ -277,7 +280,7 @@ def main() -> int:
     a.d_model, a.layers = (128, 2) if a.quick else (256, 2)
     a.duration = a.duration or (20.0 if a.quick else 120.0)
     a.sync_every = a.sync_every or 20
-    a.kill_every = a.kill_every or (a.duration / 3)
+    a.kill_every = a.kill_every or (a.duration / 3 if a.quick else 20.0)   # full: 5 kills, some during syncs
     a.startup = 90.0
     systems = [s for s in a.systems.split(",") if s]
     if "torchft" in systems:

@@ -99,7 +99,10 @@ def main() -> int:
 
     write({"kind": "start", "t": time.time()})
     if a.min_replicas > 1 and eng.step == 0:
-        rt.wait_view(lambda v: len(v.participants) >= a.min_replicas or stop.flag, timeout=60)
+        # The group forms first; a restarted replica (a joiner) must not wait: it is in the view,
+        # and the others' allreduce waits for it to answer.
+        rt.wait_view(lambda v: len(v.participants) >= a.min_replicas or v.role_of(rt.node_id) == "joiner"
+                     or stop.flag, timeout=60)
     write({"kind": "ready", "t": time.time()})   # the benchmark's clock starts here, for every system
     evaluator = a.replica_id == "r0"
     last_eval = 0.0

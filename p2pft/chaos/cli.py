@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .cluster import FAULTS, ChaosConfig, Cluster
+from .cluster import ALGOS, DILOCO_SYSTEMS, FAULTS, ChaosConfig, Cluster
 
 
 class UsageError(Exception):
@@ -44,9 +44,15 @@ def register(sub: Any) -> None:
     p.add_argument("--pause-for", type=float, default=3.0)
     p.add_argument("--step-delay", type=float, default=0.1, help="emulated accelerator seconds per step")
     p.add_argument("--model", choices=["tiny", "small"], default="tiny")
-    p.add_argument("--workload", choices=["example", "gpt"], default="example",
-                   help="example: the example replica; gpt: the GPT recipe (trainer/examples/gpt.py), whose "
-                   "committed steps are then replayed in one plain PyTorch process and compared (oracle columns)")
+    p.add_argument("--workload", choices=["example", "gpt"], default=None,
+                   help="example (default): the example replica; gpt (the default with --algo diloco): the GPT "
+                   "recipe (trainer/examples/gpt.py), whose committed steps are then replayed in one plain PyTorch "
+                   "process and compared (oracle columns)")
+    p.add_argument("--algo", choices=ALGOS, default="ft",
+                   help="ft: FaultTolerant, an allreduce every step; diloco: the GPT recipe with DiLoCo (inner AdamW, "
+                   "an outer Nesterov SGD on the mean pseudo-gradient every --sync-every inner steps), for the "
+                   "systems p2pft and failure_free; a step is then a sync, and the oracle replays the syncs")
+    p.add_argument("--sync-every", type=int, default=5, help="with --algo diloco: inner steps between syncs (H)")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--checkpoint-every", type=int, default=20,
                    help="ddp and sync baselines: steps between disk checkpoints")
@@ -87,8 +93,9 @@ def _chaos(args: argparse.Namespace) -> int:
                       restart_after=args.restart_after, fault=args.fault, pause_for=args.pause_for,
                       step_delay=args.step_delay, model=args.model, batch=args.batch,
                       checkpoint_every=args.checkpoint_every, seed=args.seed,
-                      witnesses=args.witnesses, workload=args.workload, spares=args.spares,
-                      hosts=args.hosts, link_mbit=args.link_mbit)
+                      witnesses=args.witnesses, spares=args.spares,
+                      workload=args.workload or ("gpt" if args.algo == "diloco" else "example"),
+                      hosts=args.hosts, link_mbit=args.link_mbit, algo=args.algo, sync_every=args.sync_every)
     if cfg.hosts == "netns":
         from .hosts import unavailable
         why = unavailable()
@@ -101,7 +108,7 @@ def _chaos(args: argparse.Namespace) -> int:
         cfg.validate()
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    systems = _systems(args.systems)
+    systems = _systems(args.systems, cfg.algo)
     out = Path(args.out)
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -142,8 +149,14 @@ def _chaos(args: argparse.Namespace) -> int:
     return 128 + interrupt.signum if interrupt.signum is not None else 0
 
 
-def _systems(text: str) -> list[str]:
+def _systems(text: str, algo: str = "ft") -> list[str]:
     known = ("p2pft", "ddp", "sync", "failure_free", "torchft")
+    if algo == "diloco":
+        out = list(DILOCO_SYSTEMS) if text == "auto" else [s.strip() for s in text.split(",") if s.strip()]
+        bad = [s for s in out if s not in DILOCO_SYSTEMS]
+        if bad:
+            raise UsageError(f"--algo diloco runs on {', '.join(DILOCO_SYSTEMS)} only, not {', '.join(bad)}")
+        return out if "failure_free" in out else [*out, "failure_free"]
     if text == "auto":
         out = ["p2pft", "ddp", "failure_free"]
         if importlib.util.find_spec("torchft") is not None:

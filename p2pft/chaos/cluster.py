@@ -32,6 +32,8 @@ HOSTS = ("loopback", "netns")
 SPARE_SYSTEMS = ("p2pft", "torchft")  # the systems that run --spares extra replicas
 REPLICA_PORT, WITNESS_PORT = 7100, 7000      # on a host of its own every process can use the same port
 WORKLOADS = {"example": "p2pft.trainer.examples.replica", "gpt": "p2pft.trainer.examples.gpt"}
+ALGOS = ("ft", "diloco")                     # FaultTolerant (an allreduce per step) | DiLoCo (gpt.py --sync-every)
+DILOCO_SYSTEMS = ("p2pft", "failure_free")   # the systems that run DiLoCo (the others have no DiLoCo)
 
 
 @dataclass
@@ -54,6 +56,8 @@ class ChaosConfig:
     spares: int = 0                   # p2pft and torchft: extra replicas that wait as spares
     hosts: str = "loopback"           # loopback | netns (each replica and witness on a host of its own)
     link_mbit: float | None = None    # with netns: each host's link limited to this rate (tc tbf)
+    algo: str = "ft"                  # ft | diloco (the gpt workload with DiLoCo: a step is a sync)
+    sync_every: int = 5               # algo diloco: inner steps between syncs (H)
 
     def validate(self) -> None:
         if self.replicas < 2:
@@ -74,6 +78,10 @@ class ChaosConfig:
             raise ValueError("--fault host needs --hosts netns (a host's link goes down)")
         if self.link_mbit is not None and (self.hosts != "netns" or self.link_mbit <= 0):
             raise ValueError("--link-mbit needs --hosts netns and a positive rate")
+        if self.algo not in ALGOS:
+            raise ValueError(f"--algo must be one of {', '.join(ALGOS)}")
+        if self.algo == "diloco" and (self.workload != "gpt" or self.sync_every < 1):
+            raise ValueError("--algo diloco runs the gpt workload (checked by the replay oracle) with --sync-every >= 1")
         if self.kill_every < self.restart_after + 1.0:
             raise ValueError("--kill-every must exceed --restart-after by at least 1 s")
 
@@ -172,6 +180,8 @@ class Cluster:
                *cfg.extra_args]
         if self.spares:
             cmd += ["--max-participants", str(cfg.replicas)]
+        if cfg.algo == "diloco":
+            cmd += ["--sync-every", str(cfg.sync_every)]
         if cfg.workload == "gpt":  # a survivor's final weights, for the replay oracle
             cmd += ["--final-weights", str(self.workdir / f"r{i}-{inc}.pt"), "--progress", "off"]
         if self.system == "sync":

@@ -1,5 +1,8 @@
 """The replay oracle: a chaos run of the GPT recipe, replayed in one plain PyTorch process.
 
+(A DiLoCo run of the recipe, ``sync_every`` in its recipe, is replayed by ``oracle_diloco.py``
+from the same records.)
+
 From the replicas' stats files alone it rebuilds what was committed: for each step, the number
 of contributing replicas and each contributor's sample ranges (``tr``, confirmed after the
 commit; a ``begin`` line written before the commit stands in for a contributor that was killed
@@ -26,62 +29,17 @@ import logging
 import math
 import sys
 from collections import defaultdict
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from .oracle_types import (Committed, Contribution, History, OracleError, OracleResult, Ranges, compare,
+                           places, ring_sum)
 from .records import read_stats
 
 log = logging.getLogger(__name__)
-
-Ranges = tuple[tuple[int, int], ...]
 ORACLE_SYSTEMS = ("p2pft", "failure_free")   # sync rolls back to checkpoints: its history is not one line
-
-
-@dataclass(frozen=True)
-class Contribution:
-    source: str              # the stats file (one process incarnation)
-    slot: int | None
-    ranges: Ranges
-
-
-@dataclass
-class Committed:
-    """One committed step as every replica applied it."""
-
-    index: int               # 0-based: the step that took the replicas from `index` to `index + 1`
-    count: int
-    contributions: list[Contribution]
-    recorded_lr: float | None = None
-    ring: tuple[int, dict[int, int]] | None = None   # (ring size, slot -> data rank) that reduced it
-
-
-@dataclass
-class History:
-    recipe: dict[str, Any]
-    steps: list[Committed]
-    unresolved: list[int] = field(default_factory=list)   # steps whose contributors are not all known
-
-
-@dataclass
-class OracleResult:
-    steps: int                       # steps replayed
-    compared: list[str]              # weight files compared (survivors)
-    max_abs_diff: float
-    max_rel_diff: float              # max over tensors of max|diff| / max|oracle weight|
-    abs_diff_by_step: dict[int, float]   # the largest abs difference at each compared step
-    lr_max_abs_diff: float           # recomputed lr vs the lr the replicas recorded
-    unresolved_steps: int
-    ring_order_steps: int            # steps summed in the ring's order (the others: in slot order)
-    cursor_mismatches: int           # contributor ranges that are not the data cursor's assignment
-    seconds: float
-
-    def row(self) -> dict[str, Any]:
-        return {f"oracle_{k}": v for k, v in asdict(self).items()}
-
-
-class OracleError(RuntimeError):
-    """The stats do not describe a replayable run (no recipe, missing steps, no weights)."""
+_places = places   # its former name
 
 
 def _ranges(x: Any) -> Ranges:
@@ -139,7 +97,7 @@ def rebuild(stats_files: list[Path]) -> History:
             unresolved.append(idx)
         contribs = sorted(have.values(), key=lambda c: (c.slot if c.slot is not None else 1 << 30, c.ranges))
         steps.append(Committed(idx, n or 0, contribs, lrs.get(idx), rings.get(idx)))
-    return History(recipe, steps, unresolved)
+    return History(recipe, steps, unresolved, {k: dict(v) for k, v in pending.items()})
 
 
 def _cursor_mismatches(history: History, upto: int) -> int:
@@ -160,6 +118,9 @@ def _cursor_mismatches(history: History, upto: int) -> int:
 def replay(history: History, targets: dict[str, tuple[int, dict[str, Any]]],
            data_dir: str | None = None, ring_order: bool = True) -> OracleResult:
     """Train the history in this process and compare with `targets` (name -> (step, params))."""
+    if history.recipe.get("sync_every"):   # a DiLoCo run: a step is a sync
+        from .oracle_diloco import replay_diloco
+        return replay_diloco(history, targets, data_dir, ring_order)
     import time
 
     import torch
@@ -188,7 +149,7 @@ def replay(history: History, targets: dict[str, tuple[int, dict[str, Any]]],
             forward_backward(model, batch, r, scaler)
             grads.append(torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
                                     for p in params]))
-        total, exact = _sum(grads, _places(st) if ring_order else None, ring_size)
+        total, exact = ring_sum(grads, places(st) if ring_order else None, ring_size)
         in_ring_order += exact
         off = 0
         for p in params:
@@ -201,53 +162,13 @@ def replay(history: History, targets: dict[str, tuple[int, dict[str, Any]]],
         opt.zero_grad(set_to_none=True)
         for name, (step, theirs) in targets.items():
             if step == st.index + 1:
-                diffs.append(_compare(model, theirs))
+                diffs.append(compare(model, theirs))
                 by_step[step] = max(by_step.get(step, 0.0), diffs[-1][0])
     return OracleResult(steps=last, compared=sorted(targets), max_abs_diff=max((d[0] for d in diffs), default=0.0),
                         max_rel_diff=max((d[1] for d in diffs), default=0.0),
                         abs_diff_by_step=dict(sorted(by_step.items())), lr_max_abs_diff=lr_diff,
                         unresolved_steps=sum(1 for i in history.unresolved if i < last), ring_order_steps=in_ring_order,
                         cursor_mismatches=_cursor_mismatches(history, last), seconds=round(time.monotonic() - t0, 1))
-
-
-def _places(st: Committed) -> tuple[int, list[int]] | None:
-    """(ring size, each contribution's data rank) in the ring that reduced the step; None when
-    that ring was not recorded or does not place every contribution."""
-    if st.ring is None:
-        return None
-    world, ranks = st.ring
-    if any(c.slot not in ranks for c in st.contributions):
-        return None
-    return world, [ranks[c.slot] for c in st.contributions]  # type: ignore[index]
-
-
-def _sum(grads: list[Any], ring: tuple[int, list[int]] | None, size: int) -> tuple[Any, bool]:
-    """The sum of the contributors' flat gradients. In the ring's order when every contributor
-    has its place (segment k of the buffer is summed from data rank k onwards, around the ring;
-    ranks that did not contribute add zeros): then bitwise what the replicas applied.
-    Otherwise in slot order."""
-    import torch
-
-    from ..transport.ring import segments
-    if ring is None or len(set(ring[1])) != len(grads):
-        total = torch.zeros_like(grads[0])
-        for g in grads:
-            total.add_(g)
-        return total, False
-    world, ranks = ring
-    by_rank = dict(zip(ranks, grads))
-    n = grads[0].numel()
-    total = torch.empty_like(grads[0])
-    for k, (off, ln) in enumerate(segments(size * 4, 4, world)):
-        a, b = min(off // 4, n), min((off + ln) // 4, n)
-        if a >= b:
-            continue
-        acc = by_rank[k][a:b].clone() if k in by_rank else torch.zeros(b - a)
-        for j in range(1, world):
-            g = by_rank.get((k + j) % world)
-            acc = acc + (g[a:b] if g is not None else torch.zeros(b - a))
-        total[a:b] = acc
-    return total, True
 
 
 def _optimizer_step(opt: Any, sched: Any, scaler: Any, hook: Any, r: Any, count: int, peak: int) -> float:
@@ -270,15 +191,6 @@ def _optimizer_step(opt: Any, sched: Any, scaler: Any, hook: Any, r: Any, count:
         g["lr"] = lr
     sched.step()
     return used
-
-
-def _compare(model: Any, theirs: dict[str, Any]) -> tuple[float, float]:
-    abs_d, rel_d = 0.0, 0.0
-    for name, p in model.named_parameters():
-        d = float((p.detach() - theirs[name]).abs().max())
-        abs_d = max(abs_d, d)
-        rel_d = max(rel_d, d / max(float(p.detach().abs().max()), 1e-30))
-    return abs_d, rel_d
 
 
 def check_run(run_dir: Path, data_dir: str | None = None, ring_order: bool = True) -> OracleResult:

@@ -44,7 +44,8 @@ restarted as a whole, within one start of it). ddp = plain
 PyTorch DDP (Gloo): every failure restarts all ranks from the last disk checkpoint (every {ckpt}
 steps), as torchrun does; sync = p2pft replicas restarted the same way. 'oracle abs/rel'
 (--workload gpt) = the largest difference between a survivor's final weights and the committed
-steps replayed in one plain PyTorch process (rel: per tensor, over its largest weight)."""
+steps replayed in one plain PyTorch process (rel: per tensor, over its largest weight); with
+--algo diloco a step is a sync, and the replay runs each replica's inner steps and the outer step."""
 
 
 def title(config: dict[str, Any], failures: int) -> str:

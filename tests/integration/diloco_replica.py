@@ -3,7 +3,8 @@
 A small MLP on deterministic samples, inner AdamW, the default outer Nesterov SGD. One JSON line
 per sync (the call that ended a span): syncs, contributors, retries, the sample ranges it
 trained, the inner steps it ran in that span and whether they are in the committed mean, and the
-digest of the global weights + outer optimizer. A line ``{"kind": "syncing"}`` goes out just
+digest of the global weights + outer optimizer. The initial weights go to ``<stats>.init.pt``, the
+global weights at the last committed sync to ``<stats>.final.pt`` (for replays). A line ``{"kind": "syncing"}`` goes out just
 before the call that will sync, so a test can kill a peer while this one is in the allreduce.
 """
 from __future__ import annotations
@@ -50,11 +51,13 @@ def main() -> int:
     p.add_argument("--compression", default="none")
     p.add_argument("--step-delay", type=float, default=0.02, help="seconds per inner step (emulated compute)")
     p.add_argument("--min-replicas", type=int, default=1)
+    p.add_argument("--syncs", type=int, default=0, help="stop after this many committed syncs (0: at SIGTERM)")
     p.add_argument("--log-level", default="INFO")
     a = p.parse_args()
     setup_logging(a.log_level)
     torch.set_num_threads(1)
     model = build()
+    torch.save([p.detach().clone() for p in model.parameters()], a.stats + ".init.pt")   # the run's record
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     rt = Runtime(replica_id=a.replica_id, listen=a.listen, seeds=[s for s in a.seeds.split(",") if s]).start()
     dl = DiLoCo(rt, model, opt, sync_every=a.sync_every, batch_per_replica=a.batch, fragments=a.fragments,
@@ -67,7 +70,7 @@ def main() -> int:
         rt.wait_view(lambda v: len(v.participants) >= a.min_replicas or stop.flag, timeout=60)
     span = dl.schedule.span
     ran = 0
-    while not stop.flag:
+    while not stop.flag and not (a.syncs and dl.step >= a.syncs):
         try:
             idx = dl.begin()
             dl.zero_grad()

@@ -15,7 +15,8 @@ the lines that make the loop fault tolerant (docs/recipes.md shows the diff)::
 
 Each step is appended to ``--stats`` as one JSON line, in the format of ``replica.py`` plus
 ``lr`` and ``loss``; ``--final-weights`` saves the parameters at exit (for the replay oracle,
-``p2pft.chaos.oracle``).
+``p2pft.chaos.oracle``). ``--sync-every H`` trains the same recipe with DiLoCo instead
+(``gpt_diloco.py``: this AdamW inside, an outer Nesterov SGD every H inner steps).
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ import time
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from p2pft.deploy.replica_args import add_replica_args, require_replica_id
@@ -61,6 +63,9 @@ class Recipe:
     seed: int = 0
     replicas: int = 3              # nominal replica count (the lr policy's plan)
     lr_policy: str = "sqrt"
+    sync_every: int = 0            # DiLoCo: inner steps per sync (0: FaultTolerant, a step per allreduce)
+    outer_lr: float = 0.7          # DiLoCo's outer Nesterov SGD (the paper's values)
+    outer_momentum: float = 0.9
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Recipe:
@@ -94,6 +99,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--checkpoint-every", type=int, default=0)
     p.add_argument("--comm-timeout", type=float, default=10.0, help="data-plane operation timeout (s)")
     p.add_argument("--loop-timeout", type=float, default=60.0, help="stalled-loop exclusion (s)")
+    p.add_argument("--sync-every", type=int, default=0,
+                   help="DiLoCo: inner steps between syncs (0: FaultTolerant, an allreduce every step)")
+    p.add_argument("--outer-lr", type=float, default=0.7, help="DiLoCo: the outer Nesterov SGD's lr")
+    p.add_argument("--outer-momentum", type=float, default=0.9, help="DiLoCo: the outer SGD's momentum")
     args = p.parse_args(argv)
     if not args.no_p2pft:
         require_replica_id(p, args)
@@ -101,6 +110,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--batch ({args.batch}) must be a positive multiple of --accum ({args.accum})")
     if args.warmup < 0 or args.steps < 0 or args.workers < 0 or not 0 <= args.min_lr_ratio <= 1:
         p.error("--warmup, --steps and --workers must be >= 0 and --min-lr-ratio in [0, 1]")
+    if args.sync_every < 0 or (args.sync_every and (args.no_p2pft or args.checkpoint_dir)):
+        p.error("--sync-every must be >= 0, and DiLoCo (--sync-every > 0) runs with p2pft and no --checkpoint-dir")
     if args.comm_timeout <= 0 or (args.loop_timeout and args.loop_timeout <= args.comm_timeout):
         p.error("--comm-timeout must be positive and --loop-timeout (0: off) must exceed it")
     return args
@@ -113,7 +124,8 @@ def recipe_from_args(args: argparse.Namespace) -> Recipe:
                   min_lr_ratio=args.min_lr_ratio, warmup=args.warmup,
                   schedule_steps=args.schedule_steps or args.steps or 1000, weight_decay=args.weight_decay,
                   amp=args.amp, seed=args.seed, replicas=1 if args.no_p2pft else args.replicas,
-                  lr_policy=args.lr_policy)
+                  lr_policy=args.lr_policy, sync_every=args.sync_every, outer_lr=args.outer_lr,
+                  outer_momentum=args.outer_momentum)
 
 
 # ---------------------------------------------------------------------- data
@@ -175,14 +187,21 @@ def build(r: Recipe, data_dir: str | None = None) -> tuple[Any, Any, Any, Any, A
     from p2pft.trainer.tokens import TokenFile
     torch.manual_seed(r.seed)
     model = ModelConfig(256, r.d_model, r.n_layers, r.n_heads, r.seq_len).build()
+    opt, sched = optimizer(model, r)
+    scaler = torch.amp.GradScaler("cpu") if r.amp == "fp16" else None
+    data = Shuffled(TokenFile(token_file(data_dir), r.seq_len), r.seed)
+    return model, opt, sched, scaler, data
+
+
+def optimizer(model: Any, r: Recipe) -> tuple[Any, Any]:
+    """AdamW with weight-decay groups and its LambdaLR (DiLoCo: the inner optimizer; the replay
+    oracle builds one per replica process)."""
+    import torch
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "emb" not in n]
     no_decay = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "emb" not in n)]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": r.weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}], lr=r.lr, betas=(0.9, 0.95))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(r, s))
-    scaler = torch.amp.GradScaler("cpu") if r.amp == "fp16" else None
-    data = Shuffled(TokenFile(token_file(data_dir), r.seq_len), r.seed)
-    return model, opt, sched, scaler, data
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(r, s))
 
 
 def lr_factor(r: Recipe, step: int) -> float:
@@ -271,13 +290,14 @@ class Monitor:
     def running(self, step: int) -> bool:
         return not self.stopped and time.monotonic() < self.deadline and (not self.args.steps or step < self.args.steps)
 
-    def before_commit(self) -> None:
+    def before_commit(self, record: bool = True) -> None:
         """Write the ranges this step trains, before the commit: if this process dies after the
         commit applied but before its step line, the oracle still knows what it trained. Then
-        the emulated accelerator time (--step-delay)."""
+        the emulated accelerator time (--step-delay). DiLoCo records only before the inner step
+        that ends a span (the call that syncs); the ranges are the span's."""
         ft = self.ft
         self.slot = ft.current_slot
-        if self.slot is not None:
+        if record and self.slot is not None:
             self.write({"t": time.time(), "kind": "begin", "step": ft.step, "slot": self.slot,
                         "tr": [list(x) for x in ft.cursor.assign(self.slot)]})
         if self.args.step_delay:
@@ -448,7 +468,12 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     r = recipe_from_args(args)
     mon = Monitor(args, r)
-    (train_plain if args.no_p2pft else train_ft)(args, r, mon)
+    if r.sync_every:
+        from p2pft.trainer.examples.gpt_diloco import train_diloco
+        train_diloco(args, r, mon, SimpleNamespace(build=build, clip=clip, forward_backward=forward_backward,
+                                                   start_runtime=start_runtime))
+    else:
+        (train_plain if args.no_p2pft else train_ft)(args, r, mon)
     return 0
 
 
