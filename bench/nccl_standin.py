@@ -74,7 +74,8 @@ def main() -> None:
         print(f"pair {p['pair']}: NCCL stall max / TCP stall max = {p['ratio']}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"runs": rows, "pairs": pairs, "workdir": str(work)}, indent=1))
+        args.json.write_text(json.dumps({"runs": rows, "pairs": pairs}, indent=1))
+    print(f"chaos runs and logs: {work}")
 
 
 if __name__ == "__main__":
