@@ -38,6 +38,7 @@ _PREPARE_HEAD = struct.Struct(">qI")
 MAX_PREPARE_BYTES = 1 << 16     # a body's data addresses; a longer one is a broken peer
 SIDE_CONNECTIONS = 8            # only rank 0 connects (two connections); refuse a flood
 PING_EVERY_S = 0.5
+PREPARE_THREADS = 2             # communicators a rank other than 0 builds ahead at once (views can come fast)
 
 
 class ShardComms:
@@ -60,6 +61,7 @@ class ShardComms:
         self._lock = threading.Lock()
         self._listener: socket.socket | None = None
         self._side_slots = threading.BoundedSemaphore(SIDE_CONNECTIONS)
+        self._prepare_slots = threading.BoundedSemaphore(PREPARE_THREADS)
         self._closed = threading.Event()
 
     # ------------------------------------------------------------------ communicators
@@ -231,8 +233,15 @@ class ShardComms:
             return False
         if d < self._superseded_by or self._closed.is_set():
             return True
-        threading.Thread(target=self._prepare, args=(d, rank, peers), daemon=True,
-                         name=f"p2pft-prepare-e{d}").start()
+        if not self._prepare_slots.acquire(blocking=False):
+            return True   # builds still waiting on older epochs: the attempt builds this one itself
+
+        def build() -> None:
+            try:
+                self._prepare(d, rank, peers)
+            finally:
+                self._prepare_slots.release()
+        threading.Thread(target=build, daemon=True, name=f"p2pft-prepare-e{d}").start()
         return True
 
     # ------------------------------------------------------------------ rank 0
