@@ -151,6 +151,12 @@ def test_readme_command_lines_train_across_hosts(tmp_path: Path) -> None:
     assert any(e.get("event") == "catchup_done" for e in events), "the restarted replica did not catch up"
 
 
+# The README's loop module as written, with the runtime's INFO lines (views, failures, pauses,
+# fast-forwards) in each replica's log, so that a failure here can be read afterwards.
+LOOP_LOGGING_INFO = ("import logging, runpy; from p2pft.ops.log import setup_logging; setup_logging('INFO'); "
+                     "runpy.run_module('p2pft.trainer.examples.loop', run_name='__main__')")
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_readme_api_loop_trains_across_hosts(tmp_path: Path) -> None:
@@ -166,7 +172,7 @@ def test_readme_api_loop_trains_across_hosts(tmp_path: Path) -> None:
         addrs = [f"{hs[2 + i].ip}:{REPLICA_PORT}" for i in range(3)]
 
         def run(i: int, name: str) -> None:
-            ps.start(2 + i, name, [sys.executable, "-m", "p2pft.trainer.examples.loop", f"r{i}", addrs[i],
+            ps.start(2 + i, name, [sys.executable, "-c", LOOP_LOGGING_INFO, f"r{i}", addrs[i],
                                    *ps.seeds.split(","), *(a for j, a in enumerate(addrs) if j != i)])
         for i in range(3):
             run(i, f"r{i}-0")
