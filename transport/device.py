@@ -238,4 +238,3 @@ def written_event(t: Any) -> Event | None:
     tensor."""
     api = device_api()
     return api.current_stream(t).record() if api.is_device_tensor(t) else None
-

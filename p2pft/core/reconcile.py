@@ -43,12 +43,12 @@ def voter_preference(m: Member) -> tuple[int, int, str]:
     return (0 if m.role is Role.WITNESS else 1, int(m.since), m.node)
 
 
-
 def held_step(m: GossipMember) -> int:
     """The step of the state a trainer holds. Its status carries the step it was said at; a
     'ready' trainer has committed steps since (every commit is gossiped, not every status), so
     its step is the later of the two. A paused one says -1 when it holds no committed state."""
     return max(m.meta.step, m.step) if m.meta.status is Status.READY else m.meta.step
+
 
 class ViewPlanner:
     """Leader-side state for deriving views: loop-stall bookkeeping, the headless grace period,
