@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import sys
 from collections import defaultdict
 from dataclasses import asdict
@@ -34,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from .oracle_types import (Committed, Contribution, History, OracleError, OracleResult, Ranges, compare,
-                           places, ring_sum)
+                           cursor_mismatches, lr_factor, places, ring_sum, set_mean_grads)
 from .records import read_stats
 
 log = logging.getLogger(__name__)
@@ -100,21 +99,6 @@ def rebuild(stats_files: list[Path]) -> History:
     return History(recipe, steps, unresolved, {k: dict(v) for k, v in pending.items()})
 
 
-def _cursor_mismatches(history: History, upto: int) -> int:
-    """Check the rebuilt ranges against the replicated data cursor run over the same masks."""
-    from ..trainer.cursor import DataCursor
-    cur = DataCursor(int(history.recipe["batch"]))
-    bad = 0
-    for st in history.steps[:upto]:
-        slots = [c.slot for c in st.contributions]
-        if any(s is None for s in slots):
-            bad += 1
-            continue
-        bad += sum(1 for c in st.contributions if tuple(map(tuple, cur.assign(c.slot))) != c.ranges)
-        cur.commit([i in slots for i in range(cur.max_slots)])
-    return bad
-
-
 def replay(history: History, targets: dict[str, tuple[int, dict[str, Any]]],
            data_dir: str | None = None, ring_order: bool = True) -> OracleResult:
     """Train the history in this process and compare with `targets` (name -> (step, params))."""
@@ -151,10 +135,7 @@ def replay(history: History, targets: dict[str, tuple[int, dict[str, Any]]],
                                     for p in params]))
         total, exact = ring_sum(grads, places(st) if ring_order else None, ring_size)
         in_ring_order += exact
-        off = 0
-        for p in params:
-            p.grad = torch.div(total[off:off + p.numel()], float(st.count)).view(p.shape)
-            off += p.numel()
+        set_mean_grads(params, total, st.count)
         used = _optimizer_step(opt, sched, scaler, lambda: clip(model, r), r, st.count, peak)
         peak = max(peak, st.count)
         if st.recorded_lr is not None:
@@ -168,13 +149,12 @@ def replay(history: History, targets: dict[str, tuple[int, dict[str, Any]]],
                         max_rel_diff=max((d[1] for d in diffs), default=0.0),
                         abs_diff_by_step=dict(sorted(by_step.items())), lr_max_abs_diff=lr_diff,
                         unresolved_steps=sum(1 for i in history.unresolved if i < last), ring_order_steps=in_ring_order,
-                        cursor_mismatches=_cursor_mismatches(history, last), seconds=round(time.monotonic() - t0, 1))
+                        cursor_mismatches=cursor_mismatches(history, last, int(history.recipe["batch"])), seconds=round(time.monotonic() - t0, 1))
 
 
 def _optimizer_step(opt: Any, sched: Any, scaler: Any, hook: Any, r: Any, count: int, peak: int) -> float:
     """One step as trainer/optstep.py defines it; returns the lr of param group 0 it ran with."""
-    planned = r.replicas if r.replicas else max(peak, count)
-    factor = {"none": 1.0, "linear": count / planned, "sqrt": math.sqrt(count / planned)}[r.lr_policy]
+    factor = lr_factor(r.lr_policy, count, r.replicas if r.replicas else max(peak, count))
     if scaler is not None:
         scaler.unscale_(opt)
     hook()

@@ -15,12 +15,12 @@ global weights are compared with the final weights the survivors saved.
 from __future__ import annotations
 
 import copy
-import math
 import time
 from dataclasses import dataclass
 from typing import Any
 
-from .oracle_types import Contribution, History, OracleError, OracleResult, compare, places, ring_sum
+from .oracle_types import (Contribution, History, OracleError, OracleResult, compare, cursor_mismatches, lr_factor,
+                           places, ring_sum, set_mean_grads)
 
 
 @dataclass
@@ -39,7 +39,6 @@ def replay_diloco(history: History, targets: dict[str, tuple[int, dict[str, Any]
     """Replay the syncs of `history` and compare with `targets` (name -> (sync, params))."""
     import torch
 
-    from ..trainer.cursor import DataCursor
     from ..trainer.examples.gpt import Recipe, build, clip, forward_backward, optimizer
     from ..trainer.outer import outer_sgd
     from ..trainer.stepbuf import StepBuffer
@@ -77,12 +76,8 @@ def replay_diloco(history: History, targets: dict[str, tuple[int, dict[str, Any]
         grads = [pseudo[c.source] for c in st.contributions]
         total, exact = ring_sum(grads, places(st) if ring_order else None, ring_size)
         in_ring_order += exact
-        off = 0
-        for p in params:
-            p.grad = torch.div(total[off:off + p.numel()], float(st.count)).view(p.shape)
-            off += p.numel()
-        planned = r.replicas if r.replicas else max(peak, st.count)
-        factor = {"none": 1.0, "linear": st.count / planned, "sqrt": math.sqrt(st.count / planned)}[r.lr_policy]
+        set_mean_grads(params, total, st.count)
+        factor = lr_factor(r.lr_policy, st.count, r.replicas if r.replicas else max(peak, st.count))
         peak = max(peak, st.count)
         base = [g["lr"] for g in outer.param_groups]
         for g, lr in zip(outer.param_groups, base):
@@ -98,19 +93,11 @@ def replay_diloco(history: History, targets: dict[str, tuple[int, dict[str, Any]
             if step == st.index + 1:
                 diffs.append(compare(glob, theirs))
                 by_step[step] = max(by_step.get(step, 0.0), diffs[-1][0])
-    cur, bad = DataCursor(r.batch * h), 0
-    for st in history.steps[:last]:   # the ranges against the replicated cursor over the same masks
-        slots = [c.slot for c in st.contributions]
-        if any(s is None for s in slots):
-            bad += 1
-            continue
-        bad += sum(1 for c in st.contributions if tuple(map(tuple, cur.assign(c.slot))) != c.ranges)
-        cur.commit([i in slots for i in range(cur.max_slots)])
     return OracleResult(steps=last, compared=sorted(targets), max_abs_diff=max((d[0] for d in diffs), default=0.0),
                         max_rel_diff=max((d[1] for d in diffs), default=0.0),
                         abs_diff_by_step=dict(sorted(by_step.items())), lr_max_abs_diff=lr_diff,
                         unresolved_steps=sum(1 for i in history.unresolved if i < last), ring_order_steps=in_ring_order,
-                        cursor_mismatches=bad, seconds=round(time.monotonic() - t0, 1))
+                        cursor_mismatches=cursor_mismatches(history, last, r.batch * h), seconds=round(time.monotonic() - t0, 1))
 
 
 def _span(inner: _Inner, glob: Any, first: int, c: Contribution, h: int, r: Any, data: Any,

@@ -2,6 +2,7 @@
 comparisons that make a replay bitwise (the ring's summation order)."""
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -102,3 +103,33 @@ def compare(model: Any, theirs: dict[str, Any]) -> tuple[float, float]:
         abs_d = max(abs_d, d)
         rel_d = max(rel_d, d / max(float(p.detach().abs().max()), 1e-30))
     return abs_d, rel_d
+
+
+def lr_factor(policy: str, count: int, planned: int) -> float:
+    """The learning-rate factor trainer/optstep.py applies for `count` contributors of `planned`."""
+    return {"none": 1.0, "linear": count / planned, "sqrt": math.sqrt(count / planned)}[policy]
+
+
+def set_mean_grads(params: list[Any], total: Any, count: int) -> None:
+    """Each parameter's gradient: its segment of the summed flat buffer over the contributors."""
+    import torch
+    off = 0
+    for p in params:
+        p.grad = torch.div(total[off:off + p.numel()], float(count)).view(p.shape)
+        off += p.numel()
+
+
+def cursor_mismatches(history: History, upto: int, samples_per_slot: int) -> int:
+    """Check the rebuilt ranges against the replicated data cursor run over the same masks (a
+    slot takes `samples_per_slot` samples a step: the batch, or H batches for a DiLoCo sync)."""
+    from ..trainer.cursor import DataCursor
+    cur = DataCursor(samples_per_slot)
+    bad = 0
+    for st in history.steps[:upto]:
+        slots = [c.slot for c in st.contributions]
+        if any(s is None for s in slots):
+            bad += 1
+            continue
+        bad += sum(1 for c in st.contributions if tuple(map(tuple, cur.assign(c.slot))) != c.ranges)
+        cur.commit([i in slots for i in range(cur.max_slots)])
+    return bad
