@@ -33,14 +33,26 @@ from .cluster import ChaosConfig, Cluster, Proc, stop_procs
 # Lighthouse settings. torchft's README starts it with --min_replicas 1 --quorum_tick_ms 100
 # --join_timeout_ms 10000 (heartbeat timeout default 5000 ms). The two timeouts bound how long
 # survivors wait for a dead replica before forming a smaller quorum, so they are set low here to
-# give torchft its best failover on one machine; see docs/torchft.md.
-LIGHTHOUSE_MIN_REPLICAS = 1
+# give torchft its best failover on one machine; see docs/torchft.md. The minimum is a majority
+# of the planned replicas (``lighthouse_min_replicas``), not 1: with 1, on hosts, a survivor and a
+# restarted replica formed disjoint quorums of one and trained apart (divergent digests).
+LIGHTHOUSE_MIN_REPLICAS = 1   # lighthouse_command's default, as torchft's README starts it
 LIGHTHOUSE_QUORUM_TICK_MS = 100
 LIGHTHOUSE_JOIN_TIMEOUT_MS = 1000
 LIGHTHOUSE_HEARTBEAT_TIMEOUT_MS = 1000
 
 GRAD_MODES = ("manual", "ddp")
 CRASH_RESTART_DELAY = 1.0   # seconds; an in-place launcher restart, quicker than replacing a host
+
+
+def lighthouse_min_replicas(replicas: int, spares: int = 0) -> int:
+    """torchft's best correct lighthouse minimum for a run: a majority of the planned replicas
+    (two quorums can never both form, so a partitioned or restarted replica cannot train apart
+    from the survivors), and with spares the planned count itself (FIXED_WITH_SPARES commits only
+    with ``min_replica_size`` participants, so a smaller quorum could never commit)."""
+    if replicas < 1 or spares < 0:
+        raise ValueError(f"replicas must be >= 1 and spares >= 0, got {replicas}, {spares}")
+    return replicas if spares else replicas // 2 + 1
 
 
 def lighthouse_command(bind: str, min_replicas: int = LIGHTHOUSE_MIN_REPLICAS,
@@ -122,11 +134,11 @@ class TorchftCluster(Cluster):
         self.pending_crash_restarts: dict[int, float] = {}
 
     def lighthouse_cmd(self) -> list[str]:
-        """With spares the lighthouse forms no quorum smaller than the planned count: with
-        ``--min_replicas 1`` a restarted replica and the survivors formed separate quorums, none
-        of them big enough to commit (FIXED_WITH_SPARES), and never merged."""
+        """The lighthouse never forms a minority quorum (``lighthouse_min_replicas``): with
+        ``--min_replicas 1`` a restarted replica and the survivors formed separate quorums (on
+        hosts they trained apart; with spares none could commit, and they never merged)."""
         return lighthouse_command(self.lighthouse_addr,
-                                  min_replicas=self.cfg.replicas if self.spares else LIGHTHOUSE_MIN_REPLICAS)
+                                  min_replicas=lighthouse_min_replicas(self.cfg.replicas, self.spares))
 
     @property
     def lighthouse_host(self) -> int:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from p2pft.chaos.cluster import ChaosConfig, Cluster
-from p2pft.chaos.torchft_system import TorchftCluster, spare_args, worker_command
+from p2pft.chaos.torchft_system import TorchftCluster, lighthouse_min_replicas, spare_args, worker_command
 from p2pft.chaos.torchft_worker import parse_args
 
 
@@ -52,7 +52,17 @@ def test_torchft_gets_the_spares_p2pft_gets(tmp_path: Path) -> None:
     plain = TorchftCluster("torchft", ChaosConfig(replicas=3), tmp_path / "t0")
     assert (plain.size, plain.lighthouse_host) == (3, 3)
     cmd = plain.lighthouse_cmd()
-    assert cmd[cmd.index("--min_replicas") + 1] == "1"
+    assert cmd[cmd.index("--min_replicas") + 1] == "2"   # a majority: no quorum of one
+
+
+def test_the_lighthouse_never_forms_a_minority_quorum() -> None:
+    # Two disjoint quorums would both need more than half of the planned replicas.
+    assert [lighthouse_min_replicas(n) for n in (1, 2, 3, 4, 5)] == [1, 2, 2, 3, 3]
+    assert lighthouse_min_replicas(3, spares=1) == 3 and lighthouse_min_replicas(2, spares=2) == 2
+    for n in range(1, 9):
+        assert 2 * lighthouse_min_replicas(n) > n
+    with pytest.raises(ValueError):
+        lighthouse_min_replicas(0)
 
 
 def test_bad_spare_counts_are_refused() -> None:
