@@ -36,9 +36,12 @@ class Attempt:
     rejoin: bool = False                          # left out after being a participant: catch up
     node: str = ""                                # rank 0's node id
     donor: tuple[str, tuple[str, ...]] | None = None            # catch-up source: node, shard addresses
-    sources: tuple[tuple[int, str, tuple[str, ...]], ...] = ()  # participants: slot, node, addresses
+    nodes: tuple[str, ...] = ()                   # every data member's node id, rank order
     slot_ranks: tuple[tuple[int, int], ...] = ()  # participants: slot, data rank (the ring's order)
     behind: bool = False                          # a synced joiner whose donor holds a later step
+    #: data rank -> step of members done at the job's end past our step (they reduce no more):
+    #: fetch the steps we missed from them instead of reducing
+    done_ahead: tuple[tuple[int, int], ...] = ()
 
     def peers(self, shard: int) -> list[str]:
         return [shard_addr(a, shard) for a in self.addrs]
@@ -54,6 +57,7 @@ class Verdict:
     peer: str | None = None        # data address of the peer that failed
     error: str = ""
     steps: tuple[tuple[int, int], ...] = ()   # slot -> step, read from the reduced buffer
+    held: tuple[tuple[int, int], ...] = ()    # data rank -> step of members holding the state
     count: int = 0
     ready: int | None = None       # catching up and at the head of the replay log at this step
     unusable: bool = False         # the data plane cannot work for this job (no retry can succeed)

@@ -259,7 +259,8 @@ class DiLoCo(StepEngine):
     def _reduce(self, comm: Any, att: Any) -> None:
         """The engine's allreduce of the current sync's buffer, through the codec."""
         codec = self.codecs[self.bufs.index(self.buf)]
-        codec.reduce(comm, self.buf.flat, contribute=att.contribute, timeout=self.comm_timeout, world=len(att.addrs))
+        codec.reduce(comm, self.buf.flat, contribute=att.contribute, timeout=self.comm_timeout, world=len(att.addrs),
+                     header=self._sends(att))
 
     def apply(self, e: Entry) -> None:
         """The outer step of sync `e.step`: the mean pseudo-gradient of its fragment, through the

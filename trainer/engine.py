@@ -129,6 +129,7 @@ class StepEngine:
         self._ranges: list[tuple[int, int]] = []
         self._ranges_step = -1
         self._was_participant = False  # rank 0: see _plan
+        self._member_since: int | None = None  # rank 0: our membership's `since` while a participant
         self._rejoin_pending = False
         self._attempt_view: Any = None
         self._deadline = 0.0
@@ -276,6 +277,12 @@ class StepEngine:
                 raise StepTimeout(f"no view to commit step {self.step} in within {self.step_timeout} s")
             if att.kind is Plan.WAIT:
                 continue
+            if att.done_ahead and self.synced:
+                # The last step committed at some replicas only, and they wait at the end barrier:
+                # they reduce no more, so take the steps from their log.
+                ahead = dict(att.done_ahead)
+                n, mine = fast_forward(self, max(ahead.values()), att, ahead, slot)
+                return StepResult(self.step, False, 0, retries, att.role, fast_forwarded=n, **self._trained(mine))
             if att.rejoin and self.synced:
                 log.warning("left out of view %d after being a participant at step %d: catching up from a "
                             "snapshot before contributing again", att.epoch, self.step)
@@ -362,11 +369,21 @@ class StepEngine:
         # Left out of a view after being a participant (absent, or a joiner it did not ask to
         # be): this replica may hold a step the others redid without it (its allreduce can
         # finish while theirs fail), so it catches up from a snapshot before contributing again.
+        # The view is sampled once per attempt, so a replica busy elsewhere (a long backward,
+        # an evaluation) may miss the views that dropped it and took it back: its membership's
+        # `since` (the epoch it entered the views, kept across roles) tells it anyway.
         if me is not None and me.role is Role.PARTICIPANT:
+            if self._was_participant and self._member_since not in (None, me.since):
+                log.warning("dropped from the views and taken back since view %d (now a participant again in "
+                            "view %d): this replica may hold a step the others redid without it",
+                            self._member_since, view.epoch if view is not None else -1)
+                self._rejoin_pending = True
             self._was_participant = True
+            self._member_since = me.since
         elif self._was_participant and view is not None:
             self._was_participant = False
             self._rejoin_pending = True
+            self._member_since = None
         if view is None or me is None or me.role not in (Role.PARTICIPANT, Role.JOINER):
             rt.wait_view(lambda v: v.role_of(rt.node_id) in (Role.PARTICIPANT, Role.JOINER) or self.stopping,
                          timeout=min(WAIT_ROLE_S, max(0.0, self._deadline - time.monotonic())),
@@ -401,7 +418,7 @@ class StepEngine:
                        addrs=tuple(m.data_addrs for m in members), contribute=still_mine,
                        demote=slot is not None and not still_mine, role=me.role.value, rejoin=rejoin, node=me.node,
                        donor=(donor.node, donor.data_addrs) if donor is not None else None, behind=behind,
-                       sources=tuple((m.slot, m.node, m.data_addrs) for m in view.participants if m.slot is not None),
+                       nodes=tuple(m.node for m in members),
                        slot_ranks=tuple((m.slot, view.data_rank(m.node)) for m in view.participants
                                         if m.slot is not None))
 
@@ -415,6 +432,7 @@ class StepEngine:
     def _allreduce(self, att: Attempt) -> BaseException | None:
         try:
             comm = self.comms.get(att.data_epoch, att.rank, att.peers(self.shard))
+            self.buf.set_held(att.rank if self.synced else None, self.step)
             self._reduce(comm, att)
             return None
         except CommError as exc:
@@ -423,9 +441,15 @@ class StepEngine:
             log.debug("allreduce not possible: %r", exc)
             return exc
 
+    def _sends(self, att: Attempt) -> bool:
+        """Whether this rank's buffer goes into the sum: its gradients when it contributes, else
+        zeros with the step it holds (``StepBuffer.set_held``) when it holds the committed
+        state; a replica catching up counts as zeros (the communicator zeroes it)."""
+        return att.contribute or self.synced
+
     def _reduce(self, comm: Any, att: Attempt) -> None:
         """Sum this attempt's buffer over the communicator (DiLoCo compresses it on the way)."""
-        comm.allreduce(self.buf.flat, contribute=att.contribute, timeout=self.comm_timeout)
+        comm.allreduce(self.buf.flat, contribute=self._sends(att), timeout=self.comm_timeout)
 
     def _verdict(self, err: BaseException | None) -> Verdict:
         if err is not None:
@@ -435,22 +459,25 @@ class StepEngine:
         try:
             steps = self.buf.slot_steps()
             count = self.buf.contributors()
+            held = self.buf.held_steps()
         except Exception as exc:
             return Verdict(ok=False, error=repr(exc)[:300])
-        return Verdict(ok=True, steps=tuple(sorted(steps.items())), count=count, ready=self.catchup.ready_step())
+        return Verdict(ok=True, steps=tuple(sorted(steps.items())), count=count, held=tuple(sorted(held.items())),
+                       ready=self.catchup.ready_step())
 
     def _decide(self, att: Attempt, verdicts: list[Verdict], retries: int, slot: int | None) -> StepResult | None:
         """Identical on every rank: a function of the gathered verdicts and replicated state."""
         role = att.role
         bad = [v for v in verdicts if not v.ok]
-        if not bad and any((v.steps, v.count) != (verdicts[0].steps, verdicts[0].count) for v in verdicts):
+        if not bad and any((v.steps, v.count, v.held) != (verdicts[0].steps, verdicts[0].count, verdicts[0].held)
+                           for v in verdicts):
             log.warning("shards reduced different contributor sets; retrying on a fresh data epoch")
             bad = [Verdict(ok=False, comm=True, aborted=True, error="shards disagree")]
         if bad:
             if self.rt is not None:
                 self._recover(bad)
             return None
-        reduced = Reduced(dict(verdicts[0].steps), verdicts[0].count)
+        reduced = Reduced(dict(verdicts[0].steps), verdicts[0].count, dict(verdicts[0].held))
         d = decide(reduced, self.step, self.synced)
         ring = {"data_rank": att.rank, "data_world": len(att.addrs)}
         if d.action is Action.IDLE:
@@ -470,7 +497,7 @@ class StepEngine:
             return StepResult(self.step, False, entry.count, retries, role, **ring)
         if d.action is Action.FAST_FORWARD:
             assert d.target is not None
-            n, mine = fast_forward(self, d.target, att, reduced.steps, slot)
+            n, mine = fast_forward(self, d.target, att, reduced.held, slot)
             if not d.commit_after or self.step != d.step:
                 return StepResult(self.step, False, 0, retries, role, fast_forwarded=n, **self._trained(mine),
                                   **ring)
@@ -547,6 +574,7 @@ class StepEngine:
         is not being left out of a view."""
         self._was_participant = False
         self._rejoin_pending = False
+        self._member_since = None
 
 
 __all__ = ["StateIO", "StepEngine", "exit_replica"]

@@ -10,6 +10,7 @@ names one participant for side work (evaluation, logging, checkpoints).
 """
 from __future__ import annotations
 
+import dataclasses
 import enum
 import logging
 import time
@@ -393,7 +394,25 @@ class JobLife:
 
     def _plan(self, slot: int | None) -> Attempt:
         att = self._stop_plan(self.rt.view)
-        return att if att is not None else super()._plan(slot)  # type: ignore[misc]
+        if att is not None:
+            return att
+        att = super()._plan(slot)  # type: ignore[misc]
+        if att.kind is Plan.ALLREDUCE and self.synced:
+            ahead = self._done_ahead(att)
+            if ahead:
+                return dataclasses.replace(att, done_ahead=ahead)
+        return att
+
+    def _done_ahead(self, att: Attempt) -> tuple[tuple[int, int], ...]:
+        """Data members at the end barrier past our step: the last step committed at them only
+        (a peer died, or a view changed, during its allreduce). They wait for us and reduce no
+        more, so a round would wait for them in vain."""
+        out = []
+        for rank, node in enumerate(att.nodes):
+            meta = self.rt.member_meta(node) if node != att.node else None
+            if meta is not None and meta.status is Status.DONE and meta.step > self.step:
+                out.append((rank, meta.step))
+        return tuple(out)
 
     def _after_commit(self) -> None:
         super()._after_commit()  # type: ignore[misc]

@@ -126,32 +126,36 @@ class PseudoGradCodec:
         per_value = {Compression.NONE: 4.0, Compression.BF16: 2.0, Compression.INT8: 1.0}[self.kind]
         return int(math.ceil(self.n * per_value))
 
-    def reduce(self, comm: Any, flat: torch.Tensor, *, contribute: bool, timeout: float, world: int) -> None:
-        """Sum `flat` over the ring in place; the header part always exactly."""
+    def reduce(self, comm: Any, flat: torch.Tensor, *, contribute: bool, timeout: float, world: int,
+               header: bool | None = None) -> None:
+        """Sum `flat` over the ring in place; the header part always exactly. `contribute`: this
+        rank's payload counts; `header` (default: the same): its header goes into the sum (a
+        member holding the state that contributes nothing still says its step there)."""
         n = self.n
+        send_header = contribute if header is None else (header or contribute)
         if self.kind is Compression.NONE:
-            comm.allreduce(flat, contribute=contribute, timeout=timeout)
+            comm.allreduce(flat, contribute=send_header, timeout=timeout)   # a non-contributor's payload is zeros
             self.payload_bytes += 4 * n
             return
-        header = flat[n:]
+        head = flat[n:]
         if self.kind is Compression.BF16:
             if self._bf is None:
                 self._bf = torch.empty(n, dtype=torch.bfloat16, device=flat.device)
             self._bf.copy_(flat[:n])
             comm.allreduce(self._bf, contribute=contribute, timeout=timeout)
-            comm.allreduce(header, contribute=contribute, timeout=timeout)
+            comm.allreduce(head, contribute=send_header, timeout=timeout)
             flat[:n].copy_(self._bf)
             self.payload_bytes += 2 * n
             return
         nb = _blocks(n, INT8_BLOCK)
-        stats = torch.zeros(header.numel() + nb, dtype=torch.float64, device=flat.device)
-        stats[:header.numel()] = header
-        stats[header.numel():] = block_absmax(flat[:n]).pow(_NORM_P)
-        comm.allreduce(stats, contribute=contribute, timeout=timeout)
-        scales = shared_scales(stats[header.numel():], world)
+        stats = torch.zeros(head.numel() + nb, dtype=torch.float64, device=flat.device)
+        stats[:head.numel()] = head
+        stats[head.numel():] = block_absmax(flat[:n]).pow(_NORM_P)
+        comm.allreduce(stats, contribute=send_header, timeout=timeout)   # a non-contributor's norms are 0
+        scales = shared_scales(stats[head.numel():], world)
         words = encode_digits(flat[:n], scales, world)
         count = comm.allreduce(words, contribute=contribute, timeout=timeout)
-        header.copy_(stats[:header.numel()])
+        head.copy_(stats[:head.numel()])
         flat[:n].copy_(decode_digits(words, n, count, scales, world))
         self.payload_bytes += words.numel() * 4
 

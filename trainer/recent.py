@@ -78,12 +78,13 @@ class RecentSteps:
                              ready=entries[-1].ready)   # one stream wrote them all, in step order
 
 
-def fetch_recent(lo: int, hi: int, att: Attempt, steps: dict[int, int], shard: int, secret: bytes | None,
+def fetch_recent(lo: int, hi: int, att: Attempt, held: dict[int, int], shard: int, secret: bytes | None,
                  device: torch.device, source_host: str | None = None) -> tuple[str, list[Entry]] | None:
-    """Steps lo..hi-1 of this shard from a participant that committed them (its slot's step in
-    the reduced header is at least hi); None when no such peer has them all."""
-    for slot, node, addrs in att.sources:
-        if steps.get(slot, -1) < hi or node == att.node:
+    """Steps lo..hi-1 of this shard from a data member that committed them (its held step in the
+    reduced header, by data rank, is at least hi: a participant or a hot spare); None when no
+    such peer has them all."""
+    for rank, (node, addrs) in enumerate(zip(att.nodes, att.addrs)):
+        if held.get(rank, -1) < hi or node == att.node:
             continue
         try:
             snap = fetch_state(shard_addr(addrs, shard, node),
@@ -106,14 +107,14 @@ def fetch_recent(lo: int, hi: int, att: Attempt, steps: dict[int, int], shard: i
 
 
 
-def fast_forward(e: Any, target: int, att: Attempt, steps: dict[int, int],
+def fast_forward(e: Any, target: int, att: Attempt, held: dict[int, int],
                  slot: int | None) -> tuple[int, Entry | None]:
     """Collective, for the step engine `e`: fetch and apply the mean gradients of the steps it
     missed from a peer that has them (each rank its shard); if any rank cannot, the replica
     catches up instead. Returns the steps applied and the one that holds our gradients, if any
     (it committed elsewhere with our contribution before we could apply it)."""
     want_from = e.step
-    got = (fetch_recent(want_from, target, att, steps, e.shard, e.secret, e.buf.flat.device, e.ds.host)
+    got = (fetch_recent(want_from, target, att, held, e.shard, e.secret, e.buf.flat.device, e.ds.host)
            if e.synced else None)
     if not all(e.group.agree(got is not None)) or got is None:
         log.info("at step %d, behind the others (step %d) and not in a peer's short log: catching up "

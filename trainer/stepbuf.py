@@ -1,11 +1,15 @@
 """The one buffer a step allreduces: gradients, who contributed, and at which step.
 
-Layout: ``[gradients][mask: K slots][contributor count][steps: K slots]``, float32. A
-contributor writes 1.0 at its slot in the mask, 1.0 at the count, and ``step + 1`` at its slot
-in the steps region. After the sum every rank reads the *same* mask, divisor and per-slot steps
-from the same reduced buffer, so all ranks take the same decision (commit, or discard because
-some participant is behind after a partially committed earlier step) without another round
-trip. Steps travel as float32, exact below 2**24 (16.7M steps).
+Layout: ``[gradients][mask: K slots][contributor count][steps: K slots][held: K data ranks]``,
+float32. A contributor writes 1.0 at its slot in the mask, 1.0 at the count, and ``step + 1`` at
+its slot in the steps region. Every member that holds the committed state (contributing or not:
+a hot spare, a participant demoted for this round, one at the end barrier) writes ``step + 1``
+at its data rank in the held region (``set_held``). After the sum every rank reads the *same*
+mask, divisor, per-slot steps and held steps from the same reduced buffer, so all ranks take the
+same decision (commit; or discard because some member is behind, or *ahead*, after a partially
+committed earlier step) without another round trip. A member ahead that contributes nothing
+still stops the others from committing that step again with other gradients. Steps travel as
+float32, exact below 2**24 (16.7M steps).
 
 The gradients are this rank's *local* tensors: the whole parameter for a plain model, the shard
 for an FSDP2 ``DTensor``. Plain float32 parameters get their gradients as views of one flat
@@ -58,7 +62,8 @@ class StepBuffer:
         self.max_slots = max_slots
         self.grad_numel = sum(s.numel() for s in shards)
         self._count_index = self.grad_numel + max_slots
-        self.flat = torch.zeros(self._count_index + 1 + max_slots, dtype=torch.float32, device=device)
+        self._held_index = self._count_index + 1 + max_slots
+        self.flat = torch.zeros(self._held_index + max_slots, dtype=torch.float32, device=device)
         self._offsets: list[int] = []
         self._views: list[torch.Tensor] = []
         offset = 0
@@ -88,7 +93,12 @@ class StepBuffer:
 
     @property
     def steps_region(self) -> torch.Tensor:
-        return self.flat[self._count_index + 1:]
+        return self.flat[self._count_index + 1:self._held_index]
+
+    @property
+    def held_region(self) -> torch.Tensor:
+        """Per data rank: step + 1 of each member holding the committed state (0: none)."""
+        return self.flat[self._held_index:]
 
     # ------------------------------------------------------------------ gradients
     def grads_bound(self) -> bool:
@@ -137,6 +147,20 @@ class StepBuffer:
         self.flat[self._count_index] = 1.0
         self.flat[self._count_index + 1 + slot] = float(step + 1)
 
+    def set_held(self, rank: int | None, step: int) -> None:
+        """Before each allreduce: say that the member at data rank `rank` holds the committed
+        state at `step` (None: it does not, e.g. it catches up). Clears the region first, so a
+        contribution restored from an earlier attempt carries no stale rank."""
+        region = self.held_region
+        region.zero_()
+        if rank is None:
+            return
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.max_slots:
+            raise ValueError(f"data rank must be an int in [0, {self.max_slots}) (max_slots), got {rank!r}")
+        if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= MAX_EXACT_STEP:
+            raise ValueError(f"step must be an int in [0, {MAX_EXACT_STEP}] (exact in float32), got {step!r}")
+        region[rank] = float(step + 1)
+
     # ------------------------------------------------------------------ read the reduced header
     def contributors(self) -> int:
         """How many replicas contributed to the reduced buffer (the divisor for the mean)."""
@@ -164,6 +188,16 @@ class StepBuffer:
                 if v < 0:
                     raise SlotCollisionError(f"slot {i} contributed without a step")
                 out[i] = v
+        return out
+
+    def held_steps(self) -> dict[int, int]:
+        """data rank -> step of every member that said it holds the committed state."""
+        out: dict[int, int] = {}
+        for r, v in enumerate(self.held_region.tolist()):
+            if not math.isfinite(v) or v < -0.5:
+                raise SlotCollisionError(f"held step of data rank {r} reads {v} after the allreduce")
+            if v > 0.5:
+                out[r] = int(round(v)) - 1
         return out
 
     # ------------------------------------------------------------------ unpack

@@ -18,7 +18,7 @@ States of one replica (see docs/architecture.md)::
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
 
@@ -38,6 +38,13 @@ class Reduced:
 
     steps: dict[int, int]          # slot -> the step each contributor was at
     count: int                     # number of contributors (the divisor)
+    #: data rank -> step of every member holding the committed state, contributing or not
+    held: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def furthest(self) -> int | None:
+        """The furthest step any member holding the committed state is at."""
+        return max([*self.steps.values(), *self.held.values()], default=None)
 
     @property
     def mask(self) -> tuple[int, ...]:
@@ -55,28 +62,37 @@ class Decision:
 def decide(reduced: Reduced, local_step: int, synced: bool) -> Decision:
     """The decision after one allreduce, identical on every rank that reads the same header.
 
-    - nobody contributed: IDLE;
-    - contributors at different steps (an earlier step committed at some replicas only,
-      because a peer died during that allreduce): the ones behind FAST_FORWARD to the head,
-      everybody else RETRIES (this round is discarded everywhere);
-    - all at step s, this replica catching up: LOG s;
+    - nobody contributed: IDLE, unless a member holding the committed state is further than
+      this synced replica: then it FAST_FORWARDs to it (the cluster's state is not moving);
+    - contributors at different steps, or all at s while a member that contributed nothing
+      (a hot spare, one demoted for this round, one at the end barrier) is past s (an earlier
+      step committed at some replicas only, because a peer died during that allreduce): the
+      ones behind the furthest FAST_FORWARD to it, everybody else RETRIES (this round is
+      discarded everywhere). Committing s again here would apply other gradients for s than
+      the member ahead applied: the replicas would silently diverge;
+    - all at s, this replica catching up: LOG s;
     - all at s, we are behind s: FAST_FORWARD to s, then commit s;
-    - all at s, we are past s: RETRY (they fast-forward from our log);
     - all at s == ours: COMMIT s.
     """
+    top = reduced.furthest
     if not reduced.steps:
+        if synced and top is not None and local_step < top:
+            return Decision(Action.FAST_FORWARD, step=top, target=top, commit_after=False)
         return Decision(Action.IDLE)
     lo, hi = min(reduced.steps.values()), max(reduced.steps.values())
-    if lo != hi:
-        if synced and local_step < hi:
-            return Decision(Action.FAST_FORWARD, step=hi, target=hi, commit_after=False)
-        return Decision(Action.RETRY, step=hi)
+    assert top is not None
+    if lo != hi or top > hi:
+        if synced and local_step < top:
+            return Decision(Action.FAST_FORWARD, step=top, target=top, commit_after=False)
+        return Decision(Action.RETRY, step=top)
     s = hi
     if not synced:
         return Decision(Action.LOG, step=s)
     if local_step < s:
         return Decision(Action.FAST_FORWARD, step=s, target=s, commit_after=True)
     if local_step > s:
+        # Only a replica that neither contributed nor said it holds the state (else `top`
+        # would be past s): nothing of ours is in this round; wait for the next one.
         return Decision(Action.RETRY, step=s)
     return Decision(Action.COMMIT, step=s)
 

@@ -201,3 +201,60 @@ def test_sigterm_while_forming_and_while_training_exits_0(tmp_path: Path) -> Non
             assert _exit_record(rs, n)["step"] >= 3
     finally:
         rs.stop_all()
+
+
+# The README's loop, in a process whose last allreduce finishes but is reported failed (as when
+# the all-gather completed here while a peer's failed): the others commit the job's last step
+# and wait at the end barrier, where they reduce no more. The engine is patched by this test only.
+LOOP_LAST_STEP_FAILS = """
+import logging, runpy
+from p2pft.ops.log import setup_logging
+from p2pft.trainer.engine import StepEngine
+from p2pft.transport import PeerFailed
+setup_logging('INFO')
+_reduce, fired = StepEngine._reduce, []
+def reduce_then_fail(self, comm, att):
+    _reduce(self, comm, att)
+    if self.step == 59 and not fired:
+        fired.append(1)
+        raise PeerFailed("injected: this rank's allreduce of the last step reported failed")
+StepEngine._reduce = reduce_then_fail
+runpy.run_module('p2pft.trainer.examples.loop', run_name='__main__')
+"""
+
+
+def test_last_step_committed_by_one_replica_only_ends_with_equal_digests(tmp_path: Path) -> None:
+    """The job's last step commits at r0 but not at r1 (its allreduce reported failed): r0
+    waits at the end barrier and reduces no more, so r1 takes the step from r0's log (r0 says
+    'done' at step 60 in gossip) instead of waiting for a round that never comes; both end at
+    step 60 with the same digest, well before r1's 120 s step timeout."""
+    import os
+    import subprocess
+    import sys
+
+    from p2pft.deploy.ports import free_ports
+
+    a, b = (f"127.0.0.1:{p}" for p in free_ports(2))
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    logs = [tmp_path / "r0.log", tmp_path / "r1.log"]
+    cmds = [[sys.executable, "-m", "p2pft.trainer.examples.loop", "r0", a, b],
+            [sys.executable, "-c", LOOP_LAST_STEP_FAILS, "r1", b, a]]
+    procs = [subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env)
+             for cmd, log in zip(cmds, logs)]
+    try:
+        for p in procs:
+            p.wait(timeout=50)
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    outs = [log.read_text(errors="replace") for log in logs]
+    assert [p.returncode for p in procs] == [0, 0], [o[-3000:] for o in outs]
+    assert "injected" in outs[1], outs[1][-3000:]
+    finals = [[ln for ln in o.splitlines() if " digest " in ln] for o in outs]
+    assert all(len(f) == 1 and " step 60 digest " in f[0] for f in finals), finals
+    assert len({f[0].split("digest ")[1] for f in finals}) == 1, f"digests differ: {finals}"
+    assert "fast-forwarded 1 step(s) to 60" in outs[1], outs[1][-3000:]

@@ -32,8 +32,9 @@ def test_layout() -> None:
     model, _ = _replica(1)
     buf = StepBuffer(model.parameters(), max_slots=MAX_SLOTS)
     n = sum(p.numel() for p in model.parameters())
-    assert buf.flat.shape == (n + MAX_SLOTS + 1 + MAX_SLOTS,) and buf.flat.dtype == torch.float32
+    assert buf.flat.shape == (n + MAX_SLOTS + 1 + 2 * MAX_SLOTS,) and buf.flat.dtype == torch.float32
     assert buf.grad_numel == n and buf.tail.shape == (MAX_SLOTS,) and buf.steps_region.shape == (MAX_SLOTS,)
+    assert buf.held_region.shape == (MAX_SLOTS,)
 
 
 def test_pack_allreduce_unpack_gives_mean_of_contributors() -> None:
@@ -63,7 +64,7 @@ def test_missing_grads_pack_as_zeros_and_unpack_allocates() -> None:
     a.grad = torch.full((2, 3), 6.0)
     buf = StepBuffer([a, b], max_slots=2)
     buf.pack(1, step=6)
-    assert buf.flat.tolist() == [6.0] * 6 + [0.0] * 4 + [0.0, 1.0] + [1.0] + [0.0, 7.0]
+    assert buf.flat.tolist() == [6.0] * 6 + [0.0] * 4 + [0.0, 1.0] + [1.0] + [0.0, 7.0] + [0.0, 0.0]
     buf.unpack(3.0)
     assert torch.equal(a.grad, torch.full((2, 3), 2.0))
     assert b.grad is not None and torch.equal(b.grad, torch.zeros(4))
@@ -177,6 +178,29 @@ def test_slot_steps_read_each_contributors_step_from_the_sum() -> None:
     buffers[2].pack(None, step=41)
     _allreduce(buffers)
     assert all(b.slot_steps() == {2: 41, 6: 40} for b in buffers)
+
+
+def test_held_steps_carry_members_that_contribute_nothing() -> None:
+    """A member ahead that contributes nothing (a hot spare, one at the end barrier) says its
+    step by data rank; a replica catching up says nothing. Each attempt starts from a clean
+    region, whatever a restored contribution held."""
+    replicas = [_replica(seed) for seed in (1, 2, 3)]
+    buffers = [StepBuffer(m.parameters(), max_slots=MAX_SLOTS) for m, _ in replicas]
+    buffers[0].pack(0, step=40)
+    buffers[1].pack(None, step=41)
+    buffers[2].pack(None, step=12)
+    buffers[0].set_held(0, 40)
+    buffers[1].set_held(2, 41)
+    buffers[2].set_held(None, 12)
+    _allreduce(buffers)
+    assert all(b.slot_steps() == {0: 40} and b.held_steps() == {0: 40, 2: 41} for b in buffers)
+    assert all(b.contributors() == 1 for b in buffers)
+    buffers[0].save()
+    buffers[0].restore()
+    buffers[0].set_held(1, 40)
+    assert buffers[0].held_steps() == {1: 40}
+    with pytest.raises(ValueError, match="data rank"):
+        buffers[0].set_held(MAX_SLOTS, 1)
 
 
 @pytest.mark.parametrize("step", [-1, MAX_EXACT_STEP + 1, 1.0])

@@ -25,10 +25,47 @@ DECIDE_CASES = [
     ("split steps, far behind", {0: 2, 1: 9}, 1, True, Decision(F, step=9, target=9)),
 ]
 
+# (contributors' steps, held steps by data rank of every member holding the state, local step,
+# synced) -> decision: a member ahead that contributes nothing (it committed a step the others'
+# allreduce failed, then a hot spare, demoted for a round, or at the end barrier)
+HELD_CASES = [
+    ("all at s, a silent member ahead: no commit, we fast-forward", {0: 5, 1: 5}, {0: 5, 1: 5, 2: 6}, 5, True,
+     Decision(F, step=6, target=6)),
+    ("all at s, we are the silent member ahead", {0: 5, 1: 5}, {0: 5, 1: 5, 2: 6}, 6, True,
+     Decision(Action.RETRY, step=6)),
+    ("all at s, a silent member ahead, catching up", {0: 5}, {0: 5, 1: 6}, 0, False, Decision(Action.RETRY, step=6)),
+    ("all at s, silent members at s or behind: commit", {0: 5, 1: 5}, {0: 5, 1: 5, 2: 5, 3: 4}, 5, True,
+     Decision(Action.COMMIT, step=5)),
+    ("all at s, we are a silent member behind s", {0: 5}, {0: 5, 1: 4}, 4, True, Decision(F, step=5, target=5,
+                                                                                       commit_after=True)),
+    ("nobody contributed, a member further than us", {}, {0: 9, 1: 7}, 7, True, Decision(F, step=9, target=9)),
+    ("nobody contributed, all holding our step", {}, {0: 7, 1: 7}, 7, True, Decision(Action.IDLE)),
+    ("nobody contributed, catching up", {}, {0: 9}, 3, False, Decision(Action.IDLE)),
+]
+
 
 @pytest.mark.parametrize("name,steps,local,synced,want", DECIDE_CASES, ids=[c[0] for c in DECIDE_CASES])
 def test_decide(name: str, steps: dict[int, int], local: int, synced: bool, want: Decision) -> None:
     assert decide(Reduced(steps, len(steps)), local, synced) == want
+
+
+@pytest.mark.parametrize("name,steps,held,local,synced,want", HELD_CASES, ids=[c[0] for c in HELD_CASES])
+def test_decide_with_members_holding_the_state(name: str, steps: dict[int, int], held: dict[int, int], local: int,
+                                               synced: bool, want: Decision) -> None:
+    assert decide(Reduced(steps, len(steps), held), local, synced) == want
+
+
+def test_no_replica_commits_a_step_a_member_holding_the_state_already_passed() -> None:
+    """The invariant the held steps buy: whatever the local steps, nobody commits step s in a
+    round where some member that holds the committed state is past s (it applied other
+    gradients for s; committing s again would make the replicas diverge silently)."""
+    for s in range(3):
+        for ahead in range(s + 1, s + 3):
+            header = Reduced({0: s, 1: s}, 2, {0: s, 1: s, 2: ahead})
+            for local in range(0, s + 4):
+                for synced in (True, False):
+                    d = decide(header, local, synced)
+                    assert d.action is not Action.COMMIT and not d.commit_after, (s, ahead, local, synced, d)
 
 
 def test_every_rank_of_every_replica_decides_alike_on_one_header() -> None:
