@@ -39,7 +39,7 @@ from typing import Any, Sequence
 from p2pft.core.config import DEFAULT
 from p2pft.deploy.ports import free_ports
 from p2pft.deploy.procs import spawn as spawn_child
-from p2pft.sim.cluster import InvariantChecker, InvariantViolation, Simulator
+from p2pft.sim.cluster import InvariantChecker, InvariantViolation, SimEvent, Simulator, ViewCommitted
 
 TARGETS = {
     "real_exclusion_p50_s": 0.5,
@@ -72,10 +72,11 @@ class FingerprintChecker(InvariantChecker):
         self.false_removals: list[tuple[float, str]] = []
         self._members: dict[str, dict[str, Any]] = {}
 
-    def on_event(self, node: str, kind: str, payload: Any, now: float) -> None:
-        if kind != "view":
-            super().on_event(node, kind, payload, now)
+    def on_event(self, ev: SimEvent) -> None:
+        if not isinstance(ev, ViewCommitted):
+            super().on_event(ev)
             return
+        node, now, payload = ev.node, ev.now, ev.view
         epoch = payload.epoch
         if epoch <= self.last_epoch.get(node, 0):
             raise InvariantViolation(f"t={now:.3f}: {node} epoch went from {self.last_epoch[node]} to {epoch}")
@@ -200,9 +201,9 @@ def sim_detection(sim: Simulator, checker: FingerprintChecker, loss: float, cras
         # polling every node's view after every event would cost O(peers x members) per event.
         excluded: set[str] = set()
 
-        def on_view(addr: str, node: str, kind: str, payload: Any, now: float) -> None:
-            if kind == "view" and payload.member(vid) is None:
-                excluded.add(addr)
+        def on_view(ev: SimEvent) -> None:
+            if isinstance(ev, ViewCommitted) and ev.view.member(vid) is None:
+                excluded.add(ev.addr)
 
         def gone() -> bool:
             return len(excluded) >= len(sim.nodes) and all(a in excluded for a in sim.nodes)

@@ -30,6 +30,25 @@ class InvariantViolation(AssertionError):
     pass
 
 
+@dataclass(frozen=True, slots=True)
+class SimEvent:
+    """What a node's ``Ready`` said that checkers and tests watch: who (address, node id), when."""
+
+    addr: str
+    node: str
+    now: float
+
+
+@dataclass(frozen=True, slots=True)
+class LeaderElected(SimEvent):
+    term: int
+
+
+@dataclass(frozen=True, slots=True)
+class ViewCommitted(SimEvent):
+    view: View
+
+
 def view_key(view: View) -> tuple[Any, ...]:
     members = tuple(sorted((m.node, m.role, m.slot) for m in view.members))
     return view.epoch, members, tuple(view.voters)
@@ -44,14 +63,14 @@ class InvariantChecker:
     last_epoch: dict[str, int] = field(default_factory=dict)
     max_epoch: int = 0
 
-    def on_event(self, node: str, kind: str, payload: Any, now: float) -> None:
-        if kind == "leader":
-            term = int(payload)
-            other = self.leaders.setdefault(term, node)
+    def on_event(self, ev: SimEvent) -> None:
+        node, now = ev.node, ev.now
+        if isinstance(ev, LeaderElected):
+            other = self.leaders.setdefault(ev.term, node)
             if other != node:
-                raise InvariantViolation(f"t={now:.3f}: two leaders in term {term}: {other} and {node}")
-        elif kind == "view":
-            key = view_key(payload)
+                raise InvariantViolation(f"t={now:.3f}: two leaders in term {ev.term}: {other} and {node}")
+        elif isinstance(ev, ViewCommitted):
+            key = view_key(ev.view)
             epoch = key[0]
             prev = self.last_epoch.get(node, 0)
             if epoch <= prev:
@@ -66,7 +85,7 @@ class InvariantChecker:
 class Simulator:
     def __init__(self, seed: int, profile: Profile = DEFAULT, *, loss: float = 0.0, dup: float = 0.0,
                  delay: tuple[float, float] = (0.0002, 0.002), checker: InvariantChecker | None = None,
-                 on_event: Callable[[str, str, str, Any, float], None] | None = None) -> None:
+                 on_event: Callable[[SimEvent], None] | None = None) -> None:
         self.seed = seed
         self.rng = random.Random(seed)
         self.profile = profile
@@ -188,12 +207,13 @@ class Simulator:
             for _ in range(copies):
                 t = self.now + self.rng.uniform(*self.delay)
                 heapq.heappush(self._q, (t, next(self._seq), "msg", (dst, data)))
-        events = ([("leader", term) for term in ready.leader_terms] + [("view", v) for v in ready.views]
-                  if ready.leader_terms or ready.views else ())
-        for kind, payload in events:
-            self.checker.on_event(node.id, kind, payload, self.now)
+        events: list[SimEvent] = ([LeaderElected(addr, node.id, self.now, term) for term in ready.leader_terms]
+                                  + [ViewCommitted(addr, node.id, self.now, v) for v in ready.views]
+                                  if ready.leader_terms or ready.views else [])
+        for ev in events:
+            self.checker.on_event(ev)
             if self.on_event is not None:
-                self.on_event(addr, node.id, kind, payload, self.now)
+                self.on_event(ev)
         when = max(node.next_deadline(), self.now + 1e-4)
         if self._timer.get(addr) != when:
             self._timer[addr] = when

@@ -5,10 +5,9 @@ The 1,000-peer and 10-minute versions of these runs are in bench/membership.py.
 from __future__ import annotations
 
 import random
-from typing import Any
 
 from p2pft.core.config import DEFAULT
-from p2pft.sim.cluster import InvariantChecker, Simulator
+from p2pft.sim.cluster import InvariantChecker, SimEvent, Simulator, ViewCommitted
 
 DETECT_BOUND = 3.0     # virtual s from a crash to "every live node's committed view lacks it" (100 peers)
 
@@ -80,14 +79,14 @@ class RemovalCounter(InvariantChecker):
         self.removals: list[tuple[float, str]] = []
         self.last_members: dict[str, set[str]] = {}
 
-    def on_event(self, node: str, kind: str, payload: Any, now: float) -> None:
-        super().on_event(node, kind, payload, now)
-        if kind == "view":
-            members = {m.node for m in payload.members}
-            before = self.last_members.get(node)
+    def on_event(self, ev: SimEvent) -> None:
+        super().on_event(ev)
+        if isinstance(ev, ViewCommitted):
+            members = {m.node for m in ev.view.members}
+            before = self.last_members.get(ev.node)
             if before is not None:
-                self.removals += [(now, gone) for gone in before - members]
-            self.last_members[node] = members
+                self.removals += [(ev.now, gone) for gone in before - members]
+            self.last_members[ev.node] = members
 
 
 def test_no_false_removal_at_5_percent_loss() -> None:

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from p2pft.core.node import JOINER, PARTICIPANT, TRAINER_KIND
-from p2pft.sim.cluster import Simulator
+from p2pft.sim.cluster import Simulator, ViewCommitted
 
 
 def _role(sim: Simulator, node_id: str) -> str | None:
@@ -66,8 +66,8 @@ def test_fresh_process_behind_the_head_stays_a_joiner_until_it_caught_up(seed: i
     steps in between: it stays a joiner in every later view, however close its step is (the
     slack for a caught-up joiner must not let it in), until it says 'ready' after a catch-up."""
     seen: dict[int, Any] = {}
-    sim = Simulator(seed, on_event=lambda addr, node, kind, payload, now: seen.setdefault(payload.epoch, payload)
-                    if kind == "view" else None)
+    sim = Simulator(seed, on_event=lambda ev: seen.setdefault(ev.view.epoch, ev.view)
+                    if isinstance(ev, ViewCommitted) else None)
     trainers = ["10.0.0.1:7000", "10.0.0.2:7000"]
     witnesses = ["10.0.1.1:7000", "10.0.1.2:7000"]
     everyone = trainers + witnesses

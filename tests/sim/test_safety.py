@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from p2pft.core.node import PARTICIPANT, TRAINER_KIND, WITNESS, WITNESS_KIND
-from p2pft.sim.cluster import InvariantViolation, Simulator, view_key
+from p2pft.sim.cluster import InvariantViolation, LeaderElected, SimEvent, Simulator, ViewCommitted, view_key
 
 N_SCHEDULES = 500          # run in CHUNKS parametrized tests
 CHUNKS = 10
@@ -102,12 +102,13 @@ def run_schedule(seed: int, *, trace: bool = False, keep_sim: bool = False) -> R
     res = Result(seed, plan)
     rng = random.Random(seed * 7919 + 1)
 
-    def on_event(addr: str, node: str, kind: str, payload: Any, now: float) -> None:
-        if kind == "view":
-            res.sequences.setdefault(node, []).append(view_key(payload))
+    def on_event(ev: SimEvent) -> None:
+        if isinstance(ev, ViewCommitted):
+            res.sequences.setdefault(ev.node, []).append(view_key(ev.view))
         if trace:
-            what = f"e{payload.epoch} {sorted(m.node for m in payload.members)}" if kind == "view" else payload
-            print(f"  t={now:8.3f} {node:24} {kind} {what}")
+            what = (f"view e{ev.view.epoch} {sorted(m.node for m in ev.view.members)}" if isinstance(ev, ViewCommitted)
+                    else f"leader {ev.term}" if isinstance(ev, LeaderElected) else ev)
+            print(f"  t={ev.now:8.3f} {ev.node:24} {what}")
 
     def note(action: str) -> None:
         res.applied.append(action)
@@ -255,7 +256,7 @@ def test_the_checker_catches_a_forged_second_view() -> None:
     node = next(iter(sim.nodes.values()))
     forged = replace(node.view, members=node.view.members[:-1])
     with pytest.raises(InvariantViolation):
-        sim.checker.on_event("someone-else", "view", forged, sim.now)
+        sim.checker.on_event(ViewCommitted("10.9.9.9:7000", "someone-else", sim.now, forged))
 
 
 def main(argv: list[str]) -> int:

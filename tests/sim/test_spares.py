@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from p2pft.sim.cluster import Simulator
+from p2pft.sim.cluster import Simulator, ViewCommitted
 from p2pft.core.view import Role, View
 
 TRAINERS = [f"10.0.0.{i}:7000" for i in range(1, 5)]
@@ -29,8 +29,8 @@ def _count(roles: dict[str, Role] | None, role: Role) -> int:
 @pytest.mark.parametrize("seed", [1, 2, 3, 4])
 def test_a_spare_takes_the_dead_participants_place_in_one_view(seed: int) -> None:
     seen: dict[int, View] = {}
-    sim = Simulator(seed, on_event=lambda addr, node, kind, payload, now: seen.setdefault(payload.epoch, payload)
-                    if kind == "view" else None)
+    sim = Simulator(seed, on_event=lambda ev: seen.setdefault(ev.view.epoch, ev.view)
+                    if isinstance(ev, ViewCommitted) else None)
     everyone = TRAINERS + WITNESSES
     for a in everyone:
         kind = "trainer" if a in TRAINERS else "witness"
