@@ -116,6 +116,9 @@ class TorchftCluster(Cluster):
 
     grads: str = field(default_factory=lambda: os.environ.get("P2PFT_TORCHFT_GRADS", "manual"))
     max_restarts: int = field(default_factory=lambda: int(os.environ.get("P2PFT_TORCHFT_MAX_RESTARTS", "0")))
+    #: the lighthouse's --min_replicas; None: ``lighthouse_min_replicas`` (P2PFT_TORCHFT_MIN_REPLICAS overrides)
+    min_replicas: int | None = field(default_factory=lambda: int(os.environ["P2PFT_TORCHFT_MIN_REPLICAS"])
+                                     if os.environ.get("P2PFT_TORCHFT_MIN_REPLICAS") else None)
     worker_args: list[str] = field(default_factory=list)
     lighthouse: subprocess.Popen[bytes] | None = field(default=None, init=False)
     lighthouse_proc: Proc | None = field(default=None, init=False)  # the same process, with its CPU time
@@ -127,6 +130,8 @@ class TorchftCluster(Cluster):
             raise ValueError(f"P2PFT_TORCHFT_GRADS must be one of {', '.join(GRAD_MODES)}, got {self.grads!r}")
         if self.max_restarts < 0:
             raise ValueError("P2PFT_TORCHFT_MAX_RESTARTS must be >= 0")
+        if self.min_replicas is not None and not 1 <= self.min_replicas <= self.size:
+            raise ValueError(f"P2PFT_TORCHFT_MIN_REPLICAS must be in [1, {self.size}], got {self.min_replicas}")
         # --hosts netns: the lighthouse on a host of its own, after the replicas' hosts.
         lh_host = self.net[self.lighthouse_host].ip if self.net is not None else "127.0.0.1"
         self.lighthouse_addr = f"{lh_host}:{free_ports(1)[0]}"
@@ -137,8 +142,9 @@ class TorchftCluster(Cluster):
         """The lighthouse never forms a minority quorum (``lighthouse_min_replicas``): with
         ``--min_replicas 1`` a restarted replica and the survivors formed separate quorums (on
         hosts they trained apart; with spares none could commit, and they never merged)."""
-        return lighthouse_command(self.lighthouse_addr,
-                                  min_replicas=lighthouse_min_replicas(self.cfg.replicas, self.spares))
+        chosen = self.min_replicas if self.min_replicas is not None else lighthouse_min_replicas(self.cfg.replicas,
+                                                                                                 self.spares)
+        return lighthouse_command(self.lighthouse_addr, min_replicas=chosen)
 
     @property
     def lighthouse_host(self) -> int:

@@ -70,3 +70,12 @@ def test_bad_spare_counts_are_refused() -> None:
         spare_args(3, -1)
     with pytest.raises(SystemExit):
         parse_args(["--lighthouse", "http://h:1", "--min-replica-size", "0"])
+
+
+def test_the_lighthouse_minimum_can_be_set_for_a_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("P2PFT_TORCHFT_MIN_REPLICAS", "3")
+    cmd = TorchftCluster("torchft", ChaosConfig(replicas=3), tmp_path / "a").lighthouse_cmd()
+    assert cmd[cmd.index("--min_replicas") + 1] == "3"
+    monkeypatch.setenv("P2PFT_TORCHFT_MIN_REPLICAS", "4")
+    with pytest.raises(ValueError, match="P2PFT_TORCHFT_MIN_REPLICAS"):
+        TorchftCluster("torchft", ChaosConfig(replicas=3), tmp_path / "b")
