@@ -1,6 +1,6 @@
 """A job's start and end with real replica processes of the example job (trainer/job.py):
-a restart after the job finished, every replica dead with no checkpoint, different seeds at
-step 0, the side-work leader across a kill, and the end barrier with a replica that joined late."""
+different seeds at step 0 and a restart after the job finished (one job), every replica dead with
+no checkpoint, the side-work leader across a kill, and the end barrier with a replica that joined late."""
 from __future__ import annotations
 
 import re
@@ -32,15 +32,28 @@ def _exit_record(rs: Replicas, name: str) -> dict:
     return ex[-1]
 
 
-def test_late_restart_after_the_job_finished_exits_0_without_training(tmp_path: Path) -> None:
+def test_different_seeds_then_a_late_restart_after_the_job_finished(tmp_path: Path) -> None:
+    """One short job serves both: r1 starts with another seed, yet both start from the leader's
+    state and end with one digest; then r0, restarted by its launcher after the job finished,
+    exits 0 without training."""
     rs = Replicas(tmp_path, 2, ["--steps", "8", "--min-replicas", "2"], witnesses=1)
     rs.spawn_witness(0)   # one witness: the replicas leave together, the quorum with them
     try:
         rs.spawn(0, "r0")
+        rs.extra = rs.extra + ["--seed", "7"]
         rs.spawn(1, "r1")
         assert _exit(rs, "r0", 50) == 0 and _exit(rs, "r1", 10) == 0
         assert _exit_record(rs, "r0")["step"] == _exit_record(rs, "r1")["step"] == 8
+        # Different seeds at step 0: both start from the leader's state.
+        starts = [next(r for r in records(rs.stats[n]) if r.get("kind") == "start") for n in ("r0", "r1")]
+        assert starts[0]["digest"] == starts[1]["digest"], "different states at step 0"
+        assert _exit_record(rs, "r0")["digest"] == _exit_record(rs, "r1")["digest"]
+        assert all(r["n"] == 2 for n in ("r0", "r1") for r in steps(rs.stats[n]) if r["c"]), "a step ran without both"
+        check_invariants(rs.stats)
+        took = [n for n in ("r0", "r1") if "took the initial state of" in _log(tmp_path, n)]
+        assert len(took) == 1, took
         # Restarted by its launcher after the others finished: the witness still knows.
+        rs.extra = rs.extra[:-2]
         rs.spawn(0, "r0-late")
         assert _exit(rs, "r0-late", 40) == 0
         log = _log(tmp_path, "r0-late")
@@ -76,24 +89,6 @@ def test_every_replica_dead_without_checkpoint_refuses_to_train_from_step_0(tmp_
         assert m and 0 < int(m.group(1)) <= reached, (errors[0], reached)
         assert "refusing to train from step 0" in errors[0]
         assert not steps(rs.stats["r0-again"]), "it trained from step 0"
-    finally:
-        rs.stop_all()
-
-
-def test_different_seeds_start_from_the_leaders_state(tmp_path: Path) -> None:
-    rs = Replicas(tmp_path, 2, ["--steps", "10", "--min-replicas", "2"])
-    try:
-        rs.spawn(0, "r0")
-        rs.extra = rs.extra + ["--seed", "7"]
-        rs.spawn(1, "r1")
-        assert _exit(rs, "r0", 50) == 0 and _exit(rs, "r1", 10) == 0
-        starts = [next(r for r in records(rs.stats[n]) if r.get("kind") == "start") for n in ("r0", "r1")]
-        assert starts[0]["digest"] == starts[1]["digest"], "different states at step 0"
-        assert _exit_record(rs, "r0")["digest"] == _exit_record(rs, "r1")["digest"]
-        assert all(r["n"] == 2 for n in ("r0", "r1") for r in steps(rs.stats[n]) if r["c"]), "a step ran without both"
-        check_invariants(rs.stats)
-        took = [n for n in ("r0", "r1") if "took the initial state of" in _log(tmp_path, n)]
-        assert len(took) == 1, took
     finally:
         rs.stop_all()
 

@@ -72,8 +72,10 @@ def test_joiner_catches_up_while_the_others_are_paused(tmp_path: Path) -> None:
     base = ["--min-replicas", "2", *FAST]
     rs = Replicas(tmp_path, 3, base, witnesses=1, running_seeds=True)   # r2 starts later
     rs.spawn_witness(0)
+    # The pause lasts until the test has seen the catch-up (the file), at most 40 s.
+    resume_file = tmp_path / "resume"
     for i in range(2):
-        rs.extra = base + ["--pause-at-step", "8", "--pause-s", "20"]
+        rs.extra = base + ["--pause-at-step", "8", "--pause-s", "40", "--pause-until-file", str(resume_file)]
         rs.spawn(i, f"r{i}")
     try:
         rs.wait(lambda: all(_event(rs, f"r{i}", "pause") for i in range(2)), 50, "r0 and r1 to pause")
@@ -84,6 +86,7 @@ def test_joiner_catches_up_while_the_others_are_paused(tmp_path: Path) -> None:
         done = _event(rs, "r2", "catchup_done")
         assert done is not None and done["snapshot_step"] >= 8, done
         assert all(_event(rs, f"r{i}", "resume") is None for i in range(2)), "the pause ended before the catch-up"
+        resume_file.touch()
         rs.wait(lambda: all(_event(rs, f"r{i}", "resume") for i in range(2)), 25, "r0 and r1 to come back")
         t_back = max(_event(rs, f"r{i}", "resume")["t"] for i in range(2))  # type: ignore[index]
         rs.wait(lambda: all(any(r["c"] and r["n"] == 3 and r["t"] > t_back for r in steps(rs.stats[f"r{i}"]))

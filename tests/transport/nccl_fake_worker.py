@@ -3,6 +3,8 @@
 argv: rank world. Prints its data address, reads the peers' addresses (one line, space
 separated) from stdin, then runs one scenario per stdin line (JSON: scenario, epoch, env to set)
 and prints one JSON line for each: {"ok": ..., "err": class, "msg": ..., "s": seconds, ...}.
+A rank that takes no part in a scenario waits for a "release" line on stdin (the test sends it
+once the other rank has reported), so it stays exactly as long as the scenario needs.
 One process serves many scenarios, so the suite pays for starting Python and torch once.
 """
 
@@ -24,6 +26,16 @@ def result(t0: float, **kw: Any) -> None:
     print(json.dumps({"s": round(time.monotonic() - t0, 3), **kw}), flush=True)
 
 
+def wait_release(bound: float) -> None:
+    """Block until the test sends "release" (bounded: a test that died must not leave us here)."""
+    import select
+
+    ready, _, _ = select.select([sys.stdin], [], [], bound)
+    if ready:
+        line = sys.stdin.readline().strip()
+        assert line == "release", line
+
+
 def run(scenario: str, epoch: int, rank: int, ds: DataServer, peers: list[str]) -> None:
     backend = "nccl-auto" if scenario.endswith("_auto") else "nccl"
     comm = ds.communicator(epoch, 0, rank, peers, timeout=2.0, connect_timeout=5.0, backend=backend)
@@ -40,7 +52,7 @@ def run(scenario: str, epoch: int, rank: int, ds: DataServer, peers: list[str]) 
         elif scenario in ("abort_during", "close_during"):
             if rank == 1:
                 comm.wait_init(20)
-                time.sleep(2)       # takes no part: rank 0's collective is stuck on it
+                wait_release(20)    # takes no part: rank 0's collective is stuck on it
                 return result(t0, ok=True)
             errs: list[BaseException] = []
 
@@ -68,7 +80,7 @@ def run(scenario: str, epoch: int, rank: int, ds: DataServer, peers: list[str]) 
             # and closes the communicator, as the engine does when it moves to the next epoch.
             if rank == 1:
                 comm.wait_init(20)
-                time.sleep(3)
+                wait_release(20)    # takes no part: rank 0's tag exchange is stuck on it
                 return result(t0, ok=True)
             comm.wait_init(20)
             star = comm._star

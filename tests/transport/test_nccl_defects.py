@@ -61,6 +61,18 @@ class Ranks:
         self.start(scenario, env)
         return [self.result(r, timeout) for r in range(len(self.procs))]
 
+    def run_released(self, scenario: str, env: dict[str, str] | None = None,
+                     timeout: float = 20.0) -> list[dict[str, Any]]:
+        """A scenario where only rank 0 acts: once it has reported, the others (waiting, taking
+        no part) are released."""
+        self.start(scenario, env)
+        out = [self.result(0, timeout)]
+        for p in self.procs[1:]:
+            assert p.stdin is not None
+            p.stdin.write("release\n")
+            p.stdin.flush()
+        return out + [self.result(r, timeout) for r in range(1, len(self.procs))]
+
     def line(self, r: int, timeout: float) -> str:
         import select
 
@@ -135,7 +147,7 @@ def test_rank_lost_between_init_and_first_collective(sig: int, violations: Path)
 def test_abort_from_another_thread_during_a_collective(ranks: Ranks, violations: Path) -> None:
     """Defect 2: abort, async-error polling and enqueues on one communicator from several threads
     without a lock; now one lock per communicator: no concurrent call, no use after abort."""
-    res = ranks.run("abort_during", {"FAKE_NCCL_VIOLATIONS": str(violations)})[0]
+    res = ranks.run_released("abort_during", {"FAKE_NCCL_VIOLATIONS": str(violations)})[0]
     assert res["ok"] and res["err"] == "CommAborted", res
     assert res["s"] < 1.0, res
     assert not violations.exists() or violations.read_text() == "", violations.read_text()
@@ -144,7 +156,7 @@ def test_abort_from_another_thread_during_a_collective(ranks: Ranks, violations:
 def test_close_during_a_stuck_collective(ranks: Ranks, violations: Path) -> None:
     """Defect 3: close() called ncclCommDestroy, which waits for the stuck collective for ever;
     now close() aborts when a collective is in flight, and returns at once."""
-    res = ranks.run("close_during", {"FAKE_NCCL_VIOLATIONS": str(violations)})[0]
+    res = ranks.run_released("close_during", {"FAKE_NCCL_VIOLATIONS": str(violations)})[0]
     assert res["ok"], res
     assert res["returned_s"] < 1.0 and res["err"] == "CommAborted", res
     assert not violations.exists() or violations.read_text() == "", violations.read_text()
@@ -157,7 +169,7 @@ def test_close_after_a_failure_another_thread_has_not_aborted_yet(ranks: Ranks, 
     holding the communicator's lock, and the abort waited for the lock: the replica hung (a 30 s
     stall in `p2pft chaos --data-plane nccl` on the stand-in). close() now aborts whenever the
     communicator failed or a collective was not seen to finish."""
-    res = ranks.run("close_after_failure", {"FAKE_NCCL_VIOLATIONS": str(violations)})[0]
+    res = ranks.run_released("close_after_failure", {"FAKE_NCCL_VIOLATIONS": str(violations)})[0]
     assert res["err"] == "CommAborted", res
     assert res["ok"] and res["s"] < 2.0, res
     assert not violations.exists() or violations.read_text() == "", violations.read_text()

@@ -63,6 +63,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--pause-at-step", type=int, default=0,
                    help="at this committed step, step out for --pause-s seconds (ft.pause): the others go on")
     p.add_argument("--pause-s", type=float, default=0.0, help="length of the pause of --pause-at-step (s)")
+    p.add_argument("--pause-until-file", default=None,
+                   help="the pause of --pause-at-step also ends once this file exists (a test ends it as soon "
+                        "as it has seen what happens during the pause)")
     p.add_argument("--allow-restart-from-scratch", action="store_true",
                    help="when no peer and no checkpoint holds the job's furthest step, train again from this "
                         "replica's state instead of refusing to start")
@@ -262,7 +265,8 @@ def _train(args: argparse.Namespace, ft: Any, rt: Any, stats: Stats, progress: A
             with ft.pause("eval"):  # evaluation on this replica only: the others commit meanwhile
                 write_events()
                 pause_end = time.monotonic() + args.pause_s
-                while time.monotonic() < pause_end and not stop.flag:
+                while (time.monotonic() < pause_end and not stop.flag
+                       and not (args.pause_until_file and os.path.exists(args.pause_until_file))):
                     time.sleep(0.05)
             write_events()
             continue
