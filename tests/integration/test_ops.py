@@ -256,7 +256,17 @@ def test_top_live_screen_on_a_terminal_ends_on_ctrl_c(cluster: OpsCluster, ctl: 
             if ready:
                 out += os.read(master, 65536)
         proc.send_signal(signal.SIGINT)
-        rc = proc.wait(timeout=10)
+        # Keep reading the terminal while it exits, as a terminal does: a full pseudo-terminal
+        # buffer would block its last frames (and so its exit) on a reader that went away.
+        end = time.monotonic() + 10
+        while proc.poll() is None and time.monotonic() < end:
+            ready, _, _ = select.select([master], [], [], 0.1)
+            if ready:
+                try:
+                    out += os.read(master, 65536)
+                except OSError:   # the child closed its side
+                    break
+        rc = proc.wait(timeout=max(0.1, end - time.monotonic()))
     finally:
         if proc.poll() is None:
             proc.kill()
