@@ -35,6 +35,13 @@ PREFIX = "p2pft-"
 SUBNET = "10.213"         # 10.213.X.0/24, X chosen free per set of hosts
 MAX_HOSTS = 99            # two decimal digits in an interface name (15 characters at most)
 IP_TIMEOUT = 10.0         # seconds for one `ip`/`tc` command
+#: `ip netns exec` bind-mounts the files of /etc/netns/<name>/ over /etc/. Each host gets a hosts
+#: file naming every host of its set and a resolver that fails at once: a namespace's DNS
+#: queries would otherwise leave through the bridge to the machine's resolver and wait out its
+#: timeout (a reverse lookup took 10.0 s there; torch's c10d looks up every peer it connects to).
+NETNS_ETC = "/etc/netns"
+RESOLV_CONF = "# p2pft host namespace: no DNS; names of this set's hosts are in /etc/hosts\n" \
+              "nameserver 127.0.0.1\noptions timeout:1 attempts:1\n"
 
 _seq = 0
 _live: "set[Hosts]" = set()
@@ -99,6 +106,10 @@ def _kill_inside(ns: str) -> None:
             pass
 
 
+def _remove_etc(ns: str) -> None:
+    shutil.rmtree(os.path.join(NETNS_ETC, ns), ignore_errors=True)
+
+
 def sweep() -> list[str]:
     """Remove namespaces and links named by a p2pft run whose owner process is dead (a
     SIGKILLed harness), killing what still runs inside them; returns the names removed."""
@@ -110,8 +121,17 @@ def sweep() -> list[str]:
         pid = _owner(name)
         if pid is not None and not _alive(pid):
             _kill_inside(name)
+            _remove_etc(name)
             if _run(["ip", "netns", "del", name], check=False).returncode == 0:
                 removed.append(name)
+    try:
+        leftovers = [n for n in os.listdir(NETNS_ETC) if n.startswith(PREFIX)]
+    except OSError:
+        leftovers = []
+    for name in leftovers:   # the files of a namespace already gone
+        pid = _owner(name)
+        if pid is not None and not _alive(pid):
+            _remove_etc(name)
     for line in _run(["ip", "-o", "link", "show"], check=False).stdout.splitlines():
         parts = line.split(":")
         if len(parts) < 2:
@@ -190,6 +210,7 @@ class Hosts:
             _run(["ip", "link", "set", self.bridge, "up"])
             for i in range(self.n):
                 self.hosts.append(self._make_host(i, x))
+            self._write_etc(x)
         except BaseException:
             self.close()
             raise
@@ -213,6 +234,19 @@ class Hosts:
             self.limit(host, self.link_mbit)
         return host
 
+    def _write_etc(self, x: int) -> None:
+        """Name resolution inside the hosts: every host of this set by name and address from
+        /etc/hosts, anything else refused at once (see NETNS_ETC)."""
+        lines = ["127.0.0.1 localhost", "::1 localhost ip6-localhost", f"{SUBNET}.{x}.1 {self.bridge}"]
+        lines += [f"{h.ip} {h.netns}" for h in self.hosts]
+        for h in self.hosts:
+            d = os.path.join(NETNS_ETC, h.netns)
+            os.makedirs(d, exist_ok=True)
+            with open(os.path.join(d, "hosts"), "w") as f:
+                f.write("\n".join(lines) + "\n")
+            with open(os.path.join(d, "resolv.conf"), "w") as f:
+                f.write(RESOLV_CONF)
+
     def close(self) -> None:
         """Kill what runs inside, remove the namespaces and links (idempotent, never raises)."""
         if self._closed:
@@ -232,6 +266,8 @@ class Hosts:
                 pass
         for name in reversed(self._made):
             kind = "netns" if "-h" in name else "link"
+            if kind == "netns":
+                _remove_etc(name)
             _run(["ip", kind, "del", name], check=False)
         self._made.clear()
         with _lock:

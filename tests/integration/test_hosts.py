@@ -89,9 +89,17 @@ def test_hosts_library_links_ports_and_cleanup(tmp_path: Path) -> None:
         assert hs.run(0, [sys.executable, "-c", probe, b.ip, "7000"]).stdout.split()[0] == "TimeoutError"
         hs.link(1, True)
         assert hs.run(0, [sys.executable, "-c", probe, b.ip, "7000"]).stdout.strip() == "ok"
+        # Names resolve at once inside a host: the set's hosts from its hosts file, anything else
+        # refused (not a wait for the machine's resolver through the bridge: 10 s before).
+        lookups = ("import socket,sys,time\nt=time.time();n=socket.gethostbyaddr(sys.argv[1])[0]\n"
+                   "try: socket.getaddrinfo('no-such-host.invalid', 80); u='resolved'\n"
+                   "except OSError: u='refused'\nprint(n, u, round(time.time()-t,2))")
+        name, unknown, took = hs.run(0, [sys.executable, "-c", lookups, b.ip]).stdout.split()
+        assert (name, unknown) == (b.netns, "refused") and float(took) < 1.0, (name, unknown, took)
         names = [h.netns for h in hs.hosts] + [hs.bridge]
     left = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
     assert not any(n in left for n in names)
+    assert not any(os.path.exists(f"/etc/netns/{n}") for n in names)
     assert not any(n in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout for n in names)
     # A harness SIGKILLed with hosts up: the next sweep removes them and what runs inside.
     code = ("import time,sys\nfrom p2pft.chaos.hosts import Hosts\nh=Hosts(2).create()\n"
@@ -106,8 +114,10 @@ def test_hosts_library_links_ports_and_cleanup(tmp_path: Path) -> None:
         if owner.stdout:
             owner.stdout.close()
     assert ns.startswith("p2pft-"), ns
+    assert os.path.exists(f"/etc/netns/{ns}/hosts")
     assert ns in sweep()
     assert ns not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert not os.path.exists(f"/etc/netns/{ns}")
 
 
 @pytest.mark.slow
