@@ -6,7 +6,8 @@ is a network namespace with one veth link to a shared bridge and its own address
 /24 (``10.213.X.0/24``, X free on this machine). A host's link can go down (packets vanish: no
 reset, no refusal, as when a machine loses power or its switch port), its link can be rate
 limited (``tc tbf``), and one TCP port can be dropped on input (a firewall), all inside
-namespaces this module created.
+namespaces this module created. Names resolve inside a host without DNS: the set's hosts from
+a hosts file, anything else refused at once (``NETNS_ETC``).
 
 Names start with ``p2pft-`` and carry the owner's pid (``p2pft-<pid:06x><seq:x>...``), so
 whatever a SIGKILLed run left behind (namespaces, links, processes inside them) is found and
