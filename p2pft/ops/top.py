@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -223,19 +225,24 @@ def run_top(args: argparse.Namespace, secret: bytes | None, fail: Callable[[str]
         raise fail(f"{args.peer} cannot answer top ({exc}): is it an older p2pft?") from None
     plain = args.plain or not sys.stdout.isatty()
     frames = 0
+    # Ctrl-C ends it, always: a flag set by our own handler, checked between frames. Left to
+    # asyncio (each poll runs a loop), a SIGINT that lands as a request completes can be lost
+    # (Python 3.11's wait_for swallows that cancellation), and a SIGINT that the launching
+    # shell ignored (`cmd &` in a script) would be ignored here too.
+    stop = threading.Event()
+    saved = signal.signal(signal.SIGINT, lambda *_: stop.set()) if _main_thread() else None
     try:
         if plain:
-            while not args.count or frames < args.count:
-                time.sleep(args.interval)
+            while (not args.count or frames < args.count) and not stop.wait(args.interval):
                 frame = poller.poll()
                 print(("\n" if frames else "") + render_plain(frame), flush=True)
                 frames += 1
             return 0
         from rich.live import Live
-        time.sleep(min(args.interval, 0.5))
+        if stop.wait(min(args.interval, 0.5)):
+            return 0
         with Live(render_rich(poller.poll()), refresh_per_second=4, screen=False) as live:
-            while not args.count or frames < args.count:
-                time.sleep(args.interval)
+            while (not args.count or frames < args.count) and not stop.wait(args.interval):
                 live.update(render_rich(poller.poll()))
                 frames += 1
         return 0
@@ -243,6 +250,13 @@ def run_top(args: argparse.Namespace, secret: bytes | None, fail: Callable[[str]
         return 0
     except (OSError, WireError, ValueError, asyncio.TimeoutError) as exc:   # unreachable only before any frame
         raise fail(f"cannot reach {args.peer}: {exc}") from None
+    finally:
+        if saved is not None:
+            signal.signal(signal.SIGINT, saved)
+
+
+def _main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
 
 
 def register(sub: Any, cmd: Callable[[argparse.Namespace], int]) -> None:

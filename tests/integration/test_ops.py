@@ -242,11 +242,18 @@ def test_peer_takes_seeds_and_identity_from_slurm(ctl: Any, tmp_path: Path) -> N
 
 
 def test_top_live_screen_on_a_terminal_ends_on_ctrl_c(cluster: OpsCluster, ctl: Any) -> None:
-    """On a terminal (a pseudo-terminal here) `top` draws a rich table until SIGINT, then exits 0."""
+    """On a terminal (a pseudo-terminal here) `top` draws a rich table until SIGINT, then exits 0:
+    even when it was started with SIGINT ignored, as a script's `cmd &` starts its commands (the
+    ignored disposition is inherited through exec; `top` ignored Ctrl-C then)."""
     import pty
     master, slave = pty.openpty()
-    proc = subprocess.Popen(ctl.p2pft_command() + ["top", "--peer", cluster.witness_addrs[0], "--interval", "0.3"],
-                            stdin=slave, stdout=slave, stderr=subprocess.PIPE, env=dict(ctl.child_env(), COLUMNS="160"))
+    saved = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        proc = subprocess.Popen(ctl.p2pft_command() + ["top", "--peer", cluster.witness_addrs[0], "--interval", "0.3"],
+                                stdin=slave, stdout=slave, stderr=subprocess.PIPE,
+                                env=dict(ctl.child_env(), COLUMNS="160"))
+    finally:
+        signal.signal(signal.SIGINT, saved)
     os.close(slave)
     out = b""
     try:
