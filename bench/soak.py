@@ -7,7 +7,8 @@ descriptors and threads of every process are read from /proc. After the warm-up,
 long-lived process (the witnesses and any replica incarnation that lived through the whole
 sample window) must stay within ``--tolerance`` of its level after its own warm-up (descriptors
 and threads may also move by one communicator's worth: 4 and 2); the chaos
-invariants (no survivor crash, no divergent step) must hold.
+invariants (no survivor crash, no divergent step) must hold, and no view may drop a replica
+after a pause shorter than the failure timeout (a false removal, read from the processes' logs).
 
     python bench/soak.py --minutes 30 --json results/soak.json
 """
@@ -17,15 +18,54 @@ import argparse
 import json
 import os
 import random
+import re
 import signal
 import sys
 import tempfile
 import time
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from p2pft.chaos.cluster import ChaosConfig, Cluster
 from p2pft.chaos.metrics import read_stats, summarize
+
+
+VIEW_LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .*p2pft\.net\.driver: view e(\d+): (.*)$")
+#: After a pause shorter than the failure timeout, how long a view may still come that drops the
+#: paused replica and count as a false removal (detection takes at most about a second).
+REMOVAL_WINDOW_S = 5.0
+
+
+def views_from_logs(folder: Path) -> list[tuple[float, int, set[str]]]:
+    """(first time seen, epoch, replica ids) of every view the processes' logs name."""
+    first: dict[int, tuple[float, set[str]]] = {}
+    for log in folder.glob("*.log"):
+        for line in log.read_text(errors="replace").splitlines():
+            m = VIEW_LINE.match(line)
+            if not m:
+                continue
+            t = datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+            epoch = int(m.group(2))
+            ids = {tok.split("(", 1)[0] for tok in m.group(3).split()}
+            if epoch not in first or t < first[epoch][0]:
+                first[epoch] = (t, ids)
+    return sorted((t, e, ids) for e, (t, ids) in first.items())
+
+
+def false_removals(views: list[tuple[float, int, set[str]]], short: list[tuple[float, int]],
+                   other: list[tuple[float, int]]) -> list[tuple[float, int, int]]:
+    """Short pauses after which a view dropped the paused replica, though no kill or long pause
+    hit it in the window: (time after the start, replica, epoch)."""
+    out = []
+    for t, i in short:
+        end = t + REMOVAL_WINDOW_S
+        if any(t <= tf <= end and j == i for tf, j in other):
+            continue
+        gone = [e for tv, e, ids in views if t <= tv <= end and f"r{i}" not in ids]
+        if gone:
+            out.append((t, i, gone[0]))
+    return out
 
 
 def proc_sample(pid: int) -> dict[str, int] | None:
@@ -71,6 +111,8 @@ def main() -> int:
     samples: dict[str, list[tuple[float, dict[str, int]]]] = {}
     faults: dict[str, int] = {"kill": 0, "pause_long": 0, "pause_short": 0}
     pending: list[tuple[float, str, int]] = []
+    short: list[tuple[float, int]] = []      # (time, replica) of each pause shorter than the failure timeout
+    other: list[tuple[float, int]] = []      # kills and long pauses: the replica may leave the view
     next_fault, next_sample = t0 + args.fault_every, t0
     try:
         while time.time() - t0 < duration:
@@ -82,6 +124,7 @@ def main() -> int:
                     i = rng.choice(victims)
                     kind = rng.choice(["kill", "kill", "pause_long", "pause_short"])
                     faults[kind] += 1
+                    (short if kind == "pause_short" else other).append((now, i))
                     if kind == "kill":
                         c.signal(i, signal.SIGKILL, "kill")
                         pending.append((now + args.restart_after, "spawn", i))
@@ -130,7 +173,9 @@ def main() -> int:
                                      "samples": len(after)}
     report.update({k: row.get(k) for k in ("final_step", "kills", "survivor_crashes", "divergent_steps",
                                            "digest_steps_checked", "stall_max_s")})
-    ok_all = flat and row["survivor_crashes"] == 0 and row["divergent_steps"] == 0
+    removed = false_removals(views_from_logs(work), short, other)
+    report["false_removals"] = [{"t": round(t - t0, 1), "replica": i, "epoch": e} for t, i, e in removed]
+    ok_all = flat and row["survivor_crashes"] == 0 and row["divergent_steps"] == 0 and not removed
     report["ok"] = ok_all
     print(f"{'process':<10}{'samples':>8}{'RSS MB first→last':>22}{'fds':>12}{'threads':>12}  flat")
     for name, p in sorted(report["processes"].items()):
@@ -138,7 +183,8 @@ def main() -> int:
         print(f"{name:<10}{p['samples']:>8}{f['rss_kb'] / 1024:>11.1f}→{l['rss_kb'] / 1024:<10.1f}"
               f"{f['fds']:>5}→{l['fds']:<6}{f['threads']:>5}→{l['threads']:<6}  {p['flat']}")
     print(f"faults {faults}; final step {row['final_step']}; survivor crashes {row['survivor_crashes']}; "
-          f"divergent steps {row['divergent_steps']} of {row['digest_steps_checked']} checked; ok={ok_all}")
+          f"divergent steps {row['divergent_steps']} of {row['digest_steps_checked']} checked; "
+          f"false removals after {len(short)} short pauses: {len(removed)} {report['false_removals']}; ok={ok_all}")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(report, indent=2))
