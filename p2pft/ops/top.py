@@ -225,12 +225,12 @@ def run_top(args: argparse.Namespace, secret: bytes | None, fail: Callable[[str]
         raise fail(f"{args.peer} cannot answer top ({exc}): is it an older p2pft?") from None
     plain = args.plain or not sys.stdout.isatty()
     frames = 0
-    # Ctrl-C ends it, always: a flag set by our own handler, checked between frames. Left to
-    # asyncio (each poll runs a loop), a SIGINT that lands as a request completes can be lost
-    # (Python 3.11's wait_for swallows that cancellation), and a SIGINT that the launching
-    # shell ignored (`cmd &` in a script) would be ignored here too.
+    # Ctrl-C ends it, always: a flag set by our own handler and checked between frames (each
+    # poll runs its own asyncio loop, which is left alone). With the inherited disposition, a
+    # SIGINT that the launching shell ignored (`cmd &` in a script) was ignored here too.
     stop = threading.Event()
-    saved = signal.signal(signal.SIGINT, lambda *_: stop.set()) if _main_thread() else None
+    installed = _main_thread()
+    saved = signal.signal(signal.SIGINT, lambda *_: stop.set()) if installed else None
     try:
         if plain:
             while (not args.count or frames < args.count) and not stop.wait(args.interval):
@@ -251,8 +251,8 @@ def run_top(args: argparse.Namespace, secret: bytes | None, fail: Callable[[str]
     except (OSError, WireError, ValueError, asyncio.TimeoutError) as exc:   # unreachable only before any frame
         raise fail(f"cannot reach {args.peer}: {exc}") from None
     finally:
-        if saved is not None:
-            signal.signal(signal.SIGINT, saved)
+        if installed:
+            signal.signal(signal.SIGINT, saved if saved is not None else signal.SIG_DFL)
 
 
 def _main_thread() -> bool:
