@@ -3,7 +3,7 @@
 Layout: ``[gradients][mask: K slots][contributor count][steps: K slots][held: K data ranks]``,
 float32. A contributor writes 1.0 at its slot in the mask, 1.0 at the count, and ``step + 1`` at
 its slot in the steps region. Every member that holds the committed state (contributing or not:
-a hot spare, a participant demoted for this round, one at the end barrier) writes ``step + 1``
+a hot spare, a participant demoted for this round) writes ``step + 1``
 at its data rank in the held region (``set_held``). After the sum every rank reads the *same*
 mask, divisor, per-slot steps and held steps from the same reduced buffer, so all ranks take the
 same decision (commit; or discard because some member is behind, or *ahead*, after a partially

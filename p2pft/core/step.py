@@ -65,7 +65,7 @@ def decide(reduced: Reduced, local_step: int, synced: bool) -> Decision:
     - nobody contributed: IDLE, unless a member holding the committed state is further than
       this synced replica: then it FAST_FORWARDs to it (the cluster's state is not moving);
     - contributors at different steps, or all at s while a member that contributed nothing
-      (a hot spare, one demoted for this round, one at the end barrier) is past s (an earlier
+      (a hot spare, one demoted for this round) is past s (an earlier
       step committed at some replicas only, because a peer died during that allreduce): the
       ones behind the furthest FAST_FORWARD to it, everybody else RETRIES (this round is
       discarded everywhere). Committing s again here would apply other gradients for s than
