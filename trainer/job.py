@@ -397,7 +397,7 @@ class JobLife:
         if att is not None:
             return att
         att = super()._plan(slot)  # type: ignore[misc]
-        if att.kind is Plan.ALLREDUCE and self.synced:
+        if att.kind is Plan.ALLREDUCE and self.synced and not att.rejoin:   # left out: a snapshot, not a log
             ahead = self._done_ahead(att)
             if ahead:
                 return dataclasses.replace(att, done_ahead=ahead)
