@@ -67,6 +67,13 @@ class ConnLimits:
                 raise ValueError(f"{name} must be positive, got {v!r}")
 
 
+ACCEPT_BACKLOG = 1024
+"""The listen socket's accept queue. A burst of connects (a fleet restarting at once, a flood)
+completes in the kernel faster than the loop accepts; asyncio's default of 100 drops the SYNs
+past it, and each dropped connect waits a 1 s retransmission before it is tried again. The
+kernel caps it at net.core.somaxconn (4096 on Linux >= 5.4)."""
+
+
 class _Peer:
     """Outgoing connection to one address with a bounded send queue."""
 
@@ -203,7 +210,7 @@ class NodeServer:
     async def start(self) -> None:
         """Bind, then create the node (its id and start stamp) and join through the seeds."""
         self._server = await asyncio.start_server(self._on_conn, self.host, self.port, limit=1 << 20,
-                                                  reuse_address=True)
+                                                  reuse_address=True, backlog=ACCEPT_BACKLOG)
         if self.port == 0:
             self.port = self._server.sockets[0].getsockname()[1]
         self.replay = ReplayGuard(window=self.replay.window)   # the start of this process's table
