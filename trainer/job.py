@@ -216,8 +216,7 @@ class JobLife:
             if len(view.participants) < o.min_replicas and view.role_of(rt.node_id) is Role.PARTICIPANT:
                 log.warning("no view with %d participants within %g s: starting with %d", o.min_replicas,
                             o.start_timeout, len(view.participants))
-        if o.initial_state is not InitialState.OFF:
-            self._agree_initial(deadline)
+        self._agree_initial(deadline)
         self._started = True
         log.info("in the group at step %d: %d participant(s), leader %s", self.step,
                  len(view.participants), self.leader)
@@ -288,12 +287,23 @@ class JobLife:
     # ------------------------------------------------------------------ same start everywhere
     def _agree_initial(self, deadline: float) -> None:
         """At step 0 with every participant at step 0: the lead keeps a copy of its state for
-        the others to pull (or compare digests with), taken before any step."""
+        the others to pull (or compare digests with), taken before any step. A replica at step
+        0 that the group did not start with (a joiner, or participants already past step 0)
+        catches up from a snapshot: its state at step 0 is its own, not the job's (replicas need
+        not seed alike), so the steps since, replayed from a peer's short log onto it, would
+        give other weights than the group's."""
         rt = self.rt
         view = rt.view
-        if self.step != 0 or view is None or view.role_of(rt.node_id) is not Role.PARTICIPANT:
+        if self.step != 0 or view is None:
             return
-        if any(rt.member_step(m.node) != 0 for m in view.participants if m.node != rt.node_id):
+        others = [m for m in view.participants if m.node != rt.node_id]
+        if view.role_of(rt.node_id) is not Role.PARTICIPANT or any(rt.member_step(m.node) != 0 for m in others):
+            if others:
+                log.info("the group started without this replica: catching up from a snapshot instead of "
+                         "taking the initial state")
+                self.catchup.start("the group started without this replica")
+            return
+        if self.job.initial_state is InitialState.OFF:
             return
         lead = view.lead()
         assert lead is not None

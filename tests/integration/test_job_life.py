@@ -1,5 +1,6 @@
 """A job's start and end with real replica processes of the example job (trainer/job.py):
-different seeds at step 0 and a restart after the job finished (one job), every replica dead with
+different seeds at step 0 and a restart after the job finished (one job), a late joiner with another
+seed, every replica dead with
 no checkpoint, the side-work leader across a kill, and the end barrier with a replica that joined late."""
 from __future__ import annotations
 
@@ -61,6 +62,34 @@ def test_different_seeds_then_a_late_restart_after_the_job_finished(tmp_path: Pa
         assert not steps(rs.stats["r0-late"]), "the late restart trained"
     finally:
         rs.stop_all()
+
+
+def test_a_late_joiner_with_another_seed_catches_up_by_snapshot(tmp_path: Path) -> None:
+    """r2 starts at step 0 with another seed after r0 and r1 trained a few steps, every step
+    still in their short logs (--recent-keep): it must take a snapshot, not replay the steps
+    since 0 onto its own initial weights (which gave it digests of its own from then on)."""
+    rs = Replicas(tmp_path, 3, ["--min-replicas", "2", "--recent-keep", "1000", "--step-delay", "0.1",
+                                "--digest-every", "1"], witnesses=1)
+    rs.spawn_witness(0)
+    try:
+        rs.spawn(0, "r0")
+        rs.spawn(1, "r1")
+        rs.wait(lambda: min(rs.last_step("r0"), rs.last_step("r1")) >= 2, 45, "2 steps of r0 and r1")
+        rs.extra = rs.extra + ["--seed", "9"]
+        rs.spawn(2, "r2")
+
+        def contributed_twice() -> bool:
+            return sum(1 for r in steps(rs.stats["r2"]) if r["c"] and r["n"] == 3) >= 2
+        rs.wait(contributed_twice, 60, "r2 to join and contribute")
+    finally:
+        rcs = rs.stop_all()
+    assert all(rcs[n] == 0 for n in ("r0", "r1", "r2")), rcs
+    digests = check_invariants(rs.stats)   # equal digests at every common step
+    r2_steps = {r["step"] for r in steps(rs.stats["r2"]) if "digest" in r}
+    assert len([s for s in r2_steps if s in digests]) >= 2
+    log = _log(tmp_path, "r2")
+    assert "the group started without this replica: catching up from a snapshot" in log, log[-3000:]
+    assert "fast-forwarded" not in log.split("caught up at step")[0], log[-3000:]
 
 
 def test_every_replica_dead_without_checkpoint_refuses_to_train_from_step_0(tmp_path: Path) -> None:

@@ -78,6 +78,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--initial-state", choices=["broadcast", "check", "off"], default="broadcast",
                    help="at step 0 the participants take the leader's state (broadcast), or compare digests "
                         "and fail on a difference (check)")
+    p.add_argument("--recent-keep", type=int, default=2,
+                   help="committed steps kept for peers that missed them and fast-forward (FaultTolerant's "
+                        "recent_keep)")
     p.add_argument("--hang-at-step", type=int, default=0,
                    help="fault injection: at this committed step the training loop hangs (the process "
                         "keeps gossiping) until SIGTERM")
@@ -183,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
                        loop_timeout=args.loop_timeout or None, total_steps=args.steps or None,
                        min_replicas=args.min_replicas, start_timeout=30.0, resume_grace=args.resume_grace,
                        allow_restart_from_scratch=args.allow_restart_from_scratch, on_finished=args.on_finished,
-                       initial_state=args.initial_state, step_timeout=args.step_timeout)
+                       initial_state=args.initial_state, step_timeout=args.step_timeout,
+                       recent_keep=args.recent_keep)
     t_engine = time.time()
     stop.attach(ft)
     steps = StepMetrics.attach(rt, ft)   # per-step metrics; a no-op without --metrics-port
