@@ -179,11 +179,37 @@ def ctl() -> type[Ctl]:
     return Ctl
 
 
+# The suite runs on pytest-xdist workers (``-n auto --dist loadgroup`` in pyproject.toml): most
+# multi-process tests spend their time waiting on timeouts and sockets, and the whole suite used
+# 1.06 of 2 cores run one test at a time. The files here keep more than a core busy by themselves
+# (CPU seconds per wall second measured one test at a time, self + children): they form one group,
+# which one worker runs in turn, so no two of them compete for the cores. The namespace tests form
+# another, so two of them never set up hosts at once (they pick a free subnet by looking).
+XDIST_GROUPS = {
+    "tests/integration/test_hsdp.py": "cpu-heavy",                  # 1.67: 2 replicas x 2 ranks
+    "tests/chaos/test_chaos_cli.py": "cpu-heavy",                   # 1.72: three systems' clusters
+    "tests/chaos/test_chaos_gpt.py": "cpu-heavy",                   # 1.33: GPT replicas, then the oracle
+    "tests/chaos/test_chaos_signals.py": "cpu-heavy",               # 1.52
+    "tests/integration/test_recipes.py": "cpu-heavy",               # 1.48
+    "tests/integration/test_peers.py": "cpu-heavy",                 # 1.53: sixteen peers
+    "tests/integration/test_gpt_recipe.py": "cpu-heavy",            # 1.19
+    "tests/integration/test_diloco.py": "cpu-heavy",                # 1.19
+    "tests/transport/test_nccl_shared_device_job.py": "cpu-heavy",  # 1.56
+    "tests/integration/test_hosts.py": "netns",
+}
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Multi-process tests (marked ``slow``) run real replicas on a shared 2-core machine, where
     load stretches timings (their ports lie outside the ephemeral range, ``p2pft.deploy.ports``, so no
     outgoing connection takes one): such a test gets one rerun. A second failure fails the
-    suite, and pytest reports every rerun (``R`` in the progress line, 'rerun' in the summary)."""
+    suite, and pytest reports every rerun (``R`` in the progress line, 'rerun' in the summary).
+    Files in ``XDIST_GROUPS`` get their group."""
+    root = config.rootpath
     for item in items:
         if item.get_closest_marker("slow") is not None and item.get_closest_marker("flaky") is None:
             item.add_marker(pytest.mark.flaky(reruns=1))
+        group = XDIST_GROUPS.get(item.path.relative_to(root).as_posix())
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
