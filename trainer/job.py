@@ -298,7 +298,7 @@ class JobLife:
             return
         others = [m for m in view.participants if m.node != rt.node_id]
         if view.role_of(rt.node_id) is not Role.PARTICIPANT or any(rt.member_step(m.node) != 0 for m in others):
-            if others:
+            if others or any(m.node != rt.node_id for m in view.paused):   # someone holds the job's state
                 log.info("the group started without this replica: catching up from a snapshot instead of "
                          "taking the initial state")
                 self.catchup.start("the group started without this replica")
