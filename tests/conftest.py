@@ -18,6 +18,7 @@ from typing import Any, Awaitable, Callable, Iterator
 
 import pytest
 
+from p2pft.deploy import ports as _ports
 from p2pft.deploy.ports import free_ports
 from p2pft.net.admin import admin_request
 
@@ -179,6 +180,16 @@ def ctl() -> type[Ctl]:
     return Ctl
 
 
+# Parallel workers (below) draw their ports from disjoint shares, and so do the harnesses they
+# start (``p2pft chaos`` reads the share from the environment): a port one worker checked free
+# and binds later is never another's.
+if os.environ.get("PYTEST_XDIST_WORKER", "").startswith("gw"):
+    _count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    _index = int(os.environ["PYTEST_XDIST_WORKER"][2:]) % _count   # a replaced worker gets a new name
+    _ports.share(_index, _count)
+    os.environ[_ports.SHARE_ENV] = f"{_index}/{_count}"
+
+
 # The suite runs on pytest-xdist workers (``-n auto --dist loadgroup`` in pyproject.toml): most
 # multi-process tests spend their time waiting on timeouts and sockets, and the whole suite used
 # 1.06 of 2 cores run one test at a time. The files here keep more than a core busy by themselves
@@ -206,10 +217,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     outgoing connection takes one): such a test gets one rerun. A second failure fails the
     suite, and pytest reports every rerun (``R`` in the progress line, 'rerun' in the summary).
     Files in ``XDIST_GROUPS`` get their group."""
-    root = config.rootpath
     for item in items:
         if item.get_closest_marker("slow") is not None and item.get_closest_marker("flaky") is None:
             item.add_marker(pytest.mark.flaky(reruns=1))
-        group = XDIST_GROUPS.get(item.path.relative_to(root).as_posix())
+        group = XDIST_GROUPS.get(item.nodeid.split("::", 1)[0])   # the file, relative to the rootdir
         if group is not None:
             item.add_marker(pytest.mark.xdist_group(group))

@@ -10,21 +10,47 @@ never the same twice in one process.
 """
 from __future__ import annotations
 
+import os
 import random
 import socket
 import threading
 from pathlib import Path
 
-__all__ = ["ephemeral_range", "free_ports"]
+__all__ = ["ephemeral_range", "free_ports", "share"]
 
 EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 LINUX_DEFAULT = (32768, 60999)
 LOWEST = 10000          # below: ports services commonly listen on
 MIN_SPAN = 256          # a smaller gap outside the ephemeral range is not worth drawing from
 
+SHARE_ENV = "P2PFT_PORT_SHARE"   # "index/count": this process's share of the ports (see share())
+
 _handed_out: set[int] = set()
 _lock = threading.Lock()
 _rng = random.Random()  # seeded from the OS: concurrent harnesses draw different ports
+
+
+def _parse_share(raw: str) -> tuple[int, int]:
+    try:
+        index, count = (int(x) for x in raw.split("/"))
+    except ValueError:
+        raise ValueError(f"${SHARE_ENV} must be index/count, e.g. 0/2, got {raw!r}") from None
+    if not 0 <= index < count:
+        raise ValueError(f"${SHARE_ENV}: index {index} is not in 0..{count - 1}")
+    return index, count
+
+
+_share = _parse_share(os.environ[SHARE_ENV]) if os.environ.get(SHARE_ENV) else (0, 1)
+
+
+def share(index: int, count: int) -> None:
+    """Hand out only ports p with p % count == index. A port is checked free when handed out
+    but bound later (a restarted replica binds its old port again seconds later), so harnesses
+    running side by side on one machine (parallel test workers) could draw the same port; each
+    with its own index never does. Also read from ``$P2PFT_PORT_SHARE`` ("index/count"), which
+    a harness's child processes inherit."""
+    global _share
+    _share = _parse_share(f"{index}/{count}")
 
 
 def ephemeral_range() -> tuple[int, int]:
@@ -84,10 +110,12 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
             port = 0
             for a, b in spans:
                 if k <= b - a:
-                    port = a + k
+                    port = a + k + (_share[0] - (a + k)) % _share[1]   # the next port of our share
+                    if port > b:
+                        port = 0
                     break
                 k -= b - a + 1
-            if port not in _handed_out and port not in out and _bindable(host, port):
+            if port and port not in _handed_out and port not in out and _bindable(host, port):
                 out.append(port)
         if len(out) < n:
             out += _kernel_ports(n - len(out), host)

@@ -35,6 +35,7 @@ def test_a_port_someone_listens_on_is_skipped(monkeypatch: pytest.MonkeyPatch) -
         # Leave exactly two candidates outside the range: the busy port and the one after it.
         monkeypatch.setattr(ports, "_spans", lambda lo, hi: [(busy, busy + 1)])
         monkeypatch.setattr(ports, "_handed_out", set())
+        monkeypatch.setattr(ports, "_share", (0, 1))   # both candidates ours (a test worker has a share)
         got = ports.free_ports(1)
         nxt_free = ports._bindable("127.0.0.1", busy + 1)
     assert got != [busy]
@@ -57,3 +58,17 @@ def test_the_range_is_read_from_the_kernel(tmp_path: Path, monkeypatch: pytest.M
     assert ports.ephemeral_range() == ports.LINUX_DEFAULT
     with pytest.raises(ValueError):
         ports.free_ports(-1)
+
+
+def test_harnesses_side_by_side_draw_from_disjoint_shares(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Parallel test workers each take a share: no port of one is ever a port of another."""
+    monkeypatch.setattr(ports, "_share", ports._share)   # restored after the test
+    drawn = {}
+    for index in range(3):
+        ports.share(index, 3)
+        drawn[index] = ports.free_ports(40)
+        assert all(p % 3 == index for p in drawn[index]), drawn[index]
+    assert not set(drawn[0]) & set(drawn[1]) and not set(drawn[1]) & set(drawn[2])
+    for bad in ("2", "a/b", "3/3", "-1/2"):
+        with pytest.raises(ValueError, match="P2PFT_PORT_SHARE"):
+            ports._parse_share(bad)
