@@ -48,7 +48,7 @@ class Cluster(ProcessSet):
             self.env.update(P2PFT_DATA_PLANE="nccl",
                             PYTHONPATH=os.pathsep.join(filter(None, [FAKES, os.environ.get("PYTHONPATH")])))
         a, b, w0, w1 = (f"127.0.0.1:{p}" for p in ports(4))
-        self.b_pids: list[int] = []            # every rank of B's incarnations, killed at the end
+        self.b_pids: list[int] = []            # the ranks of B's incarnation under a fault
         self.gone: tuple[str, ...] = ()        # B's torn-down incarnations (their exit is expected)
         self.addr = {"a": a, "b": b}
         self.witnesses = [w0, w1]
@@ -90,16 +90,17 @@ def _phase(c: Cluster, old: str, new: str, victim: int, sig: int) -> dict[str, A
     Returns what the checks after the run need."""
     start = [r for r in records(c.stats[old]) if r.get("kind") == "start"][0]
     b_pids = [int(p) for p in start["pids"]]
-    c.b_pids.extend(b_pids)
+    c.b_pids = b_pids   # killed at the end unless seen gone (a pid seen gone may be reused)
     os.kill(b_pids[victim], sig)  # one rank of replica B
     t_kill = time.time()
     at_kill = c.last_step("a")
     c.wait(lambda: c.procs[old].poll() is not None, 10 + RANK_TIMEOUT, "B's launcher to tear B down",
-           allow_exit=c.gone)
+           allow_exit=c.gone + (old,))
     assert c.procs[old].returncode != 0
     c.gone += (old,)
     time.sleep(0.3)
     assert not any(_alive(p) for p in b_pids), "a rank of the torn-down replica B is still running"
+    c.b_pids = []
     c.wait(lambda: any(r["c"] and r["n"] == 1 for r in steps(c.stats["a"]) if r["t"] > t_kill), 20,
            "A to commit alone", allow_exit=c.gone)
     c.wait(lambda: c.last_step("a") >= at_kill + 5, 20, "A to commit 5 steps after the kill", allow_exit=c.gone)
