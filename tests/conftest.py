@@ -194,10 +194,11 @@ if os.environ.get("PYTEST_XDIST_WORKER", "").startswith("gw"):
 # tests spend their time waiting on timeouts and sockets, and the whole suite used 1.06 of 2 cores
 # run one test at a time (700 s serial, 460-480 s on two workers). Not the default: under a
 # neighbour's load test_transport_allreduce.py::test_abort_during_data_transfer[native-1] shows a
-# rank of the C ring loop not woken within 5 s by its neighbour's abort (open defect). The files here keep more than a core busy by themselves
-# (CPU seconds per wall second measured one test at a time, self + children): they form one group,
-# which one worker runs in turn, so no two of them compete for the cores. The namespace tests form
-# another, so two of them never set up hosts at once (they pick a free subnet by looking).
+# rank of the C ring loop not woken within 5 s by its neighbour's abort (open defect).
+# The files here keep more than a core busy by themselves (CPU seconds per wall second measured
+# one test at a time, self + children): they form one group, which one worker runs in turn, so no
+# two of them compete for the cores. The namespace tests form another, so two of them never set
+# up hosts at once (they pick a free subnet by looking).
 XDIST_GROUPS = {
     "tests/integration/test_hsdp.py": "cpu-heavy",                  # 1.67: 2 replicas x 2 ranks
     "tests/chaos/test_chaos_cli.py": "cpu-heavy",                   # 1.72: three systems' clusters
