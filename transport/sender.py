@@ -20,7 +20,7 @@ from .errors import CommError, CommTimeout, PeerFailed
 from .failure import FailHooks
 from .wire import RemoteError, io_slice, read_reverse_error, send_all_timed, send_nowait, set_io_slice
 
-__all__ = ["ERROR_FRAME_GRACE_S", "LaneSender", "SENDER_GRACE_S", "STOP", "WAKE"]
+__all__ = ["DrainMark", "ERROR_FRAME_GRACE_S", "LaneSender", "SENDER_GRACE_S", "STOP", "WAKE"]
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +32,23 @@ ERROR_FRAME_GRACE_S = 1.0
 #: queue items besides frames: STOP ends a lane thread, WAKE makes a sender look at the failure state
 STOP = object()
 WAKE = object()
+
+
+class DrainMark:
+    """Queued behind an op's frames: `reached` turns true once the thread has written them all.
+
+    Only the sender sets `reached`; `ev` is the drainer's waiter event, which failures and other
+    lanes finishing also set, so it only says "look again", never "done"."""
+
+    __slots__ = ("ev", "reached")
+
+    def __init__(self, ev: threading.Event) -> None:
+        self.ev = ev
+        self.reached = False
+
+    def reach(self) -> None:
+        self.reached = True
+        self.ev.set()
 
 
 class LaneSender:
@@ -91,8 +108,8 @@ class LaneSender:
                         self.progress = send_all_timed(sock, (hdr, payload), self.timeout,
                                                        max(queued, self.progress))
                     self.completed += 1
-                elif isinstance(job, threading.Event):
-                    job.set()
+                elif type(job) is DrainMark:
+                    job.reach()
         except TimeoutError:
             fail(CommTimeout(f"rank {self.right} accepted no data for {self.timeout:.3g} s",
                              peer_rank=self.right, peer_addr=self.right_addr))
@@ -159,9 +176,12 @@ class LaneSender:
                 raise state.failed
             return  # everything was written inline or the sender already finished
         with state.waiter() as ev:
-            self.q.put(ev)
+            # The waiter event is also set when another lane finishes: only the mark, which the
+            # thread reaches after this op's last frame, says the tensor is no longer being read.
+            mark = DrainMark(ev)
+            self.q.put(mark)
             deadline = time.monotonic() + tmo + SENDER_GRACE_S
-            while not ev.is_set():
+            while not mark.reached:
                 if state.failed is not None:
                     raise state.failed
                 if self.exited.is_set():
@@ -172,6 +192,7 @@ class LaneSender:
                         f"rank {self.right} did not take our data within {tmo:.3g} s",
                         peer_rank=self.right, peer_addr=self.right_addr))
                 ev.wait(left)
+                ev.clear()  # before `reached` is looked at again: a mark reached meanwhile is not missed
             if state.failed is not None:
                 raise state.failed
 

@@ -219,6 +219,34 @@ def test_abort_during_data_transfer(lanes: int, leak_check: None) -> None:
         ring.close()
 
 
+@pytest.mark.parametrize("lanes", [1, 2])
+def test_an_abort_right_after_an_op_returned_costs_the_neighbours_nothing(lanes: int, leak_check: None) -> None:
+    # An op returns once its lanes have handed all their frames to the kernel; the caller may
+    # then reuse the tensor or abort. Several rounds: the lanes finish in a different order each time.
+    for _ in range(10):
+        ring = Ring(3, lanes=lanes)
+        try:
+            xs = [np.ones(8 << 20, dtype=np.float32) for _ in range(3)]
+            box: list = [None] * 3
+
+            def rank(r: int) -> None:
+                box[r] = _catch(lambda: ring.comms[r].allreduce(xs[r]))
+                if r == 1 and isinstance(box[r], int):
+                    xs[r].fill(np.nan)  # reused at once: nothing of it may still be on its way
+                    ring.comms[r].abort("done with this communicator")
+
+            ths = [threading.Thread(target=rank, args=(r,)) for r in range(3)]
+            for t in ths:
+                t.start()
+            for t in ths:
+                t.join(10)
+            assert not any(t.is_alive() for t in ths)
+            assert box == [3, 3, 3], box
+            assert all(np.all(xs[r] == 3.0) for r in (0, 2))
+        finally:
+            ring.close()
+
+
 def test_wrong_secret_is_rejected(leak_check: None) -> None:
     a = DataServer(secret=b"alpha")
     b = DataServer(secret=b"beta")
