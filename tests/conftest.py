@@ -190,11 +190,9 @@ if os.environ.get("PYTEST_XDIST_WORKER", "").startswith("gw"):
     os.environ[_ports.SHARE_ENV] = f"{_index}/{_count}"
 
 
-# Opt-in parallel runs on pytest-xdist workers (``-n auto --dist loadgroup``): most multi-process
-# tests spend their time waiting on timeouts and sockets, and the whole suite used 1.06 of 2 cores
-# run one test at a time (700 s serial, 460-480 s on two workers). Not the default: under a
-# neighbour's load test_transport_allreduce.py::test_abort_during_data_transfer[native-1] shows a
-# rank of the C ring loop not woken within 5 s by its neighbour's abort (open defect).
+# The suite runs on pytest-xdist workers (``-n auto --dist loadgroup``, pyproject's addopts): most
+# multi-process tests spend their time waiting on timeouts and sockets, and the whole suite used
+# 1.06 of 2 cores run one test at a time (700 s serial, 485-515 s on two workers).
 # The files here keep more than a core busy by themselves (CPU seconds per wall second measured
 # one test at a time, self + children): they form one group, which one worker runs in turn, so no
 # two of them compete for the cores. The namespace tests form another, so two of them never set
