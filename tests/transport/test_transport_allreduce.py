@@ -227,20 +227,15 @@ def test_an_abort_right_after_an_op_returned_costs_the_neighbours_nothing(lanes:
         ring = Ring(3, lanes=lanes)
         try:
             xs = [np.ones(8 << 20, dtype=np.float32) for _ in range(3)]
-            box: list = [None] * 3
 
-            def rank(r: int) -> None:
-                box[r] = _catch(lambda: ring.comms[r].allreduce(xs[r]))
-                if r == 1 and isinstance(box[r], int):
-                    xs[r].fill(np.nan)  # reused at once: nothing of it may still be on its way
-                    ring.comms[r].abort("done with this communicator")
+            def reduce_then_abort() -> int:
+                n = ring.comms[1].allreduce(xs[1])
+                xs[1].fill(np.nan)  # reused at once: nothing of it may still be on its way
+                ring.comms[1].abort("done with this communicator")
+                return n
 
-            ths = [threading.Thread(target=rank, args=(r,)) for r in range(3)]
-            for t in ths:
-                t.start()
-            for t in ths:
-                t.join(10)
-            assert not any(t.is_alive() for t in ths)
+            box = run_ranks([lambda: ring.comms[0].allreduce(xs[0]), reduce_then_abort,
+                             lambda: ring.comms[2].allreduce(xs[2])], timeout=10)
             assert box == [3, 3, 3], box
             assert all(np.all(xs[r] == 3.0) for r in (0, 2))
         finally:
