@@ -33,6 +33,13 @@ def _exit_record(rs: Replicas, name: str) -> dict:
     return ex[-1]
 
 
+def _start_two(rs: Replicas, n: int) -> None:
+    """Start r0 and r1 and wait until both have committed step `n`."""
+    rs.spawn(0, "r0")
+    rs.spawn(1, "r1")
+    rs.wait(lambda: min(rs.last_step("r0"), rs.last_step("r1")) >= n, 45, f"step {n} on r0 and r1")
+
+
 def test_different_seeds_then_a_late_restart_after_the_job_finished(tmp_path: Path) -> None:
     """One short job serves both: r1 starts with another seed, yet both start from the leader's
     state and end with one digest; then r0, restarted by its launcher after the job finished,
@@ -72,9 +79,7 @@ def test_a_late_joiner_with_another_seed_catches_up_by_snapshot(tmp_path: Path) 
                                 "--digest-every", "1"], witnesses=1)
     rs.spawn_witness(0)
     try:
-        rs.spawn(0, "r0")
-        rs.spawn(1, "r1")
-        rs.wait(lambda: min(rs.last_step("r0"), rs.last_step("r1")) >= 2, 45, "2 steps of r0 and r1")
+        _start_two(rs, 2)
         rs.extra = rs.extra + ["--seed", "9"]
         rs.spawn(2, "r2")
 
@@ -99,9 +104,7 @@ def test_every_replica_dead_without_checkpoint_refuses_to_train_from_step_0(tmp_
     rs.spawn_witness(0)
     rs.spawn_witness(1)
     try:
-        rs.spawn(0, "r0")
-        rs.spawn(1, "r1")
-        rs.wait(lambda: min(rs.last_step("r0"), rs.last_step("r1")) >= 6, 45, "6 steps")
+        _start_two(rs, 6)
         for n in ("r0", "r1"):
             rs.procs[n].send_signal(signal.SIGKILL)
         reached = max(rs.last_step("r0"), rs.last_step("r1"))
@@ -158,9 +161,7 @@ def test_end_barrier_waits_for_a_straggler_catching_up(tmp_path: Path) -> None:
     rs = Replicas(tmp_path, 3, ["--steps", "30", "--min-replicas", "2"], running_seeds=True)
     rs.extra = rs.extra + ["--step-delay", "0.3"]
     try:
-        rs.spawn(0, "r0")
-        rs.spawn(1, "r1")
-        rs.wait(lambda: min(rs.last_step("r0"), rs.last_step("r1")) >= 1, 45, "the first step")
+        _start_two(rs, 1)
         rs.extra = rs.extra + ["--state-rate-limit", "200000"]
         rs.spawn(2, "r2")
         rcs = {n: _exit(rs, n, 58) for n in ("r0", "r1", "r2")}
