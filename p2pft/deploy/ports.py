@@ -30,14 +30,18 @@ _lock = threading.Lock()
 _rng = random.Random()  # seeded from the OS: concurrent harnesses draw different ports
 
 
+def _checked_share(index: int, count: int, where: str) -> tuple[int, int]:
+    if count < 1 or not 0 <= index < count:
+        raise ValueError(f"{where}: a share is index/count with 0 <= index < count, got {index}/{count}")
+    return index, count
+
+
 def _parse_share(raw: str) -> tuple[int, int]:
     try:
         index, count = (int(x) for x in raw.split("/"))
     except ValueError:
         raise ValueError(f"${SHARE_ENV} must be index/count, e.g. 0/2, got {raw!r}") from None
-    if not 0 <= index < count:
-        raise ValueError(f"${SHARE_ENV}: index {index} is not in 0..{count - 1}")
-    return index, count
+    return _checked_share(index, count, f"${SHARE_ENV}")
 
 
 _share = _parse_share(os.environ[SHARE_ENV]) if os.environ.get(SHARE_ENV) else (0, 1)
@@ -50,7 +54,7 @@ def share(index: int, count: int) -> None:
     with its own index never does. Also read from ``$P2PFT_PORT_SHARE`` ("index/count"), which
     a harness's child processes inherit."""
     global _share
-    _share = _parse_share(f"{index}/{count}")
+    _share = _checked_share(index, count, "share()")
 
 
 def ephemeral_range() -> tuple[int, int]:

@@ -69,6 +69,9 @@ def test_harnesses_side_by_side_draw_from_disjoint_shares(monkeypatch: pytest.Mo
         drawn[index] = ports.free_ports(40)
         assert all(p % 3 == index for p in drawn[index]), drawn[index]
     assert not set(drawn[0]) & set(drawn[1]) and not set(drawn[1]) & set(drawn[2])
-    for bad in ("2", "a/b", "3/3", "-1/2"):
+    for bad in ("2", "a/b", "3/3", "-1/2", "0/0"):
         with pytest.raises(ValueError, match="P2PFT_PORT_SHARE"):
             ports._parse_share(bad)
+    for index, count in ((3, 2), (0, 0)):
+        with pytest.raises(ValueError, match=r"^share\(\): .* got %d/%d" % (index, count)):
+            ports.share(index, count)
