@@ -20,6 +20,7 @@ import pytest
 from p2pft.net import aio
 from p2pft.net.driver import ACCEPT_BACKLOG
 from p2pft.net.wire import encode
+from p2pft.transport.addr import parse_hostport
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -44,7 +45,7 @@ def _rss_kb(pid: int) -> int:
 
 def _listen_backlog(addr: str) -> int:
     """The listen queue of the socket bound to `addr`, as the kernel reports it (ss's Send-Q)."""
-    port = addr.rsplit(":", 1)[1]
+    port = parse_hostport(addr).port
     out = subprocess.run(["ss", "-Hltn", f"sport = :{port}"], capture_output=True, text=True, check=True).stdout
     return max(int(line.split()[2]) for line in out.splitlines())
 
@@ -54,12 +55,12 @@ def _somaxconn() -> int:
 
 
 def _flood(addr: str, n: int) -> list[socket.socket]:
-    host, port = addr.rsplit(":", 1)
+    host, port = parse_hostport(addr)
     socks = []
     for _ in range(n):
         s = socket.socket()
         s.settimeout(5)
-        s.connect((host, int(port)))
+        s.connect((host, port))
         socks.append(s)
     return socks
 
@@ -145,10 +146,10 @@ def test_control_port_closes_a_client_that_never_reads(peers: Any, ctl: Any) -> 
     try:
         aio.run(ctl.wait_until(lambda: _ok(ctl, addr), 20, what="the peer to answer"))
         rss0 = _rss_kb(proc.pid)
-        host, port = addr.rsplit(":", 1)
+        host, port = parse_hostport(addr)
         s = socket.socket()
         s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)   # a tiny window, never read
-        s.connect((host, int(port)))
+        s.connect((host, port))
         stop = threading.Event()
         sent = [0]
 
@@ -228,10 +229,10 @@ def test_data_port_survives_a_handshake_flood_and_a_joiner_that_never_reads(capl
         for s in socks:
             s.close()
         # A joiner that asks for a snapshot and never reads it: dropped after state_timeout.
-        host, port = a.addr.rsplit(":", 1)
+        host, port = parse_hostport(a.addr)
         j = socket.socket()
         j.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        j.connect((host, int(port)))
+        j.connect((host, port))
         hello = pack_hello(b"k", KIND_STATE, 0, 0, 0, 0, 0)
         j.sendall(hello)
         ack = bytearray(ACK_LEN)
