@@ -8,13 +8,15 @@ from __future__ import annotations
 
 from .cursor import DataCursor
 from .diloco import DiLoCo, DiLoCoResult
-from .ft import FaultTolerant, StepResult, StepTimeout, Stopped
-from .job import InitialStateMismatch, JobConfigError, JobFinished, MissingStateError
+from .errors import InitialStateMismatch, JobConfigError, JobError, JobFinished, MissingStateError, StepTimeout, Stopped
+from .ft import FaultTolerant, StepResult
+from .hsdp import HSDP
 from .loader import StepLoader
 from .lr import LRPolicy, lr_scale
 from .state import capture, restore, state_digest
 
-__all__ = ["DiLoCo", "DiLoCoResult", "FaultTolerant", "StepResult", "StepTimeout", "Stopped", "JobFinished",
+__all__ = ["DiLoCo", "DiLoCoResult", "FaultTolerant", "HSDP", "StepResult", "StepTimeout", "Stopped", "JobError",
+           "JobFinished",
            "MissingStateError",
            "JobConfigError", "InitialStateMismatch", "StepLoader", "DataCursor", "LRPolicy", "lr_scale",
            "capture", "restore", "state_digest"]

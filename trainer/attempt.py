@@ -13,7 +13,8 @@ from typing import Any
 
 import torch
 
-from ..core.view import shard_addr
+from ..core.view import JobTarget, shard_addr
+from .errors import StepTimeout, Stopped
 
 
 class Plan(enum.Enum):
@@ -42,6 +43,8 @@ class Attempt:
     #: data rank -> step of members done at the job's end past our step (they reduce no more):
     #: fetch the steps we missed from them instead of reducing
     done_ahead: tuple[tuple[int, int], ...] = ()
+    finished: int | None = None                   # STOP: the job finished at this step
+    target: JobTarget | None = None               # ... declared as this
 
     def peers(self, shard: int) -> list[str]:
         return [shard_addr(a, shard) for a in self.addrs]
@@ -96,14 +99,6 @@ class StepResult:
     # The ring that reduced the committed step (of size data_world): each contributing slot's
     # data rank. The summation order follows from it, so a replay can add in the same order.
     slot_ranks: dict[int, int] | None = None
-
-
-class StepTimeout(RuntimeError):
-    """No view in which this replica could commit appeared within the step timeout."""
-
-
-class Stopped(RuntimeError):
-    """request_stop() was called while a step was in flight (graceful shutdown)."""
 
 
 __all__ = ["Attempt", "Entry", "Plan", "StepResult", "StepTimeout", "Stopped", "Verdict"]

@@ -17,19 +17,17 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
-from typing import Any, Protocol
+from typing import Any
 
-import torch
 
 from ..core.meta import Status
 from ..core.step import ReplayLog
 from ..core.view import shard_addr
-from ..runtime import Runtime
-from ..transport import CommError, DataServer
+from ..transport import CommError
 from ..transport.stream import StateSnapshot, fetch_state
 from .attempt import Entry
 from .donor import lower_thread_priority
+from .ports import CatchupPort
 from .recovery import LogLimiter
 from .requests import StateRequest
 
@@ -41,37 +39,8 @@ FETCH_RETRY_S = 0.2
 IDLE_WAIT_S = 0.5           # a worker at the head of the log waits this long per look
 
 
-class Replica(Protocol):
-    """What catch-up needs of the step engine (``engine.StepEngine``)."""
-
-    rt: Runtime | None
-    step: int
-    shard: int
-    secret: bytes | None
-    state_rate_limit: float | None
-    ds: DataServer                  # its data server: the source address of our fetches
-    model: torch.nn.Module
-    opt: torch.optim.Optimizer
-    events: deque[dict[str, Any]]
-
-    @property
-    def stopping(self) -> bool: ...
-
-    @property
-    def synced(self) -> bool: ...
-
-    def mark_synced(self, synced: bool) -> None: ...
-
-    @property
-    def state_io(self) -> Any: ...
-
-    def apply(self, e: Entry) -> None: ...
-
-    def restore_snapshot(self, snap: StateSnapshot) -> None: ...
-
-
 class Catchup:
-    def __init__(self, engine: Replica, replay_cap_bytes: int) -> None:
+    def __init__(self, engine: CatchupPort, replay_cap_bytes: int) -> None:
         self.e = engine
         self.lock = threading.Lock()
         self._cond = threading.Condition(self.lock)
@@ -173,6 +142,12 @@ class Catchup:
             e.rt.set_status(Status.READY, e.step)
         e.events.append({"t": time.time(), "kind": "catchup_done", "step": e.step,
                          "snapshot_step": self._held_done, "replayed": replayed, "fetch_s": self._fetch_s})
+
+    def at_head(self, step: int) -> bool:
+        """Synced, or restored and replayed everything logged, at `step`: ready to hand over
+        at the end of the job."""
+        with self.lock:
+            return self.e.synced or (self._at_head and not self.log and self.e.step == step)
 
     def settle(self, step: int) -> bool:
         """The job ended at `step`, so no reduced step will come to hand over at: a worker at

@@ -17,17 +17,21 @@ from __future__ import annotations
 import copy
 import logging
 import threading
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
 from ..runtime import Runtime
-from .attempt import Entry, StepResult, StepTimeout, Stopped
+from .attempt import Entry, StepResult
 from .engine import StepEngine
+from .errors import StepTimeout, Stopped
 from .ft import WHOLE_STATE
 from .group import LocalGroup
-from .options import Capacity, DataPlaneOptions, EngineOptions, Timeouts, UpdateRule
+from .job import JobOptions
+from .options import (DILOCO_LOOP_TIMEOUT_S, Capacity, CheckpointOptions, DataPlaneOptions, EngineOptions, Timeouts,
+                      UpdateRule)
 from .optstep import GradHook, OptimizerStep
 from .outer import FragmentSchedule, merge, outer_sgd, pseudo_gradient, split_fragments
 from .pgcodec import Compression, PseudoGradCodec
@@ -64,12 +68,29 @@ class DiLoCo(StepEngine):
                  lr_scheduler: Any = None, grad_scaler: Any = None, grad_hook: GradHook | None = None,
                  after_step: GradHook | None = None, outer_lr_scheduler: Callable[[Any], Any] | None = None,
                  outer_grad_hook: GradHook | None = None, state: dict[str, Stateful] | None = None,
-                 max_slots: int = 256, recent_keep: int = 2, replay_cap_bytes: int = 2 << 30,
-                 step_timeout: float = 120.0, state_rate_limit: float | None = None,
-                 loop_timeout: float | None = 120.0, data_plane: str | None = None) -> None:
+                 max_slots: int = Capacity.max_slots, recent_keep: int = Capacity.recent_keep,
+                 replay_cap_bytes: int = Capacity.replay_cap_bytes,
+                 step_timeout: float = Timeouts.step_timeout,
+                 state_rate_limit: float | None = DataPlaneOptions.state_rate_limit,
+                 loop_timeout: float | None = DILOCO_LOOP_TIMEOUT_S,
+                 data_plane: str | None = DataPlaneOptions.data_plane, checkpoint_dir: str | None = None,
+                 checkpoint_every: int = 0, resume: bool = True,
+                 total_steps: int | None = None, total_samples: int | None = None,
+                 min_replicas: int = JobOptions.min_replicas, start_timeout: float = JobOptions.start_timeout,
+                 resume_grace: float = JobOptions.resume_grace,
+                 allow_restart_from_scratch: bool = JobOptions.allow_restart_from_scratch,
+                 on_finished: str = JobOptions.on_finished.value,
+                 initial_state: str = JobOptions.initial_state.value,
+                 finish_timeout: float = JobOptions.finish_timeout) -> None:
         # loop_timeout: the leader leaves out a replica whose loop is silent this long; a sync
         # may wait in the ring up to comm_timeout, which DiLoCo needs longer than a step's.
         self.schedule = FragmentSchedule(sync_every, fragments, overlap, alpha)
+        # total_steps counts inner steps, as the loop does; the kernel's steps are syncs.
+        span = self.schedule.span
+        if total_steps is not None and (isinstance(total_steps, bool) or not isinstance(total_steps, int)
+                                        or total_steps < 1 or total_steps % span):
+            raise ValueError(f"total_steps={total_steps!r} (inner steps) must be a positive multiple of the span "
+                             f"between syncs ({span})")
         self.codec_kind = Compression.parse(compression)
         if not callable(outer_optimizer):
             raise TypeError("outer_optimizer must be a factory: params -> torch.optim.Optimizer")
@@ -91,7 +112,13 @@ class DiLoCo(StepEngine):
                               lr_scheduler=outer_lr_scheduler(outer) if outer_lr_scheduler is not None else None),
             capacity=Capacity(max_slots=max_slots, recent_keep=recent_keep, replay_cap_bytes=replay_cap_bytes),
             data=DataPlaneOptions(data_plane=data_plane, secret=runtime.secret, state_rate_limit=state_rate_limit),
-            state=dict(state or {}))
+            state=dict(state or {}),
+            job=JobOptions.make(total_steps=None if total_steps is None else total_steps // span,
+                                total_samples=total_samples, min_replicas=min_replicas,
+                                start_timeout=start_timeout, resume_grace=resume_grace,
+                                allow_restart_from_scratch=allow_restart_from_scratch, on_finished=on_finished,
+                                initial_state=initial_state, finish_timeout=finish_timeout),
+            checkpoint=CheckpointOptions.of(checkpoint_dir, checkpoint_every, resume))
         super().__init__(glob, outer, group=LocalGroup(), runtime=runtime, data_server=runtime.data,
                          state_io=WHOLE_STATE, options=options)
         self.batch = batch_per_replica
@@ -143,7 +170,7 @@ class DiLoCo(StepEngine):
     def begin(self, stop: bool = False) -> list[int]:
         """This inner step's sample indices ([] = the replica contributes nothing to the next
         sync). At a span's start this is the engine's collective begin."""
-        self._beat()
+        self.beat()
         if self._k == 0:
             self._span_idx = super().begin(stop)
             self._base = self.step
@@ -249,10 +276,15 @@ class DiLoCo(StepEngine):
         """Local weights <- global; the inner scheduler advanced to the replicated inner step."""
         merge([p.data for p in self._lparams], [p.data for p in self._gparams], 0.0)
         target = self.step * self.schedule.span
-        if self.inner_scheduler is not None:
-            while self._sched_steps < target:
-                self.inner_scheduler.step()
-                self._sched_steps += 1
+        if self.inner_scheduler is not None and self._sched_steps < target:
+            # The schedule is moved to the replicated inner step before this replica's first
+            # inner optimizer step (a restart, or a replica that sat out syncs): PyTorch warns
+            # about a scheduler stepped before its optimizer, which here is the point.
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
+                while self._sched_steps < target:
+                    self.inner_scheduler.step()
+                    self._sched_steps += 1
         self._fresh = False
 
     # ------------------------------------------------------------------ the outer step

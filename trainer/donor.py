@@ -22,6 +22,7 @@ import threading
 from typing import Any, Callable
 
 from ..transport.stream import StateSnapshot
+from .ports import DonorPort
 from .requests import RequestKind, StateRequest
 
 CATCHUP_NICE = 10  # weight ~1/10 of a normal thread: catch-up still progresses on a busy host
@@ -106,7 +107,7 @@ class Donor:
     snapshots to joiners, mean gradients to peers that fast-forward, and signatures of committed
     steps to a replica back from a pause (``pause.py``)."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: DonorPort) -> None:
         self.e = engine
         self.requests = SnapshotRequests()
         self._kinds: dict[RequestKind, Callable[[StateRequest], StateSnapshot | None]] = {}

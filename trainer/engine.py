@@ -13,19 +13,19 @@ engine with a different ``ReplicaGroup`` and state layout. Per attempt (docs/arc
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import torch
 
 from ..core.meta import Status
 from ..core.step import RETRY_PAUSE_S, Action, Reduced, decide, idle_backoff
-from ..core.view import Role
+from ..core.view import Role, TargetKind
 from ..ops.log import set_context
 from ..runtime import Runtime
 from ..transport import CommAborted, CommError, DataServer, SharedDevice
@@ -33,7 +33,7 @@ from ..transport.addr import parse_hostport
 from ..transport.backend import choose_backend, data_plane_from
 from ..transport.device import written_event
 from ..transport.stream import StateSnapshot
-from .attempt import Attempt, Entry, Plan, StepResult, StepTimeout, Stopped, Verdict
+from .attempt import Attempt, Entry, Plan, StepResult, Verdict
 from .catchup import Catchup
 from .comms import ShardComms
 from .cursor import DataCursor
@@ -44,6 +44,10 @@ from .optstep import OptimizerStep
 from .pause import Pauses
 from .recent import RecentSteps, fast_forward
 from .recovery import LogLimiter, check_usable, recover
+from .errors import StepTimeout, Stopped
+from .job import JobLife
+from .checkpoints import Checkpoints
+from .state_io import StateIO
 from .stepbuf import StepBuffer
 from .userstate import UserState
 
@@ -51,20 +55,6 @@ log = logging.getLogger(__name__)
 
 WAIT_ROLE_S = 1.0           # one look for a view that puts us on the data plane
 WAIT_SHARDS_S = 0.5
-
-
-@dataclass(frozen=True)
-class StateIO:
-    """How a kind of replica copies its state: whole (one rank) or this rank's shards (FSDP)."""
-
-    capture: Callable[[torch.nn.Module, torch.optim.Optimizer, dict[str, Any]],
-                      tuple[dict[str, Any], dict[str, torch.Tensor]]]
-    restore: Callable[[torch.nn.Module, torch.optim.Optimizer, dict[str, Any], dict[str, torch.Tensor]], None]
-    digest: Callable[[torch.nn.Module, torch.optim.Optimizer], str]
-    receive_into: Callable[[torch.nn.Module, torch.optim.Optimizer], dict[str, torch.Tensor]] | None = None
-    # The state may be copied on a transport thread while the loop is outside a step. Not for
-    # FSDP shards: a forward pass (an evaluation between steps) swaps the module's parameters.
-    copy_between_steps: bool = True
 
 
 class StepEngine:
@@ -122,12 +112,13 @@ class StepEngine:
         self.serving = Donor(self)     # snapshots, mean gradients and step signatures for peers
         self.in_step = False           # between begin() and the end of commit(): the loop mutates the state
         self.pause = Pauses(self)      # ``with engine.pause("eval"):``
+        self.life = JobLife(self, options.job)   # forming, the same start, the end, the leader
         self._idle_rounds = 0
         self._say = LogLimiter()
         self._stop = threading.Event()
         self._slot: int | None = None
         self._ranges: list[tuple[int, int]] = []
-        self._ranges_step = -1
+        self._began_step = -1
         self._was_participant = False  # rank 0: see _plan
         self._member_since: int | None = None  # rank 0: our membership's `since` while a participant
         self._rejoin_pending = False
@@ -138,6 +129,13 @@ class StepEngine:
         side = self.comms.listen(host) if self.rank != 0 else (host, 0)
         self._ranks = [tuple(a) for a in group.agree(side)[1:]]
         self._on_rank_lost = options.on_rank_lost
+        if self.life.options.target is not None and self.life.options.target.kind is TargetKind.STEPS:
+            self.catchup.end_step = self.life.options.target.n
+        # Disk checkpoints (every rank its shard, off the training thread); a replica that
+        # finds one resumes from it before it serves or announces anything.
+        self.checkpoints = Checkpoints(self, options.checkpoint) if options.checkpoint is not None else None
+        if self.checkpoints is not None and options.checkpoint is not None and options.checkpoint.resume:
+            self.checkpoints.resume()
 
     # ------------------------------------------------------------------ options, read where used
     @property
@@ -184,7 +182,7 @@ class StepEngine:
             return
         self.rt.set_status(Status.FRESH, self.step)  # 'ready' once it commits, or catches up
         self.rt.publish_step(self.step)
-        self._beat()
+        self.beat()
         self.comms.follow_views(self.rt, self._ranks)  # type: ignore[arg-type]
         self.comms.watch_ranks(self.rt, self._ranks, self.rank_timeout,  # type: ignore[arg-type]
                                self._stop.is_set, self._on_rank_lost)
@@ -204,21 +202,65 @@ class StepEngine:
         ``synced``."""
         self._synced = synced
 
+    # ------------------------------------------------------------------ the job's life
+    def start(self) -> None:
+        """Collective: join the group (the first ``begin()`` does it); see ``JobLife.start``."""
+        self.life.start()
+
+    @property
+    def done(self) -> bool:
+        """The job's target is reached here, or the job finished: call ``finish()``."""
+        return self.life.done
+
+    def finish(self, timeout: float | None = None) -> int:
+        """Collective: the end barrier; the step the job finished at (``JobLife.finish``)."""
+        return self.life.finish(timeout)
+
+    @property
+    def is_leader(self) -> bool:
+        """This replica does the side work (evaluation, logging) of the step begun last: one
+        participant per step, the same answer on every rank of the replica."""
+        return self.life.is_leader
+
+    @property
+    def leader(self) -> str | None:
+        """The replica id of the participant doing side work, as of the step begun last."""
+        return self.life.leader
+
+    def idle_round(self, timeout: float) -> None:
+        """Collective: one reduce round contributing nothing, waiting at most `timeout` for a
+        view (the end barrier runs these for joiners still catching up)."""
+        self._slot = None
+        try:
+            with self.step_timeout_capped(timeout):
+                StepEngine.commit(self)
+        except (StepTimeout, Stopped):
+            pass
+
     # ------------------------------------------------------------------ public loop API
     def begin(self, stop: bool = False) -> list[int]:
         """Collective. This rank's sample indices for the step ([] = the replica contributes
-        nothing); raises Stopped when any rank asked to stop (so all ranks leave together)."""
+        nothing). The first call joins the group (``start()``). Raises Stopped when any rank
+        asked to stop (so all ranks leave together), JobFinished when the job ended."""
         if self.pause.why is not None:
             raise RuntimeError(f"begin() inside a pause ({self.pause.why!r})")
-        self._beat()
+        self.beat()
+        if not stop:
+            self.life.before_begin()
         slot = None
+        lead: tuple[bool, str | None] = (False, None)
+        finished = None
         if self.rt is not None:
             me = self.rt.me()
             if me is not None and me.role is Role.PARTICIPANT and self.synced and me.slot is not None:
                 slot = me.slot
-        got = self.group.agree((bool(stop or self._stop.is_set()), slot))
+            lead = self.life.lead_now()
+            view = self.rt.view
+            finished = view.finished if view is not None else None
+        got = self.group.agree((bool(stop or self._stop.is_set()), slot, lead, finished))
         if any(g[0] for g in got):
             raise Stopped("stop requested")
+        self.life.on_begin(got[0][2], got[0][3])
         self.serving.busy()  # from here on forward passes and the update mutate the state
         self.in_step = True
         self._slot = got[0][1]
@@ -226,7 +268,7 @@ class StepEngine:
             self._ranges = []
             return []
         self._ranges = self.cursor.assign(self._slot)
-        self._ranges_step = self.step
+        self._began_step = self.step
         return self.rank_share(self.cursor, self._slot)
 
     def rank_share(self, cursor: DataCursor, slot: int) -> list[int]:
@@ -234,6 +276,20 @@ class StepEngine:
         idx = [i for a, b in cursor.assign(slot) for i in range(a, b)]
         per = len(idx) // self.world
         return idx[self.rank * per:(self.rank + 1) * per]
+
+    @property
+    def began_step(self) -> int:
+        """The step the ranges of the step begun last were assigned at."""
+        return self._began_step
+
+    @property
+    def buf_device(self) -> torch.device:
+        return self.buf.flat.device
+
+    def receive_into(self) -> dict[str, torch.Tensor] | None:
+        """The tensors a snapshot may stream into in place (None: fresh ones)."""
+        rin = self.state_io.receive_into
+        return rin(self.model, self.opt) if rin is not None else None
 
     @property
     def current_slot(self) -> int | None:
@@ -272,7 +328,7 @@ class StepEngine:
             if self.rt is None and att.node:   # this replica's node, as rank 0 knows it
                 set_context(node=f"{att.node}/rank{self.rank}", epoch=att.epoch)
             if att.kind is Plan.STOP:
-                raise Stopped(f"stopped while committing step {self.step}")
+                raise self.life.stopped(att)
             if att.kind is Plan.TIMEOUT:
                 raise StepTimeout(f"no view to commit step {self.step} in within {self.step_timeout} s")
             if att.kind is Plan.WAIT:
@@ -315,10 +371,24 @@ class StepEngine:
     def capture_state(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         """Everything a replica at this step boundary holds: (msgpack-able meta, CPU tensors)."""
         meta, tensors = self.state_io.capture(self.model, self.opt, {})
-        trees, user_tensors = self.user_state.capture()
+        extra, user_tensors = self.extras()
         tensors.update(user_tensors)
-        return {"step": self.step, "shard": self.shard, "state": meta, "cursor": self.cursor.state_dict(),
-                "user": trees, "optstep": self.optimizer_step.state_dict()}, tensors
+        return {"step": self.step, "shard": self.shard, "state": meta, **extra}, tensors
+
+    def extras(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        """The replicated state besides model and optimizer: data cursor, learning-rate
+        factors, registered user state (meta, tensors)."""
+        trees, user_tensors = self.user_state.capture()
+        return {"cursor": self.cursor.state_dict(), "user": trees,
+                "optstep": self.optimizer_step.state_dict()}, user_tensors
+
+    def load_extras(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+        """Load what ``extras`` gave (and the step), after the model and optimizer."""
+        self.recent.forget_signatures()
+        self.cursor.load_state_dict(meta["cursor"])
+        self.user_state.restore(meta.get("user", {}), tensors)
+        self.optimizer_step.load_state_dict(meta.get("optstep", {}))
+        self.step = int(meta["step"])
 
     @contextlib.contextmanager
     def state_mutation(self) -> Iterator[None]:
@@ -331,12 +401,9 @@ class StepEngine:
             self.serving.idle()
 
     def load_state(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
-        self.recent.forget_signatures()
+        """Load a ``capture_state`` snapshot (a donor's, or the lead's initial state)."""
         self.state_io.restore(self.model, self.opt, meta["state"], tensors)
-        self.cursor.load_state_dict(meta["cursor"])
-        self.user_state.restore(meta.get("user", {}), tensors)
-        self.optimizer_step.load_state_dict(meta.get("optstep", {}))
-        self.step = int(meta["step"])
+        self.load_extras(meta, tensors)
 
     def request_stop(self) -> None:
         """Graceful shutdown, safe from a signal handler: a commit in flight raises Stopped on
@@ -349,8 +416,11 @@ class StepEngine:
     def close(self) -> None:
         self.catchup.stop()
         self.comms.close()
+        if self.checkpoints is not None:
+            self.checkpoints.close()
 
-    def _beat(self) -> None:
+    def beat(self) -> None:
+        """Tell the control plane the loop runs (rank 0; a no-op on the other ranks)."""
         if self.loop_timeout and self.rt is not None:
             self.rt.loop_beat(self.loop_timeout)
 
@@ -361,9 +431,21 @@ class StepEngine:
         assert rt is not None
         if self._stop.is_set():
             return Attempt(Plan.STOP)
+        stop = self.life.stop_plan(rt.view)
+        if stop is not None:
+            return stop
+        att = self._view_plan(rt, slot)
+        if att.kind is Plan.ALLREDUCE and self.synced and not att.rejoin:   # left out: a snapshot, not a log
+            ahead = self.life.done_ahead(att)
+            if ahead:
+                return dataclasses.replace(att, done_ahead=ahead)
+        return att
+
+    def _view_plan(self, rt: Runtime, slot: int | None) -> Attempt:
+        """Rank 0: the attempt the current view allows (the job's life aside)."""
         if time.monotonic() > self._deadline:
             return Attempt(Plan.TIMEOUT)
-        self._beat()
+        self.beat()
         view = rt.view
         me = rt.me(view)
         # Left out of a view after being a participant (absent, or a joiner it did not ask to
@@ -492,7 +574,7 @@ class StepEngine:
         ranks = {s: r for s, r in att.slot_ranks if s < len(mask) and mask[s]}
         if d.action is Action.LOG:
             if self.catchup.on_reduced(entry, all(v.ready == d.step for v in verdicts)):
-                self._after_commit()
+                self.after_commit()
                 return StepResult(self.step, True, entry.count, retries, role, slot_ranks=ranks, **ring)
             return StepResult(self.step, False, entry.count, retries, role, **ring)
         if d.action is Action.FAST_FORWARD:
@@ -503,10 +585,10 @@ class StepEngine:
                                   **ring)
         else:
             n, mine = 0, None
-        if self._ranges_step == entry.step and slot is not None and mask[slot]:
+        if self._began_step == entry.step and slot is not None and mask[slot]:
             mine = entry
         self.apply(entry)
-        self._after_commit()
+        self.after_commit()
         return StepResult(self.step, True, entry.count, retries, role, fast_forwarded=n, slot_ranks=ranks,
                           **self._trained(mine), **ring)
 
@@ -548,7 +630,12 @@ class StepEngine:
         self.step += 1
         self.recent.append(e)
 
-    def _after_commit(self) -> None:
+    def after_commit(self) -> None:
+        """After every committed step (a live one, a fast-forward, a hand-over): publish it,
+        then the parts that act on commits (the job's life, checkpoints)."""
+        self.life.after_commit()
+        if self.checkpoints is not None:
+            self.checkpoints.after_commit()
         if self.rt is not None:
             self.rt.publish_step(self.step)
             if self.rt.status is Status.FRESH:  # it committed with the others: it holds their state

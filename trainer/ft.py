@@ -3,8 +3,8 @@
 A training loop calls ``begin()`` (which samples to train on, empty when this replica does not
 contribute), runs forward/backward, then ``commit()``. ``commit`` allreduces the step buffer on
 the current view's communicator and, on any data-plane error, waits for the next view and
-retries with the saved local gradients: no recomputation, no restart. It is the same engine as
-an FSDP replica's (``HSDP``) with one rank; see ``engine.py`` and docs/architecture.md.
+retries with the saved local gradients: no recomputation, no restart. It is the step kernel
+(``engine.py``) with one rank, the whole state, and the job's life; see docs/architecture.md.
 """
 from __future__ import annotations
 
@@ -13,17 +13,16 @@ from typing import Any
 
 import torch
 
-from ..core.view import TargetKind
 from ..runtime import Runtime
-from .attempt import StepResult, StepTimeout, Stopped
-from .checkpoint import AsyncCheckpointer
-from .engine import StateIO, StepEngine
+from .attempt import StepResult
+from .engine import StepEngine
+from .errors import InitialStateMismatch, JobConfigError, JobError, JobFinished, MissingStateError, StepTimeout, Stopped
 from .group import LocalGroup
-from .job import InitialStateMismatch, JobConfigError, JobFinished, JobLife, JobOptions, MissingStateError
-from .options import Capacity, DataPlaneOptions, EngineOptions, Timeouts, UpdateRule
+from .job import JobOptions
+from .options import Capacity, CheckpointOptions, DataPlaneOptions, EngineOptions, Timeouts, UpdateRule
 from .optstep import GradHook
-from .requests import RequestKind
 from .state import capture, restore, state_digest
+from .state_io import StateIO
 from .userstate import Stateful
 
 log = logging.getLogger(__name__)
@@ -46,13 +45,13 @@ def receive_into(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str
 WHOLE_STATE = StateIO(capture=capture, restore=restore, digest=state_digest, receive_into=receive_into)
 
 
-class FaultTolerant(JobLife, StepEngine):
+class FaultTolerant(StepEngine):
     """Wraps a model and optimizer of one replica (``p2pft.trainer.FaultTolerant``).
 
-    The job's life around the loop (``trainer/job.py``): the first ``begin()`` joins the group
-    (``min_replicas``, the same initial state everywhere, a job that already finished or lost
-    its progress is refused), ``done`` says the target is reached, ``finish()`` is the end
-    barrier, ``is_leader`` picks one participant for side work."""
+    The job's life around the loop (``trainer/job.py``, the same on every algorithm): the first
+    ``begin()`` joins the group (``min_replicas``, the same initial state everywhere, a job that
+    already finished or lost its progress is refused), ``done`` says the target is reached,
+    ``finish()`` is the end barrier, ``is_leader`` picks one participant for side work."""
 
     def __init__(self, runtime: Runtime, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
                  batch_per_replica: int, nominal_replicas: int | None = UpdateRule.nominal_replicas,
@@ -72,11 +71,6 @@ class FaultTolerant(JobLife, StepEngine):
                  initial_state: str = JobOptions.initial_state.value,
                  finish_timeout: float = JobOptions.finish_timeout) -> None:
         # Checked first: a bad option is one error before anything is served.
-        self.job = JobOptions.make(total_steps=total_steps, total_samples=total_samples, min_replicas=min_replicas,
-                                   start_timeout=start_timeout, resume_grace=resume_grace,
-                                   allow_restart_from_scratch=allow_restart_from_scratch,
-                                   on_finished=on_finished, initial_state=initial_state,
-                                   finish_timeout=finish_timeout)
         options = EngineOptions(
             batch_per_replica=batch_per_replica,
             timeouts=Timeouts(step_timeout=step_timeout, comm_timeout=runtime.comm_timeout, loop_timeout=loop_timeout),
@@ -84,40 +78,16 @@ class FaultTolerant(JobLife, StepEngine):
                               grad_scaler=grad_scaler, grad_hook=grad_hook, after_step=after_step),
             capacity=Capacity(max_slots=max_slots, recent_keep=recent_keep, replay_cap_bytes=replay_cap_bytes),
             data=DataPlaneOptions(data_plane=data_plane, secret=runtime.secret, state_rate_limit=state_rate_limit),
-            state=dict(state or {}))
+            state=dict(state or {}),
+            job=JobOptions.make(total_steps=total_steps, total_samples=total_samples, min_replicas=min_replicas,
+                                start_timeout=start_timeout, resume_grace=resume_grace,
+                                allow_restart_from_scratch=allow_restart_from_scratch, on_finished=on_finished,
+                                initial_state=initial_state, finish_timeout=finish_timeout),
+            checkpoint=CheckpointOptions.of(checkpoint_dir, checkpoint_every, resume))
         super().__init__(model, optimizer, group=LocalGroup(), runtime=runtime, data_server=runtime.data,
                          state_io=WHOLE_STATE, options=options)
-        self.serving.register(RequestKind.INITIAL, self._initial_state)   # the job's step-0 state (job.py)
-        if self.job.target is not None and self.job.target.kind is TargetKind.STEPS:
-            self.catchup.end_step = self.job.target.n
-        self.ckpt = AsyncCheckpointer(checkpoint_dir) if checkpoint_dir else None
-        self.checkpoint_every = checkpoint_every
-        if self.ckpt is not None and resume:
-            self._resume_from_checkpoint()
         self._start_control()
 
-    def _after_commit(self) -> None:
-        super()._after_commit()
-        if self.ckpt is not None and self.checkpoint_every and self.step % self.checkpoint_every == 0:
-            meta, tensors = self.capture_state()
-            self.ckpt.save_async(self.step, meta, tensors)
 
-    def _resume_from_checkpoint(self) -> None:
-        assert self.ckpt is not None
-        latest = self.ckpt.latest()
-        if latest is None:
-            return
-        step, meta, tensors = latest
-        self.load_state(meta, tensors)
-        if self.step != int(step):
-            raise ValueError(f"checkpoint of step {step} holds the state of step {self.step}")
-        log.info("resumed from the disk checkpoint of step %d", self.step)
-
-    def close(self) -> None:
-        super().close()
-        if self.ckpt is not None:
-            self.ckpt.close(timeout=10.0)
-
-
-__all__ = ["FaultTolerant", "InitialStateMismatch", "JobConfigError", "JobFinished", "MissingStateError", "StepResult",
-           "StepTimeout", "Stopped"]
+__all__ = ["FaultTolerant", "InitialStateMismatch", "JobConfigError", "JobError", "JobFinished", "MissingStateError",
+           "StepResult", "StepTimeout", "Stopped", "WHOLE_STATE"]

@@ -6,7 +6,7 @@ collectives on the replica's own ``torch.distributed`` process group.
 """
 from __future__ import annotations
 
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar, cast
 
 T = TypeVar("T")
 
@@ -21,6 +21,10 @@ class ReplicaGroup(Protocol):
     def broadcast(self, obj: T | None) -> T:
         """Rank 0's object on every rank (the others pass None)."""
 
+    def side_group(self) -> Any:
+        """Collective: a new gloo process group of the same ranks, for collectives run on
+        another thread (checkpoint writes); None for a replica of one rank."""
+
 
 class LocalGroup:
     """A replica of one rank: every collective is the identity."""
@@ -32,8 +36,10 @@ class LocalGroup:
         return [obj]
 
     def broadcast(self, obj: T | None) -> T:
-        assert obj is not None
-        return obj
+        return cast(T, obj)   # rank 0's object, whatever it is (None included)
+
+    def side_group(self) -> Any:
+        return None
 
 
 class DistGroup:
@@ -55,6 +61,10 @@ class DistGroup:
         box: list[Any] = [obj]
         self._dist.broadcast_object_list(box, src=0, group=self.group)
         return box[0]
+
+    def side_group(self) -> Any:
+        ranks = self._dist.get_process_group_ranks(self.group) if self.group is not None else None
+        return self._dist.new_group(ranks=ranks, backend="gloo")
 
 
 __all__ = ["DistGroup", "LocalGroup", "ReplicaGroup"]

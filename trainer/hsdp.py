@@ -18,18 +18,18 @@ import torch.distributed as dist
 from ..runtime import Runtime
 from ..transport import DataServer
 from ..transport.addr import advertised, data_bind_host
-from .attempt import StepResult, StepTimeout, Stopped
-from .engine import StateIO, StepEngine
+from .attempt import StepResult
+from .engine import StepEngine
+from .errors import StepTimeout, Stopped
 from .group import DistGroup
-from .options import Capacity, DataPlaneOptions, EngineOptions, Timeouts, UpdateRule, exit_replica
+from .job import JobOptions
+from .options import Capacity, CheckpointOptions, DataPlaneOptions, EngineOptions, Timeouts, UpdateRule, exit_replica
+from .state_io import StateIO
 from .optstep import GradHook
 from .shardstate import capture_shard, restore_shard, shard_digest
 from .userstate import Stateful
 
 __all__ = ["HSDP", "StepResult", "StepTimeout", "Stopped", "agree"]
-
-# Per rank: every rank of a catching-up replica keeps its own log of its shard's reduced steps.
-REPLAY_CAP_BYTES = 1 << 30
 
 SHARD_STATE = StateIO(capture=capture_shard, restore=restore_shard, digest=shard_digest, copy_between_steps=False)
 
@@ -45,29 +45,43 @@ class HSDP(StepEngine):
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, data_server: DataServer,
                  runtime: Runtime | None, batch_per_replica: int,
                  nominal_replicas: int | None = UpdateRule.nominal_replicas, lr_policy: str = UpdateRule.lr_policy,
-                 max_slots: int = Capacity.max_slots, replay_cap_bytes: int = REPLAY_CAP_BYTES,
+                 max_slots: int = Capacity.max_slots, replay_cap_bytes: int = Capacity.shard_replay_cap_bytes,
                  step_timeout: float = Timeouts.step_timeout, comm_timeout: float = Timeouts.comm_timeout,
                  secret: bytes | None = DataPlaneOptions.secret,
                  state_rate_limit: float | None = DataPlaneOptions.state_rate_limit, group: Any = None,
                  rank_timeout: float = Timeouts.rank_timeout, on_rank_lost: Callable[[int, float], None] = exit_replica,
                  loop_timeout: float | None = Timeouts.loop_timeout, lr_scheduler: Any = None, grad_scaler: Any = None,
                  grad_hook: GradHook | None = None, after_step: GradHook | None = None,
-                 state: dict[str, Stateful] | None = None, data_plane: str | None = DataPlaneOptions.data_plane) -> None:
+                 state: dict[str, Stateful] | None = None, data_plane: str | None = DataPlaneOptions.data_plane,
+                 recent_keep: int = Capacity.recent_keep, checkpoint_dir: str | None = None,
+                 checkpoint_every: int = 0, resume: bool = True,
+                 total_steps: int | None = None, total_samples: int | None = None,
+                 min_replicas: int = JobOptions.min_replicas, start_timeout: float = JobOptions.start_timeout,
+                 resume_grace: float = JobOptions.resume_grace,
+                 allow_restart_from_scratch: bool = JobOptions.allow_restart_from_scratch,
+                 on_finished: str = JobOptions.on_finished.value,
+                 initial_state: str = JobOptions.initial_state.value,
+                 finish_timeout: float = JobOptions.finish_timeout) -> None:
         options = EngineOptions(
             batch_per_replica=batch_per_replica,
             timeouts=Timeouts(step_timeout=step_timeout, comm_timeout=comm_timeout, loop_timeout=loop_timeout,
                               rank_timeout=rank_timeout),
             update=UpdateRule(lr_policy=lr_policy, nominal_replicas=nominal_replicas, lr_scheduler=lr_scheduler,
                               grad_scaler=grad_scaler, grad_hook=grad_hook, after_step=after_step),
-            capacity=Capacity(max_slots=max_slots, replay_cap_bytes=replay_cap_bytes),
+            capacity=Capacity(max_slots=max_slots, recent_keep=recent_keep, replay_cap_bytes=replay_cap_bytes),
             data=DataPlaneOptions(data_plane=data_plane, secret=secret, state_rate_limit=state_rate_limit),
-            state=dict(state or {}), on_rank_lost=on_rank_lost)
+            state=dict(state or {}), on_rank_lost=on_rank_lost,
+            job=JobOptions.make(total_steps=total_steps, total_samples=total_samples, min_replicas=min_replicas,
+                                start_timeout=start_timeout, resume_grace=resume_grace,
+                                allow_restart_from_scratch=allow_restart_from_scratch, on_finished=on_finished,
+                                initial_state=initial_state, finish_timeout=finish_timeout),
+            checkpoint=CheckpointOptions.of(checkpoint_dir, checkpoint_every, resume))
         super().__init__(model, optimizer, group=DistGroup(group), runtime=runtime, data_server=data_server,
                          state_io=SHARD_STATE, options=options)
         self._start_control()
 
     @classmethod
-    def start(cls, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, replica_id: str, listen: str,
+    def launch(cls, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, replica_id: str, listen: str,
               seeds: list[str], secret: bytes | None = None, data_host: str | None = None,
               runtime_kw: dict[str, Any] | None = None, **kw: Any) -> "HSDP":
         """Collective over the replica: every rank opens its data server and reports the address
@@ -86,6 +100,15 @@ class HSDP(StepEngine):
     def digests(self) -> list[str]:
         """Collective: every rank's shard digest (parameters + optimizer state), in rank order."""
         return self.group.agree(self.digest())
+
+    def full_digest(self) -> str:
+        """Collective: the digest of the whole (unsharded) parameters, as a plain PyTorch
+        process that loads this replica's checkpoint into an unsharded model computes it
+        (``p2pft.trainer.state.params_digest``)."""
+        from .state import params_digest
+        full = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p.detach())
+                for n, p in self.model.named_parameters()}
+        return params_digest(full)
 
     def close(self) -> None:
         super().close()

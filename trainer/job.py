@@ -1,41 +1,36 @@
-"""A job's start and end around the step loop of ``FaultTolerant``.
+"""A job's start and end around the step loop: one component every algorithm composes.
 
 ``start()`` (run by the first ``begin()``) joins the group: it declares the job's target, waits
 (bounded) for ``min_replicas`` participants, refuses a job that already finished or whose
 progress no peer and no checkpoint holds any more, and makes the first participants start
-from one state (the lead's, as DDP broadcasts rank 0's). ``finish()`` is the end barrier: every
-replica says it is done at the same step, joiners that are still catching up get there too,
-and the leader writes ``finished`` into the view, where a late restart reads it. ``is_leader``
-names one participant for side work (evaluation, logging, checkpoints).
+from one state (the lead's, as DDP broadcasts rank 0's; for an FSDP replica, rank i takes
+shard i of the lead replica's rank i). ``finish()`` is the end barrier: every replica says it
+is done at the same step, joiners that are still catching up get there too, and the leader
+writes ``finished`` into the view, where a late restart reads it. ``is_leader`` names one
+participant for side work (evaluation, logging, checkpoints), fixed per step.
+
+Every rank of a replica calls the same methods at the same points: rank 0 (the only one that
+reads the views) decides, and the ranks take its decision through the replica's group, so
+they raise the same error, load the same step and leave the end barrier together.
 """
 from __future__ import annotations
 
-import dataclasses
 import enum
 import logging
 import time
-from collections import deque
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Callable
 
 from ..core.meta import Status
+from ..core.view import JobTarget, Role, TargetKind, View, shard_addr
+from ..runtime import Runtime
 from ..transport import CommTimeout, PeerFailed
 from ..transport.backend import DataPlaneError
 from ..transport.stream import StateSnapshot, fetch_state
-from ..core.view import JobTarget, Role, TargetKind, View
-from .attempt import Attempt, Plan, StepResult, StepTimeout, Stopped
-from .requests import StateRequest
-
-if TYPE_CHECKING:
-    import torch
-
-    from ..runtime import Runtime
-    from .catchup import Catchup
-    from .cursor import DataCursor
-    from ..transport.server import DataServer
-    from .comms import ShardComms
-    from .donor import Donor
+from .attempt import Attempt, Plan
+from .errors import InitialStateMismatch, JobConfigError, JobError, JobFinished, MissingStateError, StepTimeout, Stopped
+from .ports import LifePort
+from .requests import RequestKind, StateRequest
 
 log = logging.getLogger(__name__)
 
@@ -43,36 +38,7 @@ POLL_S = 0.1                # one look at the view while waiting for the group o
 FETCH_INITIAL_TIMEOUT_S = 30.0
 ATTEMPT_TIMEOUT_S = 5.0     # one try at the lead's data port; the view is read again between tries
 IDLE_ROUND_TIMEOUT_S = 5.0  # one round with the joiners at the end barrier
-
-
-class JobFinished(Stopped):
-    """The job finished (every participant reached its end) before this replica could train:
-    nothing to do. A ``Stopped``, so the loop's one ``except Stopped`` covers it; exit 0."""
-
-    def __init__(self, step: int, target: JobTarget | None) -> None:
-        self.step, self.target = step, target
-        what = f" (target {target})" if target is not None else ""
-        super().__init__(f"the job already finished at step {step}{what}: nothing to train")
-
-
-class MissingStateError(RuntimeError):
-    """The cluster reached ``high_water`` but no live peer holds any of its state and this
-    replica has no checkpoint: starting from step 0 would silently train a new model."""
-
-    def __init__(self, high_water: int, have_step: int) -> None:
-        self.high_water, self.have_step = high_water, have_step
-        super().__init__(
-            f"the job reached step {high_water}, but no running replica holds it and this replica has no checkpoint: "
-            "refusing to train from step 0; start a replica with its checkpoint, or pass "
-            "allow_restart_from_scratch=True (--allow-restart-from-scratch) to train a new model")
-
-
-class JobConfigError(ValueError):
-    """This replica's job declaration contradicts the one the group already runs with."""
-
-
-class InitialStateMismatch(RuntimeError):
-    """initial_state='check': the first participants' states differ before step 0."""
+SETTLE_S = 10.0             # a joiner at the end waits this long to hand over before saying done
 
 
 class InitialState(str, enum.Enum):
@@ -92,6 +58,8 @@ class OnFinished(str, enum.Enum):
 
 @dataclass(frozen=True)
 class JobOptions:
+    """The job's life as one replica declares it; the same keywords on every algorithm."""
+
     target: JobTarget | None = None
     min_replicas: int = 1
     start_timeout: float = 120.0
@@ -102,104 +70,156 @@ class JobOptions:
     finish_timeout: float = 300.0
 
     @classmethod
-    def make(cls, *, total_steps: int | None, total_samples: int | None, **kw: Any) -> "JobOptions":
+    def make(cls, *, total_steps: int | None = None, total_samples: int | None = None,
+             **kw: Any) -> JobOptions:
         """Checked options (ValueError names the bad one)."""
         if total_steps is not None and total_samples is not None:
             raise ValueError("declare total_steps or total_samples, not both")
         target = None
-        if total_steps is not None:
-            target = JobTarget(TargetKind.STEPS, total_steps)
-        elif total_samples is not None:
-            target = JobTarget(TargetKind.SAMPLES, total_samples)
+        for name, n, kind in (("total_steps", total_steps, TargetKind.STEPS),
+                              ("total_samples", total_samples, TargetKind.SAMPLES)):
+            if n is not None:
+                if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                    raise ValueError(f"{name} must be a positive int, got {n!r}")
+                target = JobTarget(kind, n)
         mr = kw.get("min_replicas", 1)
         if isinstance(mr, bool) or not isinstance(mr, int) or mr < 1:
             raise ValueError(f"min_replicas must be a positive int, got {mr!r}")
         for name in ("start_timeout", "resume_grace", "finish_timeout"):
             if name in kw and not kw[name] > 0:
                 raise ValueError(f"{name} must be positive, got {kw[name]!r}")
-        kw["on_finished"] = OnFinished(kw.get("on_finished", OnFinished.EXIT))
-        kw["initial_state"] = InitialState(kw.get("initial_state", InitialState.BROADCAST))
+        try:
+            kw["on_finished"] = OnFinished(kw.get("on_finished", OnFinished.EXIT))
+            kw["initial_state"] = InitialState(kw.get("initial_state", InitialState.BROADCAST))
+        except ValueError as exc:
+            raise ValueError(f"{exc}: on_finished is one of {[o.value for o in OnFinished]}, initial_state one "
+                             f"of {[o.value for o in InitialState]}") from None
         return cls(target=target, **kw)
 
 
+class Fetch(enum.Enum):
+    """Rank 0's word to the ranks while they take the initial state."""
+
+    HOLD = "hold"           # this replica is the lead: keep a copy of the state for the others
+    FROM = "from"           # pull (or compare with) the lead replica's, shard by shard
+    CATCH_UP = "catch_up"   # the group started without this replica: a snapshot, not step 0
+    NONE = "none"           # nothing to agree on
+
+
+@dataclass(frozen=True)
+class InitialPlan:
+    how: Fetch
+    lead: str = ""                                  # the lead's replica id
+    lead_node: str = ""
+    addrs: tuple[str, ...] = ()                     # the lead's data address per shard
+
+
+class EndWord(enum.Enum):
+    """Rank 0's word to the ranks at each look of the end barrier."""
+
+    FINISHED = "finished"
+    WAIT = "wait"
+    ROUND = "round"         # an idle reduce round for the joiners still catching up
+    STOP = "stop"
+    TIMEOUT = "timeout"
+
+
 class JobLife:
-    """Mixed into ``FaultTolerant`` before ``StepEngine``: its begin/commit/plan hooks wrap the
-    engine's (``super()`` is the engine)."""
+    """The job's life of one rank of a replica (``engine.life``); the algorithm's public
+    ``start``, ``done``, ``finish``, ``is_leader`` and ``leader`` are these."""
 
-    job: JobOptions
-    if TYPE_CHECKING:  # what the engine provides
-        rt: Runtime
-        step: int
-        synced: bool
-        secret: bytes | None
-        loop_timeout: float | None
-        step_timeout: float
-        cursor: DataCursor
-        catchup: Catchup
-        state_io: Any
-        model: torch.nn.Module
-        opt: torch.optim.Optimizer
-        events: deque[dict[str, Any]]
-        _slot: int | None
+    def __init__(self, port: LifePort, options: JobOptions) -> None:
+        self.port = port
+        self.options = options
+        self.started = False
+        self.ended: int | None = None          # the finished step this replica saw
+        self.finishing = False
+        self._initial: tuple[StateSnapshot, str] | None = None
+        self._lead = False                     # is_leader, fixed at the last begin()
+        self._leader: str | None = None
+        port.serving.register(RequestKind.INITIAL, self._initial_state)
 
-        @property
-        def stopping(self) -> bool: ...
-        def capture_state(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]: ...
-        def load_state(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None: ...
-        def digest(self) -> str: ...
-        serving: Donor
+    @property
+    def rt(self) -> Runtime:
+        rt = self.port.rt
+        assert rt is not None, "rank 0 decides the job's life"
+        return rt
 
-        comms: ShardComms
-        ds: DataServer
-
-        def state_mutation(self) -> AbstractContextManager[None]: ...
-        def step_timeout_capped(self, cap: float) -> AbstractContextManager[None]: ...
-    _started = False
-    _ended: int | None = None           # the finished step this replica saw
-    _initial: tuple[StateSnapshot, str] | None = None
-    _finishing = False
+    def _decided(self, decide: Callable[[], Any]) -> Any:
+        """Rank 0 decides, every rank of the replica gets the same value; an error decided
+        is raised on every rank."""
+        got = self.port.group.broadcast(_capture(decide) if self.port.rt is not None else None)
+        if isinstance(got, BaseException):
+            raise got
+        return got
 
     # ------------------------------------------------------------------ queries
     @property
     def done(self) -> bool:
-        """This replica reached the declared target (or the job finished): call ``finish()``."""
-        view = self.rt.view
-        if view is not None and view.finished is not None:
+        """This replica reached the declared target, or learned that the job finished: call
+        ``finish()``. Read from replicated state only, so every rank of a replica answers alike."""
+        if self.ended is not None:
             return True
-        t = self.job.target
+        t = self.options.target
         if t is None:
             return False
         if t.kind is TargetKind.STEPS:
-            return self.step >= t.n
-        cur = self.cursor
+            return self.port.step >= t.n
+        cur = self.port.cursor
         return cur.frontier - cur.hole_samples >= t.n
 
     @property
     def is_leader(self) -> bool:
-        """True on the one participant that does side work in the current view (the lowest
-        slot): the same answer on every replica reading the same view; when it dies, the view
-        that removes it names a survivor."""
-        view = self.rt.view
-        lead = view.lead() if view is not None else None
-        return lead is not None and lead.node == self.rt.node_id and self.synced
+        """True on the one participant that does side work for the step begun last (the lowest
+        slot of the view that step began in): the same answer on every rank of the replica,
+        and when the leader dies, the view that removes it names a survivor."""
+        return self._lead
 
     @property
     def leader(self) -> str | None:
-        """The replica id of the participant doing side work in the current view."""
+        """The replica id of the participant doing side work, as of the step begun last."""
+        return self._leader
+
+    def lead_now(self) -> tuple[bool, str | None]:
+        """Rank 0: (this replica leads, the leader's replica id) in the current view."""
         view = self.rt.view
         lead = view.lead() if view is not None else None
-        return lead.replica_id if lead is not None else None
+        mine = lead is not None and lead.node == self.rt.node_id and self.port.synced
+        return mine, (lead.replica_id if lead is not None else None)
+
+    def on_begin(self, lead: tuple[bool, str | None], finished: int | None) -> None:
+        """Every rank, in ``begin()``: rank 0's reading of the view, agreed by the ranks."""
+        self._lead, self._leader = lead
+        if finished is not None and not self.finishing:
+            self.ended = finished
 
     # ------------------------------------------------------------------ start
     def start(self) -> None:
-        """Join the group (idempotent; the first ``begin()`` calls it). Raises JobFinished,
-        MissingStateError, JobConfigError, InitialStateMismatch, or StepTimeout when no
-        view takes this replica within ``start_timeout``."""
-        if self._started:
+        """Collective. Join the group (idempotent; the first ``begin()`` calls it). Raises
+        JobFinished, MissingStateError, JobConfigError, InitialStateMismatch, or StepTimeout when
+        no view takes this replica within ``start_timeout``."""
+        if self.started:
             return
-        rt, o = self.rt, self.job
+        deadline = time.monotonic() + self.options.start_timeout
+        plan: InitialPlan = self._decided(lambda: self._form(deadline))
+        if plan.how is Fetch.CATCH_UP:
+            self.port.catchup.start("the group started without this replica")
+        elif plan.how is Fetch.HOLD:
+            self._hold_initial()
+        elif plan.how is Fetch.FROM:
+            self._take_initial(plan, deadline)
+        self.started = True
+        if self.port.rt is not None:
+            view = self.rt.view
+            self._lead, self._leader = self.lead_now()
+            log.info("in the group at step %d: %d participant(s), leader %s", self.port.step,
+                     len(view.participants) if view is not None else 0, self._leader)
+
+    def _form(self, deadline: float) -> InitialPlan:
+        """Rank 0: wait for the group, check the job's state, and say how the state at step 0
+        is agreed."""
+        rt, o = self.rt, self.options
         rt.declare_job(o.target, o.allow_restart_from_scratch)
-        deadline = time.monotonic() + o.start_timeout
         # A committed view that says the job finished is enough, whoever it lists: the replicas
         # that finished may have left with the quorum, and a witness still hands that view out.
         view = self._wait(lambda v: v.role_of(rt.node_id) in (Role.PARTICIPANT, Role.JOINER) or v.finished is not None,
@@ -209,48 +229,47 @@ class JobLife:
         view = self._check_high_water(view, deadline)
         # Only a job's first participants wait for each other: a participant that others already
         # train with (a restart from a checkpoint at their step) would hold up their allreduces.
-        if o.min_replicas > 1 and self.step == 0 and view.role_of(rt.node_id) is Role.PARTICIPANT:
+        if o.min_replicas > 1 and self.port.step == 0 and view.role_of(rt.node_id) is Role.PARTICIPANT:
             view = self._wait(lambda v: len(v.participants) >= o.min_replicas or v.role_of(rt.node_id) is Role.JOINER
                               or v.finished is not None, deadline, f"{o.min_replicas} participants", fail=False)
             self._check_finished(view, deadline)
             if len(view.participants) < o.min_replicas and view.role_of(rt.node_id) is Role.PARTICIPANT:
                 log.warning("no view with %d participants within %g s: starting with %d", o.min_replicas,
                             o.start_timeout, len(view.participants))
-        self._agree_initial(deadline)
-        self._started = True
-        log.info("in the group at step %d: %d participant(s), leader %s", self.step,
-                 len(view.participants), self.leader)
+        if self.port.step == 0 and not view.high_water and not view.participants:
+            log.info("no replica holds any state of this job: starting a new job at step 0")
+        return self._initial_plan()
 
-    def _wait(self, pred: Any, deadline: float, what: str, fail: bool = True) -> View:
+    def _wait(self, pred: Callable[[View], bool], deadline: float, what: str, fail: bool = True) -> View:
         rt = self.rt
         while True:
-            if self.stopping:
+            if self.port.stopping:
                 raise Stopped("stop requested")
-            v = rt.wait_view(lambda v: pred(v) or self.stopping, min(POLL_S * 5, max(0.0, deadline - time.monotonic())),
-                             loop_timeout=self.loop_timeout)
+            v = rt.wait_view(lambda v: pred(v) or self.port.stopping,
+                             min(POLL_S * 5, max(0.0, deadline - time.monotonic())), loop_timeout=self.port.loop_timeout)
             if v is not None and pred(v):
                 return v
             if time.monotonic() >= deadline:
                 if fail or rt.view is None:
-                    raise StepTimeout(f"no view with {what} within {self.job.start_timeout} s")
+                    raise StepTimeout(f"no view with {what} within {self.options.start_timeout} s")
                 return rt.view
 
     def _check_finished(self, view: View, deadline: float) -> View:
         if view.finished is None:
             return view
-        mine = self.job.target
+        mine = self.options.target
         further = (mine is not None and view.target is not None and mine.kind is view.target.kind
                    and mine.n > view.target.n)
-        if further or self.job.on_finished is OnFinished.WAIT:
+        if further or self.options.on_finished is OnFinished.WAIT:
             log.info("the job finished at step %d; waiting for a further target", view.finished)
             return self._wait(lambda v: v.finished is None, deadline, "a further target")
-        self._ended = view.finished
+        self.ended = view.finished
         log.info("the job already finished at step %d%s: nothing to train", view.finished,
                  f" (target {view.target})" if view.target else "")
         raise JobFinished(view.finished, view.target)
 
     def _check_target(self, view: View) -> None:
-        mine, theirs = self.job.target, view.target
+        mine, theirs = self.options.target, view.target
         if mine is not None and theirs is not None and mine != theirs and view.finished is None:
             log.error("this replica declares the job's end as %s, but the group runs to %s", mine, theirs)
             raise JobConfigError(f"this replica declares the job's end as {mine}, but the group runs to {theirs}")
@@ -260,12 +279,12 @@ class JobLife:
         leader resumes from the best one after its grace (loudly). Without one (step 0), wait
         `resume_grace` for a replica holding some state, then refuse to train a new model
         under the job's name (or, allowed, let the leader resume from here)."""
-        o = self.job
-        if view.participants or view.paused or view.high_water <= self.step:
+        o, step = self.options, self.port.step
+        if view.participants or view.paused or view.high_water <= step:
             return view   # someone trains, or holds the committed state while it steps out
-        if self.step > 0:
+        if step > 0:
             log.info("the job reached step %d and no replica trains now; offering this replica's step %d",
-                     view.high_water, self.step)
+                     view.high_water, step)
             return self._check_finished(self._wait(lambda v: bool(v.participants) or v.finished is not None,
                                                    deadline, "a participant"), deadline)
         log.info("the job reached step %d and no replica trains now; waiting up to %g s for one that holds it",
@@ -279,99 +298,129 @@ class JobLife:
             log.error("the job reached step %d, but no running replica holds it and this replica has no checkpoint: "
                       "refusing to train from step 0 (allow_restart_from_scratch / --allow-restart-from-scratch to "
                       "do it anyway)", v.high_water)
-            raise MissingStateError(v.high_water, self.step)
+            raise MissingStateError(v.high_water, step)
         log.warning("the job reached step %d, but no replica holds it: training again from step 0, as allowed",
                     v.high_water)
         return self._wait(lambda v: bool(v.participants), deadline, "a participant after the allowed restart")
 
     # ------------------------------------------------------------------ same start everywhere
-    def _agree_initial(self, deadline: float) -> None:
-        """At step 0 with every participant at step 0: the lead keeps a copy of its state for
-        the others to pull (or compare digests with), taken before any step. A replica at step
-        0 that the group did not start with (a joiner, or participants already past step 0)
-        catches up from a snapshot: its state at step 0 is its own, not the job's (replicas need
-        not seed alike), so the steps since, replayed from a peer's short log onto it, would
-        give other weights than the group's."""
+    def _initial_plan(self) -> InitialPlan:
+        """Rank 0. At step 0 with every participant at step 0: the lead keeps a copy of its
+        state for the others to pull (or compare digests with), taken before any step. A replica
+        at step 0 that the group did not start with (a joiner, or participants already past step
+        0) catches up from a snapshot: its state at step 0 is its own, not the job's (replicas
+        need not seed alike), so the steps since, replayed from a peer's short log onto it,
+        would give other weights than the group's."""
         rt = self.rt
         view = rt.view
-        if self.step != 0 or view is None:
-            return
+        if self.port.step != 0 or view is None:
+            return InitialPlan(Fetch.NONE)
         others = [m for m in view.participants if m.node != rt.node_id]
         if view.role_of(rt.node_id) is not Role.PARTICIPANT or any(rt.member_step(m.node) != 0 for m in others):
             if others or any(m.node != rt.node_id for m in view.paused):   # someone holds the job's state
                 log.info("the group started without this replica: catching up from a snapshot instead of "
                          "taking the initial state")
-                self.catchup.start("the group started without this replica")
-            return
-        if self.job.initial_state is InitialState.OFF:
-            return
+                return InitialPlan(Fetch.CATCH_UP)
+            return InitialPlan(Fetch.NONE)
+        if self.options.initial_state is InitialState.OFF:
+            return InitialPlan(Fetch.NONE)
+        return self._lead_plan(view)
+
+    def _lead_plan(self, view: View) -> InitialPlan:
         lead = view.lead()
-        assert lead is not None
-        if lead.node == rt.node_id:
-            self._hold_initial()
-            return
-        mode = self.job.initial_state
+        if lead is None:
+            return InitialPlan(Fetch.NONE)
+        if lead.node == self.rt.node_id:
+            return InitialPlan(Fetch.HOLD)
+        return InitialPlan(Fetch.FROM, lead=lead.replica_id, lead_node=lead.node, addrs=tuple(lead.data_addrs))
+
+    def _take_initial(self, plan: InitialPlan, deadline: float) -> None:
+        """Collective: every rank pulls its shard of the lead's step-0 state (or its digest);
+        rank 0 picks the lead again after a failed round (it may have moved, died or gone on)."""
+        p = self.port
+        mode = self.options.initial_state
         end = min(deadline, time.monotonic() + FETCH_INITIAL_TIMEOUT_S)
-        last: Exception | None = None
-        while time.monotonic() < end and not self.stopping:
-            broken = self.comms.unusable()
-            if broken is not None:   # the data plane can never work here: say so, do not wait for the lead
-                err = DataPlaneError(f"the data plane cannot work for this job: {type(broken).__name__}: {broken}")
-                log.error("%s", err)
-                raise err
-            lead = (rt.view or view).lead()
-            if lead is None:
+        last: str | None = None
+        while True:
+            got: StateSnapshot | BaseException
+            try:
+                addr = shard_addr(plan.addrs, p.shard, plan.lead_node)
+                got = fetch_state(addr, StateRequest.initial(mode is InitialState.CHECK, p.shard).to_wire(),
+                                  secret=p.secret, timeout=max(0.1, min(ATTEMPT_TIMEOUT_S, end - time.monotonic())),
+                                  into=p.receive_into() if mode is InitialState.BROADCAST else None,
+                                  source_host=p.ds.host)
+            except Exception as exc:  # not held yet (the lead is still starting), or gone: look again
+                got = exc
+            errors = [g for g in p.group.agree(None if isinstance(got, StateSnapshot) else _failure(got))
+                      if g is not None]
+            if not errors:
+                assert isinstance(got, StateSnapshot)
+                self._check_initial(plan, got, mode)
                 return
-            if lead.node == rt.node_id:   # the lead was left out meanwhile: this replica leads now
+            last = errors[0][1]
+            plan = self._decided(lambda: self._retry_initial(plan, errors, end))
+            if plan.how is Fetch.HOLD:
                 self._hold_initial()
                 return
-            try:
-                snap = fetch_state(lead.data_addr, StateRequest.initial(mode is InitialState.CHECK).to_wire(),
-                                   secret=self.secret, timeout=max(0.1, min(ATTEMPT_TIMEOUT_S, end - time.monotonic())),
-                                   into=self._receive_into() if mode is InitialState.BROADCAST else None,
-                                   source_host=self.ds.host)
-            except Exception as exc:  # not held yet (the lead is still starting), or gone: look again
-                last = exc
-                if isinstance(exc, (PeerFailed, CommTimeout)):
-                    # Evidence like a failed ring connect: a lead whose data port we cannot reach
-                    # is probed and, past the bound, left out, and the next view names another.
-                    rt.report_failure(lead.node)
-                elif rt.member_step(lead.node) > 0:
-                    # The group started without us (the lead trained alone, or committed before we
-                    # asked): its step-0 copy is gone. Catch up from a snapshot as a joiner does.
-                    log.info("the lead %s is past step 0: catching up instead of taking the initial state",
-                             lead.replica_id)
-                    self.catchup.start("the group started without this replica")
-                    return
-                rt.wait_view(lambda v: False, POLL_S, loop_timeout=self.loop_timeout)
-                continue
-            want = str(snap.meta["digest"])
-            if mode is InitialState.BROADCAST:
-                with self.state_mutation():     # no donor copies a half-loaded state
-                    self.load_state(snap.meta, snap.tensors)
-            mine = self.digest()
-            if mine != want:
-                log.error("initial state differs from the leader %s's before step 0 (digest %s here, %s there)",
-                          lead.replica_id, mine[:12], want[:12])
-                raise InitialStateMismatch(f"initial state differs from replica {lead.replica_id}'s before step 0 "
-                                           f"(digest {mine[:12]} here, {want[:12]} there): seed every replica alike, "
-                                           "or use initial_state='broadcast'")
-            log.info("%s the initial state of %s (digest %s)",
-                     "took" if mode is InitialState.BROADCAST else "checked", lead.replica_id, mine[:12])
-            self.events.append({"t": time.time(), "kind": "initial_state", "from": lead.replica_id,
-                                "digest": mine})
-            return
-        raise StepTimeout(f"could not get the initial state from the leader within {FETCH_INITIAL_TIMEOUT_S} s: {last}")
+            if plan.how is Fetch.CATCH_UP:
+                p.catchup.start("the group started without this replica")
+                return
+            if plan.how is Fetch.NONE:
+                return
+            if time.monotonic() >= end:
+                raise StepTimeout(f"could not get the initial state from the leader within "
+                                  f"{FETCH_INITIAL_TIMEOUT_S} s: {last}")
+
+    def _retry_initial(self, plan: InitialPlan, errors: list[tuple[bool, str]], end: float) -> InitialPlan:
+        """Rank 0, after a failed round: report an unreachable lead, notice one that went on
+        without us, wait a little, and name the lead of the current view."""
+        rt, p = self.rt, self.port
+        if p.stopping:
+            raise Stopped("stop requested")
+        broken = p.comms.unusable()
+        if broken is not None:   # the data plane can never work here: say so, do not wait for the lead
+            err = DataPlaneError(f"the data plane cannot work for this job: {type(broken).__name__}: {broken}")
+            log.error("%s", err)
+            raise err
+        if any(unreachable for unreachable, _ in errors):
+            # Evidence like a failed ring connect: a lead whose data port we cannot reach is
+            # probed and, past the bound, left out, and the next view names another.
+            rt.report_failure(plan.lead_node)
+        elif rt.member_step(plan.lead_node) > 0:
+            # The group started without us (the lead trained alone, or committed before we
+            # asked): its step-0 copy is gone. Catch up from a snapshot as a joiner does.
+            log.info("the lead %s is past step 0: catching up instead of taking the initial state", plan.lead)
+            return InitialPlan(Fetch.CATCH_UP)
+        if time.monotonic() < end:
+            rt.wait_view(lambda v: False, POLL_S, loop_timeout=p.loop_timeout)
+        view = rt.view
+        return self._lead_plan(view) if view is not None else plan
+
+    def _check_initial(self, plan: InitialPlan, snap: StateSnapshot, mode: InitialState) -> None:
+        """Every rank: load the lead's shard (broadcast) and compare digests; a mismatch on any
+        rank is one error on every rank."""
+        p = self.port
+        want = str(snap.meta["digest"])
+        if mode is InitialState.BROADCAST:
+            with p.state_mutation():     # no donor copies a half-loaded state
+                p.load_state(snap.meta, snap.tensors)
+        mine = p.digest()
+        same = p.group.agree(mine == want)
+        if not all(same):
+            log.error("initial state differs from the leader %s's before step 0 (digest %s here, %s there)",
+                      plan.lead, mine[:12], want[:12])
+            raise InitialStateMismatch(f"initial state differs from replica {plan.lead}'s before step 0 "
+                                       f"(digest {mine[:12]} here, {want[:12]} there): seed every replica alike, "
+                                       "or use initial_state='broadcast'")
+        log.info("%s the initial state of %s (digest %s)",
+                 "took" if mode is InitialState.BROADCAST else "checked", plan.lead, mine[:12])
+        p.events.append({"t": time.time(), "kind": "initial_state", "from": plan.lead, "digest": mine})
 
     def _hold_initial(self) -> None:
-        """The lead: keep a copy of this replica's state at step 0 for the others to pull."""
-        meta, tensors = self.capture_state()
-        self._initial = (StateSnapshot(meta=meta, tensors=tensors), self.digest())
+        """The lead (every rank): keep a copy of this shard's state at step 0 for the others."""
+        meta, tensors = self.port.capture_state()
+        self._initial = (StateSnapshot(meta=meta, tensors=tensors), self.port.digest())
         log.info("holding the initial state for the group (digest %s)", self._initial[1][:12])
-
-    def _receive_into(self) -> dict[str, Any] | None:
-        rin = self.state_io.receive_into
-        return rin(self.model, self.opt) if rin is not None else None
 
     def _initial_state(self, request: StateRequest) -> StateSnapshot | None:
         """Transport thread: the state (or only its digest) the lead holds for step 0."""
@@ -383,148 +432,152 @@ class JobLife:
             return StateSnapshot(meta={"digest": digest}, tensors={})
         return StateSnapshot(meta={**snap.meta, "digest": digest}, tensors=snap.tensors)
 
-    # ------------------------------------------------------------------ the engine's hooks
-    def begin(self, stop: bool = False) -> list[int]:
-        """``StepEngine.begin`` after joining the group; raises JobFinished (a Stopped) when the
-        job finished meanwhile, JobConfigError on a contradicting declaration."""
-        if not stop:
-            self.start()
-            self._job_view_check()
-        return super().begin(stop)  # type: ignore[misc]
+    # ------------------------------------------------------------------ the kernel's hooks
+    def before_begin(self) -> None:
+        """Every ``begin()`` (collective): join the group first; the job may have finished
+        meanwhile (a joiner) or been declared otherwise."""
+        self.start()
+        self._decided(self._view_check)
 
-    def commit(self) -> StepResult:
-        """``StepEngine.commit``; a step in flight when the job finished raises JobFinished."""
-        try:
-            return super().commit()  # type: ignore[misc]
-        except Stopped:
-            err = self._finished_error()
-            if err is not None:
-                raise err from None
-            raise
-
-    def _plan(self, slot: int | None) -> Attempt:
-        att = self._stop_plan(self.rt.view)
-        if att is not None:
-            return att
-        att = super()._plan(slot)  # type: ignore[misc]
-        if att.kind is Plan.ALLREDUCE and self.synced and not att.rejoin:   # left out: a snapshot, not a log
-            ahead = self._done_ahead(att)
-            if ahead:
-                return dataclasses.replace(att, done_ahead=ahead)
-        return att
-
-    def _done_ahead(self, att: Attempt) -> tuple[tuple[int, int], ...]:
-        """Data members at the end barrier past our step: the last step committed at them only
-        (a peer died, or a view changed, during its allreduce). They wait for us and reduce no
-        more, so a round would wait for them in vain."""
-        out = []
-        for rank, node in enumerate(att.nodes):
-            meta = self.rt.member_meta(node) if node != att.node else None
-            if meta is not None and meta.status is Status.DONE and meta.step > self.step:
-                out.append((rank, meta.step))
-        return tuple(out)
-
-    def _after_commit(self) -> None:
-        super()._after_commit()  # type: ignore[misc]
-        if self._initial is not None and self.step > 0:
-            self._initial = None  # every first participant is past step 0: nobody pulls it any more
-
-    def _job_view_check(self) -> None:
-        """Every begin(): the job may have finished (a joiner) or been declared otherwise."""
+    def _view_check(self) -> None:
         view = self.rt.view
         if view is None:
             return
-        if view.finished is not None and not self._finishing:
-            self._ended = view.finished
+        if view.finished is not None and not self.finishing:
+            self.ended = view.finished
             raise JobFinished(view.finished, view.target)
         self._check_target(view)
-        if not view.participants and not view.paused and view.high_water > self.step:
+        if not view.participants and not view.paused and view.high_water > self.port.step:
             # Every participant died since we joined (as a joiner, behind them): the same check
             # as at the start, so that nobody trains on from an older state without being told.
-            self._check_high_water(view, time.monotonic() + self.job.start_timeout)
+            self._check_high_water(view, time.monotonic() + self.options.start_timeout)
 
-    def _stop_plan(self, view: View | None) -> Attempt | None:
-        """A step in flight when the job finished stops (every rank raises Stopped)."""
+    def stop_plan(self, view: View | None) -> Attempt | None:
+        """Rank 0, in each attempt: a step in flight when the job finished stops (every rank
+        then raises JobFinished, from the attempt's ``finished``)."""
         if view is not None and view.finished is not None:
-            self._ended = view.finished
-            return Attempt(Plan.STOP)
+            self.ended = view.finished
+            return Attempt(Plan.STOP, finished=view.finished, target=view.target)
         return None
 
-    def _finished_error(self) -> JobFinished | None:
-        if self._ended is None:
-            return None
-        view = self.rt.view
-        return JobFinished(self._ended, view.target if view is not None else None)
+    def done_ahead(self, att: Attempt) -> tuple[tuple[int, int], ...]:
+        """Rank 0: data members at the end barrier past our step: the last step committed at
+        them only (a peer died, or a view changed, during its allreduce). They wait for us and
+        reduce no more, so a round would wait for them in vain."""
+        out = []
+        for rank, node in enumerate(att.nodes):
+            meta = self.rt.member_meta(node) if node != att.node else None
+            if meta is not None and meta.status is Status.DONE and meta.step > self.port.step:
+                out.append((rank, meta.step))
+        return tuple(out)
+
+    def stopped(self, att: Attempt) -> Stopped:
+        """Every rank: the error a STOP attempt raises."""
+        if att.finished is not None:
+            self.ended = att.finished
+            return JobFinished(att.finished, att.target)
+        return Stopped(f"stopped while committing step {self.port.step}")
+
+    def after_commit(self) -> None:
+        if self._initial is not None and self.port.step > 0:
+            self._initial = None  # every first participant is past step 0: nobody pulls it any more
 
     # ------------------------------------------------------------------ the end barrier
     def finish(self, timeout: float | None = None) -> int:
-        """The end barrier; returns the step the job finished at. Says 'done' at this step,
-        waits (bounded) until every participant has and the view says the job finished,
-        serving snapshots and reduce rounds to joiners still catching up meanwhile. Raises
+        """Collective: the end barrier; returns the step the job finished at. Says 'done' at
+        this step, waits (bounded) until every participant has and the view says the job
+        finished, serving snapshots and reduce rounds to joiners still catching up meanwhile.
+        Raises JobFinished for a replica that never trained (it started after the end),
         StepTimeout after ``timeout`` (default ``finish_timeout``), Stopped on a stop request."""
-        rt = self.rt
-        view = rt.view
-        if view is not None and view.finished is not None:
-            self._ended = view.finished
-            return view.finished
-        if not self._started:
-            self.start()
-        deadline = time.monotonic() + (timeout if timeout is not None else self.job.finish_timeout)
-        if not self.synced and not self._settle(deadline):
-            log.info("at the end still catching up at step %d; waiting for the job to finish", self.step)
-        else:
-            rt.set_status(Status.DONE, self.step)
-            log.info("done at step %d: waiting for the others at the end barrier", self.step)
-        self._finishing = True
+        if not self.started:
+            self.start()   # a late restart learns here that the job ended without it
+        limit = timeout if timeout is not None else self.options.finish_timeout
+        deadline = time.monotonic() + limit
+        p = self.port
+        if not p.synced:
+            self._settle(deadline)
+        if p.rt is not None:
+            if p.synced:
+                p.rt.set_status(Status.DONE, p.step)
+                log.info("done at step %d: waiting for the others at the end barrier", p.step)
+            else:
+                log.info("at the end still catching up at step %d; waiting for the job to finish", p.step)
+        self.finishing = True
         try:
             while True:
-                view = rt.view
-                if view is not None and view.finished is not None:
+                word, end = self._decided(lambda: self._end_look(deadline))
+                if word is EndWord.FINISHED:
                     break
-                if self.stopping:
+                if word is EndWord.STOP:
                     raise Stopped("stop requested at the end barrier")
-                if time.monotonic() >= deadline:
-                    raise StepTimeout(f"the job did not finish within {timeout or self.job.finish_timeout} s "
-                                      f"of reaching step {self.step}")
-                self.serving.serve_queued()
-                if view is not None and view.joiners and self._all_done(view):
-                    self._idle_round()   # then the pause below: a round moves the whole buffer
-                rt.wait_view(lambda v: v.finished is not None or self.stopping, POLL_S,
-                             loop_timeout=self.loop_timeout)
+                if word is EndWord.TIMEOUT:
+                    raise StepTimeout(f"the job did not finish within {limit} s of reaching step {p.step}")
+                p.serving.serve_queued()
+                if word is EndWord.ROUND:
+                    p.idle_round(IDLE_ROUND_TIMEOUT_S)
         finally:
-            self._finishing = False
-        self._ended = view.finished
-        log.info("the job finished at step %d", view.finished)
-        return view.finished
+            self.finishing = False
+        self.ended = end
+        log.info("the job finished at step %d", end)
+        return int(end)
 
-    def _settle(self, deadline: float) -> bool:
-        """A joiner whose replay reached the end hands over here: no step follows to do it."""
-        end = min(deadline, time.monotonic() + 10.0)
-        while time.monotonic() < end:
-            if self.catchup.settle(self.step):
-                return True
-            self.rt.wait_view(lambda v: v.finished is not None, POLL_S, loop_timeout=self.loop_timeout)
-            if self.rt.view is not None and self.rt.view.finished is not None:
-                return False
-        return False
+    def _end_look(self, deadline: float) -> tuple[EndWord, int | None]:
+        """Rank 0: one look at the view at the end barrier."""
+        rt, p = self.rt, self.port
+        view = rt.view
+        if view is not None and view.finished is not None:
+            return EndWord.FINISHED, view.finished
+        if p.stopping:
+            return EndWord.STOP, None
+        if time.monotonic() >= deadline:
+            return EndWord.TIMEOUT, None
+        if view is not None and view.joiners and self._all_done(view):
+            return EndWord.ROUND, None    # then a look below: a round moves the whole buffer
+        rt.wait_view(lambda v: v.finished is not None or p.stopping, POLL_S, loop_timeout=p.loop_timeout)
+        return EndWord.WAIT, None
+
+    def _settle(self, deadline: float) -> None:
+        """Collective: a joiner whose replay reached the end hands over here (no step follows
+        to do it), every rank at once."""
+        p = self.port
+        end = min(deadline, time.monotonic() + SETTLE_S)
+        while True:
+            ready = all(p.group.agree(p.catchup.at_head(p.step)))
+            if ready:
+                p.catchup.settle(p.step)
+                return
+            word = self._decided(lambda: _settle_look(self.rt, end, p.loop_timeout))
+            if not word:
+                return
 
     def _all_done(self, view: View) -> bool:
-        rt = self.rt
+        rt, step = self.rt, self.port.step
         for m in view.participants:
             meta = rt.member_meta(m.node)
-            if meta is None or meta.status is not Status.DONE or meta.step != self.step:
+            if meta is None or meta.status is not Status.DONE or meta.step != step:
                 return False
         return True
 
-    def _idle_round(self) -> StepResult | None:
-        """One reduce round contributing nothing: every participant is done, so nobody else
-        contributes either; joiners still catching up finish theirs (IDLE) and read the view."""
-        self._slot = None
-        try:
-            with self.step_timeout_capped(IDLE_ROUND_TIMEOUT_S):
-                return super().commit()  # type: ignore[misc]
-        except (StepTimeout, Stopped):
-            return None
+
+def _settle_look(rt: Runtime, end: float, loop_timeout: float | None) -> bool:
+    """Rank 0: wait a little for the worker; False when settling is over (time, or the end)."""
+    if time.monotonic() >= end:
+        return False
+    rt.wait_view(lambda v: v.finished is not None, POLL_S, loop_timeout=loop_timeout)
+    return not (rt.view is not None and rt.view.finished is not None)
+
+
+def _capture(fn: Callable[[], Any]) -> Any:
+    """The value of `fn`, or the job error it raised (to be raised on every rank)."""
+    try:
+        return fn()
+    except (JobError, DataPlaneError) as exc:
+        return exc
+
+
+def _failure(exc: BaseException) -> tuple[bool, str]:
+    """(the lead's data port is unreachable, what happened) of a failed fetch."""
+    return isinstance(exc, (PeerFailed, CommTimeout)), f"{type(exc).__name__}: {exc}"
 
 
 __all__ = ["InitialState", "InitialStateMismatch", "JobConfigError", "JobFinished", "JobLife", "JobOptions",

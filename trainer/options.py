@@ -14,10 +14,13 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 from ..runtime import COMM_TIMEOUT_S
+from .job import JobOptions
 from .optstep import GradHook
 from .userstate import Stateful
 
 RANK_TIMEOUT_S = 10.0       # a rank silent for this long takes its replica down
+# DiLoCo's loop may sit in one sync up to its (longer) communicator timeout: a longer default.
+DILOCO_LOOP_TIMEOUT_S = 120.0
 
 
 def exit_replica(rank: int, silent_s: float) -> None:
@@ -67,6 +70,8 @@ class Capacity:
     max_slots: int = 256
     recent_keep: int = 2
     replay_cap_bytes: int = 2 << 30
+    # Per rank of an FSDP replica: each rank logs only its own shard's reduced steps.
+    shard_replay_cap_bytes: int = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -81,6 +86,36 @@ class DataPlaneOptions:
 
 
 @dataclass(frozen=True)
+class CheckpointOptions:
+    """Disk checkpoints (``torch.distributed.checkpoint``): where, how often (every
+    ``every`` committed steps; 0: never written, only resumed from), whether a replica
+    resumes from the newest one that verifies, and how many are kept."""
+
+    directory: str
+    every: int = 0
+    resume: bool = True
+    keep: int = 2
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.directory, (str, os.PathLike)) or not str(self.directory):
+            raise ValueError(f"checkpoint_dir must be a path, got {self.directory!r}")
+        for name in ("every", "keep"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "every" else 1):
+                raise ValueError(f"checkpoint_{name} must be an int >= {0 if name == 'every' else 1}, got {v!r}")
+
+    @classmethod
+    def of(cls, directory: str | os.PathLike[str] | None, every: int = 0, resume: bool = True,
+           keep: int = 2) -> CheckpointOptions | None:
+        """None without a directory (``checkpoint_every`` then must be 0)."""
+        if directory is None:
+            if every:
+                raise ValueError("checkpoint_every needs a checkpoint_dir")
+            return None
+        return cls(os.fspath(directory), every, resume, keep)
+
+
+@dataclass(frozen=True)
 class EngineOptions:
     """Everything a ``StepEngine`` is configured with besides its model, optimizer, group and
     servers: built once by the adapter, read by the engine and its helpers."""
@@ -92,7 +127,9 @@ class EngineOptions:
     data: DataPlaneOptions = field(default_factory=DataPlaneOptions)
     state: Mapping[str, Stateful] = field(default_factory=dict)   # registered user state, by name
     on_rank_lost: Callable[[int, float], None] = exit_replica
+    job: JobOptions = field(default_factory=JobOptions)     # the job's life (``job.py``)
+    checkpoint: CheckpointOptions | None = None
 
 
-__all__ = ["Capacity", "DataPlaneOptions", "EngineOptions", "RANK_TIMEOUT_S", "Timeouts", "UpdateRule",
+__all__ = ["DILOCO_LOOP_TIMEOUT_S", "Capacity", "CheckpointOptions", "DataPlaneOptions", "EngineOptions", "RANK_TIMEOUT_S", "Timeouts", "UpdateRule",
            "exit_replica"]

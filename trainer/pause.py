@@ -25,13 +25,14 @@ import contextlib
 import logging
 import threading
 import time
-from typing import Any, Iterator
+from typing import Iterator
 
 from ..core.meta import Status
 from ..runtime import Runtime
 from ..transport import CommError
 from ..transport.stream import fetch_state
 from ..core.view import Role
+from .ports import PausePort
 from .requests import StateRequest
 
 log = logging.getLogger("p2pft.trainer.engine")
@@ -84,7 +85,7 @@ def last_step_agreed(rt: Runtime, mine: str | None, step: int, secret: bytes | N
 class Pauses:
     """The pause of one rank of a replica (every rank enters and leaves it together)."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: PausePort) -> None:
         self.e = engine
         self.why: str | None = None
         self._beat: PauseBeat | None = None
@@ -105,7 +106,7 @@ class Pauses:
             raise RuntimeError(f"already in a pause ({self.why!r})")
         if e.in_step:
             raise RuntimeError("pause() between begin() and commit(): pause after a commit, before the next begin")
-        e._beat()
+        e.beat()
         self.why, self._t0 = why, time.monotonic()
         e.serving.idle()  # requests queued during the last step: answered now
         if not e.synced:
@@ -130,7 +131,7 @@ class Pauses:
         if self._beat is not None:
             self._beat.stop()
             self._beat = None
-        e._beat()
+        e.beat()
         rt: Runtime | None = e.rt
         ok = True
         if rt is not None and e.synced and e.step > 0 and not e.stopping:

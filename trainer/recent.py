@@ -11,7 +11,6 @@ import logging
 import threading
 import time
 from collections import OrderedDict, deque
-from typing import Any
 
 import torch
 
@@ -20,6 +19,7 @@ from ..transport import CommError
 from ..transport.device import written_event
 from ..transport.stream import StateSnapshot, fetch_state
 from .attempt import Attempt, Entry
+from .ports import FastForwardPort
 from .requests import StateRequest
 
 log = logging.getLogger(__name__)
@@ -107,14 +107,14 @@ def fetch_recent(lo: int, hi: int, att: Attempt, held: dict[int, int], shard: in
 
 
 
-def fast_forward(e: Any, target: int, att: Attempt, held: dict[int, int],
+def fast_forward(e: FastForwardPort, target: int, att: Attempt, held: dict[int, int],
                  slot: int | None) -> tuple[int, Entry | None]:
     """Collective, for the step engine `e`: fetch and apply the mean gradients of the steps it
     missed from a peer that has them (each rank its shard); if any rank cannot, the replica
     catches up instead. Returns the steps applied and the one that holds our gradients, if any
     (it committed elsewhere with our contribution before we could apply it)."""
     want_from = e.step
-    got = (fetch_recent(want_from, target, att, held, e.shard, e.secret, e.buf.flat.device, e.ds.host)
+    got = (fetch_recent(want_from, target, att, held, e.shard, e.secret, e.buf_device, e.ds.host)
            if e.synced else None)
     if not all(e.group.agree(got is not None)) or got is None:
         log.info("at step %d, behind the others (step %d) and not in a peer's short log: catching up "
@@ -124,12 +124,12 @@ def fast_forward(e: Any, target: int, att: Attempt, held: dict[int, int],
     donor, entries = got
     ours = None
     for entry in entries:
-        if entry.step == e._ranges_step and slot is not None and entry.mask[slot]:
+        if entry.step == e.began_step and slot is not None and entry.mask[slot]:
             ours = entry
         e.apply(entry)
     e.events.append({"t": time.time(), "kind": "fast_forward", "from": want_from, "to": e.step})
     log.info("fast-forwarded %d step(s) to %d from %s", len(entries), e.step, donor)
-    e._after_commit()
+    e.after_commit()
     return len(entries), ours
 
 

@@ -45,8 +45,8 @@ class StateRequest:
         return cls(RequestKind.SIG, shard=shard, step=step)
 
     @classmethod
-    def initial(cls, digest_only: bool) -> "StateRequest":
-        return cls(RequestKind.INITIAL, digest_only=digest_only)
+    def initial(cls, digest_only: bool, shard: int = 0) -> "StateRequest":
+        return cls(RequestKind.INITIAL, shard=shard, digest_only=digest_only)
 
     def to_wire(self) -> dict[str, Any]:
         d: dict[str, Any] = {"kind": self.kind.value, "shard": self.shard}

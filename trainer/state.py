@@ -225,6 +225,15 @@ def _hash_tensor(h: Any, label: str, t: torch.Tensor) -> None:
     h.update(data.view(torch.uint8).numpy())
 
 
+def params_digest(params: dict[str, torch.Tensor]) -> str:
+    """Hex blake2b over the named whole tensors `params` (in name order): what an unsharded
+    model and the gathered shards of an FSDP model agree on at the same step."""
+    h = hashlib.blake2b(digest_size=32)
+    for name in sorted(params):
+        _hash_tensor(h, f"param/{name}", params[name].detach().cpu().contiguous())
+    return h.hexdigest()
+
+
 def state_digest(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
                  view: Callable[[torch.Tensor], torch.Tensor] = lambda t: t, buffers: bool = True) -> str:
     """Hex blake2b over names, dtypes, shapes and raw bytes of params, buffers and optimizer state.

@@ -47,10 +47,12 @@ def test_sbatch_flags_exist() -> None:
 def _replica_options() -> set[str]:
     import argparse
 
+    from p2pft.deploy.job_args import add_job_args
     from p2pft.deploy.replica_args import add_replica_args
     from p2pft.trainer.examples import replica
     p = argparse.ArgumentParser()
     add_replica_args(p, replicas=3, digest_every=10)
+    add_job_args(p)
     src = Path(replica.__file__).read_text()
     return {o for a in p._actions for o in a.option_strings} | set(re.findall(r'add_argument\("(--[a-z-]+)"', src))
 

@@ -21,6 +21,7 @@ import signal
 import sys
 import time
 
+from p2pft.deploy.job_args import add_job_args, job_kwargs
 from p2pft.deploy.replica_args import add_replica_args, require_replica_id
 from p2pft.trainer.examples.signals import StopOnSignal
 
@@ -30,6 +31,7 @@ T_START = time.time()
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_replica_args(p, replicas=2, digest_every=5)
+    add_job_args(p)
     p.add_argument("--nproc-per-node", type=int, default=0, help="local launcher: spawn this many ranks")
     p.add_argument("--batch", type=int, default=8, help="samples per replica per step (split over the ranks)")
     p.add_argument("--stats", default=None, help="JSON-lines file for per-step records (rank 0)")
@@ -71,10 +73,18 @@ def launch(nproc: int, argv: list[str]) -> int:
                 p.send_signal(signal.SIGTERM)
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, on_term)
+    first_failure: float | None = None
     while True:
         rcs = [p.poll() for p in procs]
         failed = [rc for rc in rcs if rc is not None and rc != 0]
-        if failed or (stopping["t"] is not None and time.monotonic() - stopping["t"] > 30):
+        if rcs and all(rc is not None for rc in rcs) and len(set(rcs)) == 1:
+            return rcs[0]   # every rank left with the same word (0, or a job error's exit code)
+        if failed and first_failure is None:
+            first_failure = time.monotonic()
+        # A job error reaches every rank at once (they exit alike, see above); a rank that
+        # died alone takes the replica down after a moment.
+        if (first_failure is not None and time.monotonic() - first_failure > 5.0) or (
+                stopping["t"] is not None and time.monotonic() - stopping["t"] > 30):
             for p in procs:
                 if p.poll() is None:
                     p.kill()
@@ -83,8 +93,6 @@ def launch(nproc: int, argv: list[str]) -> int:
             group.kill()
             print(f"hsdp launcher: a rank exited with {failed}; replica torn down", file=sys.stderr, flush=True)
             return 1
-        if all(rc == 0 for rc in rcs):
-            return 0
         time.sleep(0.02)
 
 
@@ -104,7 +112,8 @@ def worker(args: argparse.Namespace) -> int:
     from p2pft.ops.log import setup_logging
     from p2pft.trainer.metrics import StepMetrics
     from p2pft.trainer.data import TextDataset
-    from p2pft.trainer.hsdp import HSDP, Stopped
+    from p2pft.trainer.errors import JobError, Stopped
+    from p2pft.trainer.hsdp import HSDP
     from p2pft.trainer.progress import Progress
     from p2pft.trainer.model import model_config_for
     from p2pft.net.wire import load_secret
@@ -128,10 +137,10 @@ def worker(args: argparse.Namespace) -> int:
     fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.99))
     stop = StopOnSignal()   # SIGTERM/SIGINT: the loop ends, the trainer's current call raises Stopped
-    rep = HSDP.start(model, opt, replica_id=args.replica_id, listen=args.listen,
+    rep = HSDP.launch(model, opt, replica_id=args.replica_id, listen=args.listen,
                      seeds=[s for s in args.seeds.split(",") if s], secret=load_secret(args.secret_file),
                      batch_per_replica=args.batch, nominal_replicas=args.replicas, lr_policy=args.lr_policy,
-                     rank_timeout=args.rank_timeout,
+                     rank_timeout=args.rank_timeout, **job_kwargs(args),
                      runtime_kw={"metrics_port": args.metrics_port, "max_participants": args.max_participants})
     stop.attach(rep)
     steps = StepMetrics.attach(rep.rt, rep)   # rank 0 with --metrics-port; a no-op otherwise
@@ -152,17 +161,26 @@ def worker(args: argparse.Namespace) -> int:
         deadline = time.monotonic() + 600
         while not os.path.exists(args.go_file) and time.monotonic() < deadline and not stop.flag:
             time.sleep(0.02)
-    if rep.rt is not None and args.min_replicas > 1:
-        rt = rep.rt  # a restarted replica is made a joiner: it has nobody to wait for
-        rt.wait_view(lambda v: len(v.participants) >= args.min_replicas
-                     or v.role_of(rt.node_id) == "joiner", timeout=60.0)
-    dist.barrier()
+    code = 0
+    try:
+        # The group forms (min_replicas), the job's state is checked (finished, progress lost),
+        # and at step 0 every rank takes its shard of the lead replica's state.
+        rep.start()
+    except JobError as exc:
+        print(f"replica {args.replica_id} rank {rank}: {exc}", file=sys.stderr, flush=True)
+        code = exc.exit_code
+    if rank == 0:
+        shard0 = rep.digests()
+        write({"t": time.time(), "kind": "begin", "step": rep.step, "digest": ",".join(shard0),
+               "full": rep.full_digest()})
+    else:
+        rep.digests()
+        rep.full_digest()
     deadline = time.monotonic() + args.duration if args.duration else float("inf")
     last_epoch = -1
-    while True:
-        done = stop.flag or time.monotonic() > deadline or bool(args.steps and rep.step >= args.steps)
+    while not code and not rep.done:
         try:
-            idx = rep.begin(stop=done)
+            idx = rep.begin(stop=stop.flag or time.monotonic() > deadline)
             rep.zero_grad()
             if idx:
                 model.loss(data.batch(idx).to("cuda" if cuda else "cpu")).backward()
@@ -170,6 +188,10 @@ def worker(args: argparse.Namespace) -> int:
                 time.sleep(args.step_delay)
             res = rep.commit()
         except Stopped:
+            break
+        except JobError as exc:
+            print(f"replica {args.replica_id} rank {rank}: {exc}", file=sys.stderr, flush=True)
+            code = exc.exit_code
             break
         steps.observe_step(res)
         digests = rep.digests() if res.committed and args.digest_every and res.step % args.digest_every == 0 else None
@@ -190,15 +212,27 @@ def worker(args: argparse.Namespace) -> int:
                 write({**ev, "kind": "event", "event": ev["kind"]})
                 progress.event(ev)
         rep.events.clear()
+    if not code and rep.done and not stop.flag:
+        try:
+            end = rep.finish()    # the end barrier: every replica at the job's last step
+            write({"t": time.time(), "kind": "event", "event": "finished", "step": end})
+        except JobError as exc:
+            print(f"replica {args.replica_id} rank {rank}: {exc}", file=sys.stderr, flush=True)
+            code = exc.exit_code
     if rank == 0:
         progress.summary(rep.step)
-    digests = rep.digests()
-    write({"t": time.time(), "kind": "exit", "step": rep.step, "digest": ",".join(digests)})
+    if rep.synced:
+        digests = rep.digests()
+        full = rep.full_digest()
+        write({"t": time.time(), "kind": "exit", "step": rep.step, "digest": ",".join(digests), "full": full,
+               "code": code})
+    else:
+        write({"t": time.time(), "kind": "exit", "step": rep.step, "code": code})
     if fh is not None:
         fh.close()
     rep.close()
     dist.destroy_process_group()
-    return 0
+    return code
 
 
 def main(argv: list[str] | None = None) -> int:

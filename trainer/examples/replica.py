@@ -25,6 +25,7 @@ import sys
 import time
 from typing import Any
 
+from p2pft.deploy.job_args import add_job_args
 from p2pft.deploy.replica_args import add_replica_args, require_replica_id
 from p2pft.trainer.examples.signals import StopOnSignal
 
@@ -34,6 +35,7 @@ T_START = time.time()
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_replica_args(p, replicas=3, digest_every=10)
+    add_job_args(p)
     p.add_argument("--advertise", default=os.environ.get("P2PFT_ADVERTISE"),
                    help="HOST:PORT peers use for the control port, if not --listen (env P2PFT_ADVERTISE)")
     p.add_argument("--data-listen", default=os.environ.get("P2PFT_DATA_LISTEN"),
@@ -47,8 +49,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eval-every", type=int, default=0, help="log the loss on a fixed held-out batch every N steps")
     p.add_argument("--state-rate-limit", type=float, default=0.0,
                    help="bytes/s cap for snapshot transfers this replica pulls as a joiner (0: no cap)")
-    p.add_argument("--checkpoint-dir", default=None)
-    p.add_argument("--checkpoint-every", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     p.add_argument("--device", default=os.environ.get("P2PFT_DEVICE", "cpu"),
                    help="torch device of the model and step buffer, e.g. cuda or cuda:1 (env P2PFT_DEVICE)")
@@ -66,18 +66,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--pause-until-file", default=None,
                    help="the pause of --pause-at-step also ends once this file exists (a test ends it as soon "
                         "as it has seen what happens during the pause)")
-    p.add_argument("--allow-restart-from-scratch", action="store_true",
-                   help="when no peer and no checkpoint holds the job's furthest step, train again from this "
-                        "replica's state instead of refusing to start")
-    p.add_argument("--resume-grace", type=float, default=15.0,
-                   help="with no replica training and the job further than this replica's state, wait this "
-                        "long (s) for one that holds it before refusing (or, allowed, restarting)")
-    p.add_argument("--on-finished", choices=["exit", "wait"], default="exit",
-                   help="a replica that starts after the job finished exits 0 (exit) or waits for a further "
-                        "target (wait)")
-    p.add_argument("--initial-state", choices=["broadcast", "check", "off"], default="broadcast",
-                   help="at step 0 the participants take the leader's state (broadcast), or compare digests "
-                        "and fail on a difference (check)")
     p.add_argument("--recent-keep", type=int, default=2,
                    help="committed steps kept for peers that missed them and fast-forward (FaultTolerant's "
                         "recent_keep)")

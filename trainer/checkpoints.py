@@ -1,0 +1,235 @@
+"""Disk checkpoints in the ecosystem's format: ``torch.distributed.checkpoint`` (DCP).
+
+Peers are the first source of state; a checkpoint is the last resort, for when every replica
+of the job died at once. So writing costs the loop one copy to host memory: DCP's
+``async_save`` stages the state and writes it on a thread of its own (for an FSDP replica over
+a process group of its own, every rank its shard). A checkpoint is a directory
+``step-000000000040`` that a plain PyTorch script loads with ``dcp.load`` (into a whole,
+unsharded model too: DCP reshards); it is written as ``.step-...tmp`` and renamed once DCP's
+coordinator has written its metadata, so a directory with the final name is complete.
+
+What it holds, under the keys a script reads:
+- ``model``, ``optim``: ``get_state_dict(model, optimizer)`` (FQN keys; DTensors for FSDP2);
+- ``p2pft.rank{r}``: rank r's replicated extras: ``meta`` (msgpack bytes: step, data cursor,
+  learning-rate factors, registered state's trees, and the digest of rank r's state when
+  written) and ``tensors`` (registered state's tensors).
+On resume every rank loads its part and compares its digest with the one written: a
+checkpoint that does not reproduce it on every rank is skipped, loudly, for the next older one.
+DCP stores non-tensor values with pickle: load checkpoints only from directories you trust.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import threading
+import time
+import warnings
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any, Protocol
+
+import msgpack
+import torch
+
+from .options import CheckpointOptions
+from .ports import ReplicaState
+
+log = logging.getLogger(__name__)
+
+_NAME = re.compile(r"^step-(\d{12})$")
+SAVE_WAIT_S = 120.0     # close() waits this long for the write in flight
+
+
+class CheckpointPort(ReplicaState, Protocol):
+    """What checkpoints read and load: the replica's extras besides model and optimizer."""
+
+    def extras(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        """(msgpack-able meta, tensors) of the replicated state that is not model or optimizer."""
+
+    def load_extras(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None: ...
+
+
+def _dcp() -> Any:
+    import torch.distributed.checkpoint as dcp
+    return dcp
+
+
+def model_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        return get_state_dict(model, opt)
+
+
+def checkpoint_steps(directory: str | os.PathLike[str]) -> list[int]:
+    """Steps of the complete checkpoints in `directory`, oldest first."""
+    d = Path(directory)
+    if not d.is_dir():
+        return []
+    return sorted(int(m.group(1)) for e in d.iterdir() if (m := _NAME.match(e.name)) and (e / ".metadata").exists())
+
+
+class Checkpoints:
+    """One rank's checkpoints: written every ``options.every`` committed steps, resumed from
+    at construction. Collective: every rank of a replica saves and resumes together."""
+
+    def __init__(self, port: CheckpointPort, options: CheckpointOptions) -> None:
+        self.port = port
+        self.options = options
+        self.directory = Path(options.directory)
+        self.last_error: BaseException | None = None
+        self.saved: list[int] = []
+        self._inflight: Future[Any] | None = None
+        self._lock = threading.Lock()
+        group = port.group
+        if port.rank == 0:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            for stale in self.directory.glob(".step-*.tmp"):   # left by a writer that died
+                shutil.rmtree(stale, ignore_errors=True)
+        group.agree(None)    # the directory exists for every rank from here on
+        # Its own group: DCP's collectives run on the writer thread, beside the loop's.
+        self._pg: Any = group.side_group()
+
+    def _dist(self) -> dict[str, Any]:
+        return {"process_group": self._pg} if self._pg is not None else {"no_dist": True}
+
+    def path_for(self, step: int) -> Path:
+        return self.directory / f"step-{step:012d}"
+
+    # ------------------------------------------------------------------ writing
+    def after_commit(self) -> None:
+        every = self.options.every
+        if every and self.port.step % every == 0:
+            self.save()
+
+    def save(self) -> bool:
+        """Collective: stage this step's state and write it in the background. Skipped (False)
+        on every rank when a rank's previous write is still running: the newest state is the
+        one worth writing, and the next one comes soon."""
+        p = self.port
+        step = p.step
+        busy = self._inflight is not None and not self._inflight.done()
+        if any(p.group.agree(busy)):
+            log.info("checkpoint of step %d skipped: the previous one is still being written", step)
+            return False
+        msd, osd = model_state(p.model, p.opt)
+        meta, tensors = p.extras()
+        meta = {**meta, "step": step, "digest": p.digest(), "world": p.group.world}
+        state = {"model": msd, "optim": osd,
+                 "p2pft": {f"rank{p.rank}": {"meta": msgpack.packb(meta, use_bin_type=True), "tensors": tensors}}}
+        tmp = self.directory / f".step-{step:012d}.tmp"
+        t0 = time.monotonic()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            fut = _dcp().async_save(state, checkpoint_id=str(tmp), **self._dist())
+        if not isinstance(fut, Future):     # an AsyncSaveResponse: staging and upload
+            fut = fut.upload_completion
+        fut.add_done_callback(lambda f: self._written(f, step, tmp, t0))
+        self._inflight = fut
+        return True
+
+    def _written(self, fut: Future[Any], step: int, tmp: Path, t0: float) -> None:
+        """DCP's writer thread: on rank 0 (the coordinator, whose save ends after every rank's
+        data and the metadata are written) the checkpoint gets its final name."""
+        err = fut.exception()
+        if err is not None:   # a full disk must not kill training; the next save tries again
+            self.last_error = err
+            log.error("checkpoint of step %d failed: %s", step, err)
+            return
+        if self.port.rank != 0:
+            return
+        try:
+            final = self.path_for(step)
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            _fsync_dir(self.directory)
+            with self._lock:
+                self.saved.append(step)
+                self._prune()
+            log.info("checkpoint of step %d written to %s in %.2f s", step, final, time.monotonic() - t0)
+        except OSError as exc:
+            self.last_error = exc
+            log.error("checkpoint of step %d could not be named: %s", step, exc)
+
+    def _prune(self) -> None:
+        for step in checkpoint_steps(self.directory)[: -self.options.keep]:
+            shutil.rmtree(self.path_for(step), ignore_errors=True)
+
+    def wait(self, timeout: float = SAVE_WAIT_S) -> bool:
+        """Until the write in flight (if any) ended; False if `timeout` ran out first."""
+        fut = self._inflight
+        if fut is None:
+            return True
+        try:
+            fut.result(timeout)
+        except TimeoutError:
+            return False
+        except Exception:   # logged by the callback
+            pass
+        # The rename runs in a done-callback: give it a moment.
+        end = time.monotonic() + 5.0
+        while self.port.rank == 0 and self.last_error is None and time.monotonic() < end and not any(
+                s for s in self.saved if self.path_for(s).exists()):
+            time.sleep(0.01)
+        return True
+
+    def close(self) -> None:
+        if not self.wait():
+            log.warning("a checkpoint was still being written at close; it is left incomplete")
+
+    # ------------------------------------------------------------------ resuming
+    def resume(self) -> int | None:
+        """Collective: load the newest checkpoint that reproduces its digest on every rank.
+        Returns its step (None: none found, the state is unchanged)."""
+        p = self.port
+        steps = p.group.broadcast(checkpoint_steps(self.directory) if p.rank == 0 else None)
+        for step in reversed(steps):
+            ok, why = self._try_load(step)
+            if all(p.group.agree(ok)):
+                log.info("resumed from the checkpoint of step %d (%s)", step, self.path_for(step))
+                p.events.append({"t": time.time(), "kind": "resumed", "step": step})
+                return step
+            log.warning("ignoring the checkpoint of step %d: %s", step, why or "another rank could not load it")
+        return None
+
+    def _try_load(self, step: int) -> tuple[bool, str]:
+        p = self.port
+        path = str(self.path_for(step))
+        dcp = _dcp()
+        try:
+            key = f"rank{p.rank}"
+            head: dict[str, Any] = {"p2pft": {key: {"meta": b""}}}
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)
+                dcp.load(head, checkpoint_id=path, **self._dist())
+                meta = msgpack.unpackb(head["p2pft"][key]["meta"], raw=False)
+                if meta.get("world") != p.group.world or meta.get("step") != step:
+                    return False, f"written by {meta.get('world')} rank(s) at step {meta.get('step')}"
+                _, tensors = p.extras()
+                msd, osd = model_state(p.model, p.opt)
+                state = {"model": msd, "optim": osd,
+                         "p2pft": {key: {"tensors": {k: torch.empty_like(v) for k, v in tensors.items()}}}}
+                dcp.load(state, checkpoint_id=path, **self._dist())
+                from torch.distributed.checkpoint.state_dict import set_state_dict
+                set_state_dict(p.model, p.opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+            p.load_extras(meta, state["p2pft"][key]["tensors"])
+        except Exception as exc:  # damaged, foreign, or of another model: the next older one
+            return False, f"{type(exc).__name__}: {str(exc)[:300]}"
+        mine = p.digest()
+        if mine != meta.get("digest"):
+            return False, f"digest {mine[:12]} after loading, {str(meta.get('digest'))[:12]} when written"
+        return True, ""
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+__all__ = ["CheckpointPort", "Checkpoints", "checkpoint_steps", "model_state"]

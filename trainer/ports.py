@@ -1,0 +1,197 @@
+"""What the step kernel hands its parts: one typed port per part, never the kernel itself.
+
+Each part of a replica's step machinery (catch-up, the donor, pauses, the recent-steps log,
+the job's life, checkpoints) declares here the few members of the kernel it reads or calls,
+the way etcd's ``RawNode`` hands its application a ``Ready`` and ``Status()`` rather than the
+raft struct. ``StepEngine`` satisfies every port structurally (the type checker proves it where
+the parts are built), a part never touches a private member of another, and a new algorithm
+composes the same parts through the same ports.
+"""
+from __future__ import annotations
+
+from collections import deque
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any, Callable, Protocol
+
+import torch
+
+if TYPE_CHECKING:
+    from ..runtime import Runtime
+    from ..transport import DataServer
+    from ..transport.stream import StateSnapshot
+    from .attempt import Entry
+    from .cursor import DataCursor
+    from .group import ReplicaGroup
+    from .requests import RequestKind, StateRequest
+    from .state_io import StateIO
+
+
+class CatchupControl(Protocol):
+    """The catch-up of a replica, as the other parts drive it (``catchup.Catchup``)."""
+
+    def start(self, why: str, again: bool = False) -> None: ...
+
+    def stop(self) -> None: ...
+
+    def at_head(self, step: int) -> bool: ...
+
+    def settle(self, step: int) -> bool: ...
+
+
+class Serving(Protocol):
+    """What the replica serves its peers (``donor.Donor``)."""
+
+    def register(self, kind: RequestKind, provider: Callable[[StateRequest], StateSnapshot | None]) -> None: ...
+
+    def busy(self) -> None: ...
+
+    def idle(self) -> None: ...
+
+    def serve_queued(self) -> None: ...
+
+
+class RecentLog(Protocol):
+    """The short log of committed steps (``recent.RecentSteps``)."""
+
+    def signature(self, step: int) -> str | None: ...
+
+    def serve(self, lo: int, hi: int) -> StateSnapshot | None: ...
+
+
+class CommsState(Protocol):
+    """The replica's communicators, as the job's life asks about them (``comms.ShardComms``)."""
+
+    def unusable(self) -> BaseException | None: ...
+
+
+class ReplicaState(Protocol):
+    """The replica's state and where it stands: read by every part."""
+
+    @property
+    def rt(self) -> Runtime | None: ...    # rank 0 only: the control plane
+
+    @property
+    def group(self) -> ReplicaGroup: ...
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def shard(self) -> int: ...
+
+    @property
+    def step(self) -> int: ...
+
+    @property
+    def synced(self) -> bool: ...
+
+    @property
+    def stopping(self) -> bool: ...
+
+    @property
+    def model(self) -> torch.nn.Module: ...
+
+    @property
+    def opt(self) -> torch.optim.Optimizer: ...
+
+    @property
+    def state_io(self) -> StateIO: ...
+
+    @property
+    def events(self) -> deque[dict[str, Any]]: ...
+
+    @property
+    def secret(self) -> bytes | None: ...
+
+    @property
+    def loop_timeout(self) -> float | None: ...
+
+    @property
+    def ds(self) -> DataServer: ...
+
+    def beat(self) -> None:
+        """Tell the control plane the loop runs (rank 0; a no-op elsewhere)."""
+
+    def digest(self) -> str: ...
+
+    def capture_state(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]: ...
+
+
+class CatchupPort(ReplicaState, Protocol):
+    """What catch-up needs: the state above, plus applying steps and restoring snapshots."""
+
+    @property
+    def state_rate_limit(self) -> float | None: ...
+
+    def mark_synced(self, synced: bool) -> None: ...
+
+    def apply(self, e: Entry) -> None: ...
+
+    def restore_snapshot(self, snap: StateSnapshot) -> None: ...
+
+
+class DonorPort(ReplicaState, Protocol):
+    """What the donor serves from: the state, the short log of recent steps."""
+
+    @property
+    def recent(self) -> RecentLog: ...
+
+
+class RecoveryParts(ReplicaState, Protocol):
+    """The parts a pause, a fast-forward and the job's life drive."""
+
+    @property
+    def catchup(self) -> CatchupControl: ...
+
+    @property
+    def serving(self) -> Serving: ...
+
+    @property
+    def recent(self) -> RecentLog: ...
+
+    @property
+    def comms(self) -> CommsState: ...
+
+    @property
+    def cursor(self) -> DataCursor: ...
+
+    @property
+    def in_step(self) -> bool: ...
+
+
+class FastForwardPort(RecoveryParts, Protocol):
+    """A fast-forward applies logged steps and then does what a commit does after."""
+
+    @property
+    def buf_device(self) -> torch.device: ...
+
+    @property
+    def began_step(self) -> int:
+        """The step whose samples this replica's current ranges are (see ``begin``)."""
+
+    def apply(self, e: Entry) -> None: ...
+
+    def after_commit(self) -> None: ...
+
+
+class PausePort(RecoveryParts, Protocol):
+    """A pause also tells the kernel it left the data plane on purpose."""
+
+    def rejoined_after_pause(self) -> None: ...
+
+
+class LifePort(RecoveryParts, Protocol):
+    """The job's life: loads the initial state, and runs idle rounds at the end barrier."""
+
+    def load_state(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None: ...
+
+    def state_mutation(self) -> AbstractContextManager[None]: ...
+
+    def receive_into(self) -> dict[str, torch.Tensor] | None: ...
+
+    def idle_round(self, timeout: float) -> None:
+        """Collective: one reduce round contributing nothing, waiting at most `timeout` for a
+        view (joiners still catching up at the end barrier finish theirs)."""
+
+
+__all__ = ["CatchupControl", "CatchupPort", "CommsState", "RecentLog", "Serving", "DonorPort", "FastForwardPort", "LifePort", "PausePort", "RecoveryParts", "ReplicaState"]
