@@ -19,6 +19,7 @@ DCP stores non-tensor values with pickle: load checkpoints only from directories
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -28,7 +29,7 @@ import time
 import warnings
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Iterator, Protocol
 
 import msgpack
 import torch
@@ -51,6 +52,17 @@ class CheckpointPort(ReplicaState, Protocol):
     def load_extras(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None: ...
 
 
+# A replica of one rank saves without a process group on purpose; DCP says so on its writer
+# thread, where a catch_warnings around the call does not reach.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+
+
+def _checkpoint_exception() -> type[BaseException]:
+    """DCP's error (a BaseException, which ``except Exception`` would not catch)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+    return CheckpointException
+
+
 def _dcp() -> Any:
     import torch.distributed.checkpoint as dcp
     return dcp
@@ -58,8 +70,7 @@ def _dcp() -> Any:
 
 def model_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
     from torch.distributed.checkpoint.state_dict import get_state_dict
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
+    with _quiet():
         return get_state_dict(model, opt)
 
 
@@ -81,7 +92,7 @@ class Checkpoints:
         self.directory = Path(options.directory)
         self.last_error: BaseException | None = None
         self.saved: list[int] = []
-        self._inflight: Future[Any] | None = None
+        self._inflight: threading.Event | None = None   # set once the write in flight ended
         self._lock = threading.Lock()
         group = port.group
         if port.rank == 0:
@@ -110,7 +121,7 @@ class Checkpoints:
         one worth writing, and the next one comes soon."""
         p = self.port
         step = p.step
-        busy = self._inflight is not None and not self._inflight.done()
+        busy = self._inflight is not None and not self._inflight.is_set()
         if any(p.group.agree(busy)):
             log.info("checkpoint of step %d skipped: the previous one is still being written", step)
             return False
@@ -121,13 +132,19 @@ class Checkpoints:
                  "p2pft": {f"rank{p.rank}": {"meta": msgpack.packb(meta, use_bin_type=True), "tensors": tensors}}}
         tmp = self.directory / f".step-{step:012d}.tmp"
         t0 = time.monotonic()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)
+        with _quiet():
             fut = _dcp().async_save(state, checkpoint_id=str(tmp), **self._dist())
         if not isinstance(fut, Future):     # an AsyncSaveResponse: staging and upload
             fut = fut.upload_completion
-        fut.add_done_callback(lambda f: self._written(f, step, tmp, t0))
-        self._inflight = fut
+        ended = threading.Event()
+        self._inflight = ended
+
+        def written(f: Future[Any]) -> None:
+            try:
+                self._written(f, step, tmp, t0)
+            finally:
+                ended.set()
+        fut.add_done_callback(written)
         return True
 
     def _written(self, fut: Future[Any], step: int, tmp: Path, t0: float) -> None:
@@ -160,21 +177,8 @@ class Checkpoints:
 
     def wait(self, timeout: float = SAVE_WAIT_S) -> bool:
         """Until the write in flight (if any) ended; False if `timeout` ran out first."""
-        fut = self._inflight
-        if fut is None:
-            return True
-        try:
-            fut.result(timeout)
-        except TimeoutError:
-            return False
-        except Exception:   # logged by the callback
-            pass
-        # The rename runs in a done-callback: give it a moment.
-        end = time.monotonic() + 5.0
-        while self.port.rank == 0 and self.last_error is None and time.monotonic() < end and not any(
-                s for s in self.saved if self.path_for(s).exists()):
-            time.sleep(0.01)
-        return True
+        ended = self._inflight
+        return ended is None or ended.wait(timeout)
 
     def close(self) -> None:
         if not self.wait():
@@ -202,8 +206,7 @@ class Checkpoints:
         try:
             key = f"rank{p.rank}"
             head: dict[str, Any] = {"p2pft": {key: {"meta": b""}}}
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", FutureWarning)
+            with _quiet():
                 dcp.load(head, checkpoint_id=path, **self._dist())
                 meta = msgpack.unpackb(head["p2pft"][key]["meta"], raw=False)
                 if meta.get("world") != p.group.world or meta.get("step") != step:
@@ -216,12 +219,22 @@ class Checkpoints:
                 from torch.distributed.checkpoint.state_dict import set_state_dict
                 set_state_dict(p.model, p.opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
             p.load_extras(meta, state["p2pft"][key]["tensors"])
-        except Exception as exc:  # damaged, foreign, or of another model: the next older one
+        except (Exception, _checkpoint_exception()) as exc:  # damaged, foreign, another model: the next older one
             return False, f"{type(exc).__name__}: {str(exc)[:300]}"
         mine = p.digest()
         if mine != meta.get("digest"):
             return False, f"digest {mine[:12]} after loading, {str(meta.get('digest'))[:12]} when written"
         return True, ""
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """DCP's warnings that say nothing here: a replica of one rank saves without a process
+    group on purpose, and ``get_state_dict``'s deprecation notes are PyTorch's own."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
 
 
 def _fsync_dir(path: Path) -> None:

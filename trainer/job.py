@@ -149,6 +149,8 @@ class JobLife:
         """Rank 0 decides, every rank of the replica gets the same value; an error decided
         is raised on every rank."""
         got = self.port.group.broadcast(_capture(decide) if self.port.rt is not None else None)
+        if isinstance(got, JobFinished):
+            self.ended = got.step     # what rank 0 learned, every rank knows (``done``)
         if isinstance(got, BaseException):
             raise got
         return got

@@ -19,7 +19,8 @@ import torch
 
 from p2pft import Runtime
 from p2pft.ops.log import setup_logging
-from p2pft.trainer import DiLoCo, Stopped
+from p2pft.deploy.job_args import add_job_args, job_kwargs
+from p2pft.trainer import DiLoCo, JobError, Stopped
 from p2pft.trainer.examples.signals import StopOnSignal
 
 WIDTH = 16
@@ -32,8 +33,8 @@ def sample(i: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, torch.tanh(x.flip(0) * 2)
 
 
-def build() -> torch.nn.Module:
-    torch.manual_seed(0)
+def build(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
     return torch.nn.Sequential(torch.nn.Linear(WIDTH, 32), torch.nn.Tanh(), torch.nn.Linear(32, WIDTH))
 
 
@@ -52,25 +53,34 @@ def main() -> int:
     p.add_argument("--step-delay", type=float, default=0.02, help="seconds per inner step (emulated compute)")
     p.add_argument("--min-replicas", type=int, default=1)
     p.add_argument("--syncs", type=int, default=0, help="stop after this many committed syncs (0: at SIGTERM)")
+    p.add_argument("--steps", type=int, default=0, help="the job's end in inner steps (total_steps; 0: none)")
+    p.add_argument("--seed", type=int, default=0, help="model init seed")
+    add_job_args(p)
     p.add_argument("--log-level", default="INFO")
     a = p.parse_args()
     setup_logging(a.log_level)
     torch.set_num_threads(1)
-    model = build()
+    model = build(a.seed)
     torch.save([p.detach().clone() for p in model.parameters()], a.stats + ".init.pt")   # the run's record
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     rt = Runtime(replica_id=a.replica_id, listen=a.listen, seeds=[s for s in a.seeds.split(",") if s]).start()
     dl = DiLoCo(rt, model, opt, sync_every=a.sync_every, batch_per_replica=a.batch, fragments=a.fragments,
-                overlap=a.overlap, alpha=a.alpha, compression=a.compression, loop_timeout=None)
+                overlap=a.overlap, alpha=a.alpha, compression=a.compression, loop_timeout=None, **job_kwargs(a))
     stop = StopOnSignal((signal.SIGTERM,))   # SIGTERM: the loop ends, the trainer's call raises Stopped
     stop.attach(dl)
     out = open(a.stats, "a", buffering=1)
     out.write(json.dumps({"kind": "start", "t": time.time(), "node": rt.node_id}) + "\n")
-    if a.min_replicas > 1 and dl.step == 0:
-        rt.wait_view(lambda v: len(v.participants) >= a.min_replicas or stop.flag, timeout=60)
+    code = 0
+    refused = False    # the job would not take this replica (finished, lost, misdeclared)
+    try:
+        dl.start()    # the group forms; the job's state is checked; at sync 0 all take the lead's weights
+    except JobError as exc:
+        print(f"replica {a.replica_id}: {exc}", file=sys.stderr, flush=True)
+        code, refused = exc.exit_code, True
+    out.write(json.dumps({"kind": "begin", "t": time.time(), "step": dl.step, "digest": dl.digest()}) + "\n")
     span = dl.schedule.span
     ran = 0
-    while not stop.flag and not (a.syncs and dl.step >= a.syncs):
+    while not code and not stop.flag and not dl.done and not (a.syncs and dl.step >= a.syncs):
         try:
             idx = dl.begin()
             dl.zero_grad()
@@ -83,6 +93,10 @@ def main() -> int:
                     out.write(json.dumps({"kind": "syncing", "t": time.time(), "sync": dl.step}) + "\n")
             res = dl.commit()
         except Stopped:
+            break
+        except JobError as exc:
+            print(f"replica {a.replica_id}: {exc}", file=sys.stderr, flush=True)
+            code = exc.exit_code
             break
         if res.outer is None:
             continue
@@ -98,13 +112,22 @@ def main() -> int:
         while dl.events:
             ev = dl.events.popleft()
             out.write(json.dumps({**ev, "kind": "event", "event": ev["kind"]}) + "\n")
+    if not refused and not code and dl.done and not stop.flag:
+        try:
+            end = dl.finish()
+            out.write(json.dumps({"kind": "event", "event": "finished", "step": end, "t": time.time()}) + "\n")
+        except JobError as exc:
+            print(f"replica {a.replica_id}: {exc}", file=sys.stderr, flush=True)
+            code = exc.exit_code
+    out.write(json.dumps({"kind": "exit", "t": time.time(), "step": dl.step, "code": code,
+                          **({"digest": dl.digest()} if dl.synced else {})}) + "\n")
     if dl.synced:   # the global weights at the last committed sync, for the oracle
         torch.save({"syncs": dl.step, "weights": [p.detach() for p in dl.global_model.parameters()]},
                    a.stats + ".final.pt")
     out.close()
     dl.close()
     rt.close(leave=True)
-    return 0
+    return code
 
 
 if __name__ == "__main__":

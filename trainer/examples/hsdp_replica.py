@@ -162,13 +162,14 @@ def worker(args: argparse.Namespace) -> int:
         while not os.path.exists(args.go_file) and time.monotonic() < deadline and not stop.flag:
             time.sleep(0.02)
     code = 0
+    refused = False    # the job would not take this replica (finished, lost, misdeclared)
     try:
         # The group forms (min_replicas), the job's state is checked (finished, progress lost),
         # and at step 0 every rank takes its shard of the lead replica's state.
         rep.start()
     except JobError as exc:
         print(f"replica {args.replica_id} rank {rank}: {exc}", file=sys.stderr, flush=True)
-        code = exc.exit_code
+        code, refused = exc.exit_code, True
     if rank == 0:
         shard0 = rep.digests()
         write({"t": time.time(), "kind": "begin", "step": rep.step, "digest": ",".join(shard0),
@@ -212,7 +213,7 @@ def worker(args: argparse.Namespace) -> int:
                 write({**ev, "kind": "event", "event": ev["kind"]})
                 progress.event(ev)
         rep.events.clear()
-    if not code and rep.done and not stop.flag:
+    if not refused and not code and rep.done and not stop.flag:
         try:
             end = rep.finish()    # the end barrier: every replica at the job's last step
             write({"t": time.time(), "kind": "event", "event": "finished", "step": end})
