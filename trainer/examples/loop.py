@@ -12,7 +12,7 @@ import sys
 import torch
 
 from p2pft import Runtime
-from p2pft.trainer import FaultTolerant, Stopped
+from p2pft.trainer import FaultTolerant, JobError
 from p2pft.trainer.data import TextDataset
 from p2pft.trainer.model import model_config_for
 
@@ -29,6 +29,7 @@ ft = FaultTolerant(rt, model, opt, batch_per_replica=8,
                    loop_timeout=60.0,     # left out of the view when the loop stalls this long
                    step_timeout=120.0)    # commit() raises StepTimeout after this long without a view
 signal.signal(signal.SIGTERM, lambda *_: ft.request_stop())
+code = 0
 try:
     while not ft.done:
         idx = ft.begin()                  # joins the group first; [] while this replica catches up
@@ -37,11 +38,13 @@ try:
             model.loss(data.batch(idx)).backward()
         res = ft.commit()                 # allreduce, retry across views, optimizer step
         if res.committed and res.step % 20 == 0 and ft.is_leader:
-            with torch.no_grad():         # side work on one replica; the leader moves if it dies
+            with torch.no_grad():         # side work on one replica per step; it moves if the leader dies
                 print(f"{replica_id} step {res.step} eval loss {float(model.loss(held_out)):.4f}", flush=True)
     ft.finish()                           # the end barrier: everyone at step 60, then all leave
-except Stopped as exc:                    # SIGTERM in begin/commit/finish, or the job already finished
-    print(replica_id, exc, flush=True)
-print(replica_id, "step", ft.step, "digest", ft.digest()[:16], flush=True)
+    print(replica_id, "step", ft.step, "digest", ft.digest()[:16], flush=True)
+except JobError as exc:                   # Stopped (SIGTERM), JobFinished (a late restart): exit 0;
+    print(replica_id, exc, flush=True)    # MissingStateError, StepTimeout: 3; a misdeclared job: 2
+    code = exc.exit_code
 ft.close()
 rt.close()
+sys.exit(code)
