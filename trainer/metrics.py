@@ -10,13 +10,14 @@ from __future__ import annotations
 import statistics
 import time
 from collections import deque
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from ..ops.metrics import ROLES, DataCollector
 from ..runtime import Runtime
+from ..transport import DataServer
 from .attempt import StepResult
 
 STEP_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -28,10 +29,18 @@ HEALTHY_KEEP = 32              # recent healthy step times: the baseline a stall
 class Trainer(Protocol):
     """What the step metrics read of ``FaultTolerant`` / ``HSDP`` (both are ``StepEngine``s)."""
 
-    model: torch.nn.Module
-    opt: torch.optim.Optimizer
-    synced: bool
-    ds: Any                    # its data server (HSDP: one per rank, not the runtime's)
+    @property
+    def model(self) -> torch.nn.Module: ...
+
+    @property
+    def opt(self) -> torch.optim.Optimizer: ...
+
+    @property
+    def synced(self) -> bool: ...
+
+    @property
+    def ds(self) -> DataServer | None:
+        """Its data server (HSDP: one per rank, not the runtime's)."""
 
 
 class StepMetrics:
@@ -84,7 +93,7 @@ class StepMetrics:
         non-zero ranks of an HSDP replica). A trainer with a data server of its own (HSDP)
         gets its data-plane collector registered too."""
         endpoint = rt.metrics if rt is not None else None
-        if endpoint is None:
+        if rt is None or endpoint is None:
             return cls(None)
         ds = trainer.ds if trainer is not None else None
         if ds is not None and ds is not rt.data:

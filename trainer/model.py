@@ -8,7 +8,9 @@ model does not matter but its size does.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -122,9 +124,10 @@ class TinyLM(nn.Module):
             elif isinstance(module, nn.Embedding):
                 nn.init.normal_(module.weight, std=0.02)
         # Residual projections shrink with depth so the residual stream keeps its scale.
-        for block in self.blocks:
+        # (A ModuleList and a Sequential hand out plain Modules; these hold Blocks and a Linear.)
+        for block in cast("Iterable[Block]", self.blocks):
             nn.init.normal_(block.attn.proj.weight, std=0.02 / math.sqrt(2 * n_layers))
-            nn.init.normal_(block.mlp[2].weight, std=0.02 / math.sqrt(2 * n_layers))
+            nn.init.normal_(cast(nn.Linear, block.mlp[2]).weight, std=0.02 / math.sqrt(2 * n_layers))
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """Logits [B, T, vocab] for tokens [B, T] (T <= seq_len)."""

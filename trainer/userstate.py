@@ -74,7 +74,7 @@ class UserState:
         for key in sorted(tensors):
             t = tensors[key]
             h.update(f"{key}|{t.dtype}|{list(t.shape)}|".encode())
-            h.update(t.reshape(-1).view(torch.uint8).numpy())
+            h.update(t.reshape(-1).view(torch.uint8).numpy().data)
         return h.hexdigest()
 
 

@@ -100,7 +100,7 @@ def _from_numpy(arr: np.ndarray, reducible: bool) -> FlatBuffer:
     if not arr.flags.writeable:
         raise ValueError("numpy array must be writeable (the operation is in place)")
     flat = arr.reshape(-1)
-    return FlatBuffer(arr, memoryview(flat.view(np.uint8)), arr.itemsize, name, flat)
+    return FlatBuffer(arr, flat.view(np.uint8).data, arr.itemsize, name, flat)
 
 
 def _from_torch(torch: Any, t: Any, reducible: bool) -> FlatBuffer:

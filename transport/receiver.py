@@ -144,9 +144,10 @@ class LaneReceiver:
         # Holding the lane's write lock keeps the sender thread from writing an error frame into
         # the middle of a frame this loop is writing; a half-written one is handed to it below.
         with snd.wlock:
-            args = (self.sock.fileno(), snd.sock.fileno(), buf.mv, self._scratch, sends, plan.first_sends, recvs,
-                    prefix_out, prefix_in, self._keepalive, contrib, buf.dtype_code, self.world, tmo, io_slice(tmo),
-                    self.hooks.state)
+            args: tuple[object, ...] = (
+                self.sock.fileno(), snd.sock.fileno(), buf.mv, self._scratch, sends, plan.first_sends, recvs,
+                prefix_out, prefix_in, self._keepalive, contrib, buf.dtype_code, self.world, tmo, io_slice(tmo),
+                self.hooks.state)
             if getattr(loop, "WATCHES_RIGHT", 0):  # a build that also watches the right connection
                 args += (self.ack_timeout or 0.0,)
             st, total, err, detail, hdr, pending = loop.allreduce_lane(*args)

@@ -112,7 +112,7 @@ class DataServer:
         #: rejections and drops, by kind (see the module docstring)
         self.counters: collections.Counter[str] = collections.Counter()
         #: completed collectives: count, bytes and seconds by op (read by the metrics at scrape time)
-        self.ops: collections.Counter[str] = collections.Counter()
+        self.ops: collections.defaultdict[str, float] = collections.defaultdict(int)  # counts, bytes, seconds
         self._guard = HelloGuard(window=replay_window)
         self._last_log: dict[str, float] = {}
 

@@ -12,7 +12,7 @@ its message is kept; an unknown message type decodes to ``Unknown`` (counted, ig
 from __future__ import annotations
 
 from dataclasses import fields
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 from .messages import ALIVE, DEAD, LEFT, SUSPECT, Ack, MemberState, Append, AppendResp, Envelope, GossipMessage, Message, Nack, Ping, PreVote, PreVoteResp, ProbeRequest, PushPull, RaftMessage, Row, Snapshot, Unknown, Update, Updates, ViewDelta, ViewFull, ViewRequest, Vote, VoteResp, Who
 from .meta import MemberMeta
@@ -278,7 +278,11 @@ def _updates(d: dict[str, Any]) -> list[Update]:
     return [u for u in map(update_from_wire, pb) if u is not None]
 
 
-def _dec_gossip(cls: type, d: dict[str, Any]) -> Any:
+_G = TypeVar("_G", bound=GossipMessage)
+_Seq = TypeVar("_Seq", Ack, Nack)
+
+
+def _dec_gossip(cls: type[_G], d: dict[str, Any]) -> _G:
     """The header every gossip message has; the caller sets its own fields."""
     g = d.get
     e, st, lb = g("e"), g("st"), g("lb")
@@ -296,8 +300,8 @@ def _dec_ping(d: dict[str, Any]) -> Ping:
     return m
 
 
-def _dec_seq(cls: type) -> Callable[[dict[str, Any]], Any]:
-    def dec(d: dict[str, Any]) -> Any:
+def _dec_seq(cls: type[_Seq]) -> Callable[[dict[str, Any]], _Seq]:
+    def dec(d: dict[str, Any]) -> _Seq:
         m = _dec_gossip(cls, d)
         m.seq = int(d["seq"])
         return m
@@ -310,7 +314,7 @@ def _dec_preq(d: dict[str, Any]) -> ProbeRequest:
     return m
 
 
-def _dec_plain(cls: type) -> Callable[[dict[str, Any]], Any]:
+def _dec_plain(cls: type[_G]) -> Callable[[dict[str, Any]], _G]:
     return lambda d: _dec_gossip(cls, d)
 
 

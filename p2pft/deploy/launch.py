@@ -108,7 +108,9 @@ def expand_hostlist(text: str) -> list[str]:
 
 def _split_top_level(text: str) -> list[str]:
     """Split on commas outside brackets."""
-    items, depth, cur = [], 0, []
+    items: list[str] = []
+    depth = 0
+    cur: list[str] = []
     for ch in text:
         if ch == "[":
             depth += 1

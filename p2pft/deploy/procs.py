@@ -147,12 +147,12 @@ def collect(p: subprocess.Popen[bytes], timeout: float = 0.0) -> Exit | None:
             info = os.waitid(os.P_PID, p.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
         except ChildProcessError:  # reaped elsewhere
             info = None
-            if p.poll() is not None:
-                return Exit(p.returncode, None)
+            rc = p.poll()
+            if rc is not None:
+                return Exit(rc, None)
         if info is not None:
             cpu = cpu_seconds(p.pid)
-            p.wait()
-            return Exit(p.returncode, cpu)
+            return Exit(p.wait(), cpu)
         if time.monotonic() >= deadline:
             return None
         time.sleep(min(0.02, max(0.0, deadline - time.monotonic())))

@@ -308,7 +308,7 @@ class Monitor:
             self.fh.write(json.dumps(rec, separators=(",", ":")) + "\n")
             self.fh.flush()
 
-    def plain_step(self, step: int, loss: float, lr: float) -> None:
+    def plain_step(self, step: int, loss: float | None, lr: float) -> None:
         b = self.r.batch
         self._step({"step": step, "c": 1, "role": "plain", "n": 1, "r": 0, "e": 0, "lr": lr,
                     "tr": [[(step - 1) * b, step * b]]}, loss)

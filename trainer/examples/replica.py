@@ -23,11 +23,19 @@ import json
 import os
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Callable, cast
 
 from p2pft.deploy.job_args import add_job_args
 from p2pft.deploy.replica_args import add_replica_args, require_replica_id
 from p2pft.trainer.examples.signals import StopOnSignal
+
+if TYPE_CHECKING:  # imported in main(), after the arguments parse (torch takes seconds)
+    import torch
+
+    from p2pft import Runtime
+    from p2pft.trainer import FaultTolerant
+    from p2pft.trainer.metrics import StepMetrics
+    from p2pft.trainer.progress import Progress
 
 T_START = time.time()
 
@@ -89,7 +97,7 @@ class Stats:
         self.fh = open(path, "a", buffering=1 << 16) if path else None
         self.last_flush = time.monotonic()
 
-    def write(self, rec: dict) -> None:
+    def write(self, rec: dict[str, object]) -> None:
         if self.fh is None:
             return
         self.fh.write(json.dumps(rec, separators=(",", ":")) + "\n")
@@ -135,28 +143,33 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(args.seed)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    eval_loss = None
+    eval_loss: Callable[[], float] | None = None
+    model: torch.nn.Module
     if args.mlp_params:
-        model = build_mlp_for_params(args.mlp_params).to(device)
-        width = model[0].in_features
+        mlp = build_mlp_for_params(args.mlp_params).to(device)
+        model = mlp
+        width = cast(torch.nn.Linear, mlp[0]).in_features
 
         def loss_fn(idx: list[int]) -> torch.Tensor:
             g = torch.Generator().manual_seed(idx[0])
             x = torch.randn(len(idx), width, generator=g).to(device)
-            return (model(x) - x).pow(2).mean()
+            out: torch.Tensor = mlp(x)
+            return (out - x).pow(2).mean()
     else:
         cfg = model_config_for(args.model)
-        model = cfg.build().to(device)
+        lm = cfg.build().to(device)
+        model = lm
         data = TextDataset(cfg.seq_len)
 
         def loss_fn(idx: list[int]) -> torch.Tensor:
-            return model.loss(data.batch(idx).to(device))
+            return lm.loss(data.batch(idx).to(device))
 
         held_out = data.batch(list(range(len(data) - 32, len(data)))).to(device)
 
-        def eval_loss() -> float:  # type: ignore[misc]
+        def held_out_loss() -> float:
             with torch.no_grad():
-                return float(model.loss(held_out))
+                return float(lm.loss(held_out))
+        eval_loss = held_out_loss
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.99))
     seeds = [s for s in args.seeds.split(",") if s]
     t_model = time.time()
@@ -232,8 +245,9 @@ def main(argv: list[str] | None = None) -> int:
     return _close(ft, rt, stats, 0)
 
 
-def _train(args: argparse.Namespace, ft: Any, rt: Any, stats: Stats, progress: Any, steps: Any, loss_fn: Any,
-           eval_loss: Any, stop: StopOnSignal, deadline: float) -> None:
+def _train(args: argparse.Namespace, ft: FaultTolerant, rt: Runtime, stats: Stats, progress: Progress,
+           steps: StepMetrics, loss_fn: Callable[[list[int]], torch.Tensor], eval_loss: Callable[[], float] | None,
+           stop: StopOnSignal, deadline: float) -> None:
     """The training loop: until the job's end (``--steps``), ``--duration``, or a stop."""
     last_epoch = -1
     paused = False
@@ -306,7 +320,7 @@ def _train(args: argparse.Namespace, ft: Any, rt: Any, stats: Stats, progress: A
             progress.event(ev)
 
 
-def _close(ft: Any, rt: Any, stats: Stats, code: int) -> int:
+def _close(ft: FaultTolerant, rt: Runtime, stats: Stats, code: int) -> int:
     stats.close()
     ft.close()
     rt.close(leave=True)
