@@ -171,7 +171,8 @@ def _donor(total_bytes: int, addr_q: Any, done_q: Any, stop_q: Any) -> None:
     c = time.process_time()
     addr_q.put(server.addr)
     stop_q.get(timeout=600)
-    done_q.put({"donor_peak_extra_mb": (_rss_kb("VmHWM") - base) / 1024, "donor_cpu_s_2_streams": time.process_time() - c})
+    done_q.put({"donor_peak_extra_mb": (_rss_kb("VmHWM") - base) / 1024,
+                "donor_cpu_s_2_streams": time.process_time() - c})
     server.close()
 
 
@@ -280,7 +281,8 @@ def main(argv: list[str] | None = None) -> int:
         st = bench_state(a.state_mb)
         print(f"fetch_state {st['bytes'] / 1e9:.2f} GB: {st['GBps']:.2f} GB/s ({st['time_s']:.2f} s, joiner cpu "
               f"{st['joiner_cpu_s']:.2f} s) into fresh tensors, {st['into_GBps']:.2f} GB/s into existing tensors; "
-              f"peak extra memory: joiner {st['joiner_peak_extra_mb']:.1f} MB, donor {st['donor_peak_extra_mb']:.1f} MB")
+              f"peak extra memory: joiner {st['joiner_peak_extra_mb']:.1f} MB, "
+              f"donor {st['donor_peak_extra_mb']:.1f} MB")
         out["state"] = st
     if a.json:
         with open(a.json, "w") as f:

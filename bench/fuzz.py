@@ -40,7 +40,8 @@ from typing import Any
 import msgpack
 
 from p2pft.core import codec
-from p2pft.core.messages import Append, AppendResp, Ping, PushPull, Row, Snapshot, Update, Updates, ViewDelta, ViewFull, ViewRequest
+from p2pft.core.messages import (Append, AppendResp, Ping, PushPull, Row, Snapshot, Update, Updates, ViewDelta,
+                                 ViewFull, ViewRequest)
 from p2pft.core.meta import Kind, MemberMeta, NodeSpec, Status
 from p2pft.core.node import Node
 from p2pft.core.view import Member, Role, View
@@ -50,7 +51,7 @@ from p2pft.net.wire import FrameDecoder, WireError, encode
 from p2pft.transport import DataServer, ProtocolMismatch
 from p2pft.transport.errors import PeerFailed
 from p2pft.transport.stream import StateSnapshot, fetch_state
-from p2pft.transport.wire import (ACK_LEN, HELLO_LEN, KIND_RING, ST_AUTH, ST_OK, find_error_frame, pack_ack,
+from p2pft.transport.wire import (ACK_LEN, KIND_RING, ST_AUTH, ST_OK, find_error_frame, pack_ack,
                                   pack_error_frame, pack_hello, parse_ack, parse_hello)
 
 SECRET = b"fuzz-secret-0123456789"
@@ -253,7 +254,7 @@ def phase_decoders(seed: int, seconds: float) -> dict[str, Any]:
                 fuzz_data(crng, stats)
                 fuzz_messages(crng, node, stats)
             except Failure as f:
-                raise Failure(f"case seed {case_seed} (replay: fuzz_* with random.Random({case_seed})): {f}")
+                raise Failure(f"case seed {case_seed} (replay: fuzz_* with random.Random({case_seed})): {f}") from f
             n += 1
     return {"cases": n, "seconds": seconds, "counts": dict(stats)}
 
@@ -359,7 +360,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{'decoders':<10} {dec['cases']:,} cases in {dec['seconds']:.0f} s: control frames rejected "
               f"{rejected:,} / accepted {c.get('control_accepted', 0):,}; hellos rejected "
               f"{c.get('hello_rejected', 0):,}; acks rejected {c.get('ack_rejected', 0):,}; mutated messages "
-              f"rejected {c.get('message_rejected', 0):,} / decoded {c.get('message_decoded', 0):,}; no other exception")
+              f"rejected {c.get('message_rejected', 0):,} / decoded {c.get('message_decoded', 0):,}; "
+              "no other exception")
         raised = {k: v for k, v in c.items() if k.startswith("node_raised_")}
         if raised:
             print(f"{'':<10} the node raised on decoded messages (the driver drops those too): {raised}")

@@ -66,10 +66,13 @@ def main() -> None:
                       "ratio": round(n / t, 2) if n is not None and t else None})
     print("| pair | plane | load | survivor crashes | divergent steps | stall p50 | stall max | rejoin p50 |")
     print("|---|---|---|---|---|---|---|---|")
-    fmt = (lambda v: "-" if v is None else f"{v:.2f} s")
+
+    def fmt(v: float | None) -> str:
+        return "-" if v is None else f"{v:.2f} s"
     for r in rows:
         print(f"| {r['pair']} | {r['plane']} | {r['load'][0]} → {r['load'][1]} | {r['survivor_crashes']} | "
-              f"{r['divergent_steps']} | {fmt(r['stall_p50_s'])} | {fmt(r['stall_max_s'])} | {fmt(r['rejoin_p50_s'])} |")
+              f"{r['divergent_steps']} | {fmt(r['stall_p50_s'])} | {fmt(r['stall_max_s'])} | "
+              f"{fmt(r['rejoin_p50_s'])} |")
     for p in pairs:
         print(f"pair {p['pair']}: NCCL stall max / TCP stall max = {p['ratio']}")
     if args.json:

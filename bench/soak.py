@@ -179,9 +179,9 @@ def main() -> int:
     report["ok"] = ok_all
     print(f"{'process':<10}{'samples':>8}{'RSS MB first→last':>22}{'fds':>12}{'threads':>12}  flat")
     for name, p in sorted(report["processes"].items()):
-        f, l = p["first"], p["last"]
-        print(f"{name:<10}{p['samples']:>8}{f['rss_kb'] / 1024:>11.1f}→{l['rss_kb'] / 1024:<10.1f}"
-              f"{f['fds']:>5}→{l['fds']:<6}{f['threads']:>5}→{l['threads']:<6}  {p['flat']}")
+        a, b = p["first"], p["last"]
+        print(f"{name:<10}{p['samples']:>8}{a['rss_kb'] / 1024:>11.1f}→{b['rss_kb'] / 1024:<10.1f}"
+              f"{a['fds']:>5}→{b['fds']:<6}{a['threads']:>5}→{b['threads']:<6}  {p['flat']}")
     print(f"faults {faults}; final step {row['final_step']}; survivor crashes {row['survivor_crashes']}; "
           f"divergent steps {row['divergent_steps']} of {row['digest_steps_checked']} checked; "
           f"false removals after {len(short)} short pauses: {len(removed)} {report['false_removals']}; ok={ok_all}")

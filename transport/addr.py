@@ -179,5 +179,5 @@ def data_bind_host(listen: str, data_host: str | None = None) -> str:
     return host or "0.0.0.0"
 
 
-__all__ = ["advertised", "data_bind_host", "AddressError", "HostPort", "WILDCARD_HOSTS", "interface_ipv4", "is_loopback", "is_wildcard",
-           "join_hostport", "parse_hostport", "reachable_host", "source_toward"]
+__all__ = ["advertised", "data_bind_host", "AddressError", "HostPort", "WILDCARD_HOSTS", "interface_ipv4",
+           "is_loopback", "is_wildcard", "join_hostport", "parse_hostport", "reachable_host", "source_toward"]

@@ -6,8 +6,8 @@ device of the step buffer. ``auto`` takes NCCL when the buffer is on a CUDA devi
 NCCL imports and sees a device (`Backend.NCCL_AUTO`: a communicator whose ranks turn out to share
 one device, which NCCL refuses, uses the TCP ring instead; the ranks learn it from the device
 identities they exchange when the NCCL id is handed out); ``nccl`` where that cannot work is one
-``DataPlaneError`` before anything is bound. Every rank of a communicator must end up with the same backend: a mismatch is
-refused at connection time (``ProtocolMismatch``), not silently mixed.
+``DataPlaneError`` before anything is bound. Every rank of a communicator must end up with the same backend: a
+mismatch is refused at connection time (``ProtocolMismatch``), not silently mixed.
 
 Imports neither torch nor cupy at module level.
 """

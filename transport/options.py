@@ -15,9 +15,9 @@ from typing import Callable
 
 from .wire import split_addr
 
-__all__ = ["DEFAULT_CHUNK_BYTES", "DEFAULT_STATE_CHUNK_BYTES", "RING_BUFSIZE_ENV", "RING_ACK_TIMEOUT_S", "SHARED_CORES_BUFSIZE",
-           "ChunkHook", "DonorLimits", "RingOptions", "checked_bufsize", "configured_bufsize", "ring_bufsize_for",
-           "ring_bufsize_from_env"]
+__all__ = ["DEFAULT_CHUNK_BYTES", "DEFAULT_STATE_CHUNK_BYTES", "RING_BUFSIZE_ENV", "RING_ACK_TIMEOUT_S",
+           "SHARED_CORES_BUFSIZE", "ChunkHook", "DonorLimits", "RingOptions", "checked_bufsize", "configured_bufsize",
+           "ring_bufsize_for", "ring_bufsize_from_env"]
 
 #: Ring chunk size: per-frame overhead is negligible above it, and a chunk still fits the
 #: kernel's socket buffers so consecutive ring steps overlap.

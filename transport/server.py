@@ -87,7 +87,8 @@ class DataServer:
         if secret is not None and not isinstance(secret, (bytes, bytearray)):
             raise TypeError("secret must be bytes or None")
         if chunk_bytes < 64 or lanes < 1 or lanes > 64:
-            raise ValueError(f"bad chunk_bytes={chunk_bytes} / lanes={lanes} (need chunk_bytes >= 64, 1 <= lanes <= 64)")
+            raise ValueError(f"bad chunk_bytes={chunk_bytes} / lanes={lanes} "
+                             "(need chunk_bytes >= 64, 1 <= lanes <= 64)")
         self.secret = bytes(secret) if secret is not None else None
         self.chunk_bytes = int(chunk_bytes)
         self.lanes = int(lanes)
@@ -194,7 +195,8 @@ class DataServer:
                                     fallback=self.communicator if backend is Backend.NCCL_AUTO else None)
         else:
             comm = StagingTcpCommunicator(key[0], key[1], int(rank), list(peers), timeout=float(timeout),
-                                          connect_timeout=float(connect_timeout), options=self._ring_options(peers, rank),
+                                          connect_timeout=float(connect_timeout),
+                                          options=self._ring_options(peers, rank),
                                           on_dead=self._unregister, on_op=self.note_op,
                                           piece_bytes=self.piece_bytes)
         with self._lock:
@@ -235,7 +237,7 @@ class DataServer:
             c.close()
         for s in pending:
             close_quietly(s)
-        for th, s in streams:
+        for _th, s in streams:
             shutdown_quietly(s)
         for th, _s in streams:
             th.join(2.0)

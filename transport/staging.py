@@ -27,8 +27,8 @@ from .tcp import TcpCommunicator
 from .wire import KIND_RING, Hello
 from .errors import ProtocolMismatch
 
-__all__ = ["DEFAULT_PIECE_BYTES", "DeviceStager", "StageCache", "HostStager", "Piece", "StagingTcpCommunicator", "plan_pieces",
-           "run_pieces"]
+__all__ = ["DEFAULT_PIECE_BYTES", "DeviceStager", "StageCache", "HostStager", "Piece", "StagingTcpCommunicator",
+           "plan_pieces", "run_pieces"]
 
 DEFAULT_PIECE_BYTES = 8 << 20
 _SLOTS = 2

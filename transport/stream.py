@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import msgpack
-import numpy as np
 
 from .buffers import DTYPE_CODES, as_flat_buffer, dtype_name, host_empty
 from .devcopy import DeviceSink, DeviceSource, PinnedPair, is_device_tensor, iter_chunks

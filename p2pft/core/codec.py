@@ -14,7 +14,9 @@ from __future__ import annotations
 from dataclasses import fields
 from typing import Any, Callable, TypeVar
 
-from .messages import ALIVE, DEAD, LEFT, SUSPECT, Ack, MemberState, Append, AppendResp, Envelope, GossipMessage, Message, Nack, Ping, PreVote, PreVoteResp, ProbeRequest, PushPull, RaftMessage, Row, Snapshot, Unknown, Update, Updates, ViewDelta, ViewFull, ViewRequest, Vote, VoteResp, Who
+from .messages import (ALIVE, DEAD, LEFT, SUSPECT, Ack, MemberState, Append, AppendResp, Envelope, GossipMessage,
+                       Message, Nack, Ping, PreVote, PreVoteResp, ProbeRequest, PushPull, RaftMessage, Row, Snapshot,
+                       Unknown, Update, Updates, ViewDelta, ViewFull, ViewRequest, Vote, VoteResp, Who)
 from .meta import MemberMeta
 from .view import Member, View, job_from_wire, job_to_wire
 

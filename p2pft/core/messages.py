@@ -246,7 +246,7 @@ ViewMsg = Union[ViewRequest, ViewFull, ViewDelta]
 Message = Union[GossipMsg, RaftMsg, ViewMsg, Unknown]
 
 
-__all__ = ["ALIVE", "SUSPECT", "DEAD", "LEFT", "STATES", "MemberState", "Update", "Row", "Envelope", "GossipMessage", "Ping",
-           "Ack", "Nack", "ProbeRequest", "PushPull", "Updates", "Who", "RaftMessage", "PreVote", "PreVoteResp",
+__all__ = ["ALIVE", "SUSPECT", "DEAD", "LEFT", "STATES", "MemberState", "Update", "Row", "Envelope", "GossipMessage",
+           "Ping", "Ack", "Nack", "ProbeRequest", "PushPull", "Updates", "Who", "RaftMessage", "PreVote", "PreVoteResp",
            "Vote", "VoteResp", "Append", "AppendResp", "Snapshot", "ViewRequest", "ViewFull", "ViewDelta",
            "Unknown", "Message", "GossipMsg", "RaftMsg", "ViewMsg"]

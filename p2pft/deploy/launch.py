@@ -301,7 +301,8 @@ def add_launch_args(p: Any) -> None:
                    help="port the seeds listen on, with --seeds-from (default: this process's base listen port; "
                         "env P2PFT_SEED_PORT)")
     p.add_argument("--max-seeds", type=int, default=None,
-                   help=f"seeds taken from the scheduler's host list (default {DEFAULT_MAX_SEEDS}; env P2PFT_MAX_SEEDS)")
+                   help=f"seeds taken from the scheduler's host list (default {DEFAULT_MAX_SEEDS}; "
+                        "env P2PFT_MAX_SEEDS)")
 
 
 def env_int(env: Mapping[str, str], name: str) -> int | None:
@@ -406,5 +407,6 @@ def offset_port(ca: ClusterArgs, value: str | None) -> str | None:
     return join_hostport(hp.host, hp.port + ca.placement.port_offset)
 
 
-__all__ = ["add_launch_args", "cluster_args_from", "data_addrs", "offset_port", "env_int", "ClusterArgs", "LaunchError", "Placement", "Scheduler", "SEEDS_FROM_CHOICES", "cluster_args", "detect",
+__all__ = ["add_launch_args", "cluster_args_from", "data_addrs", "offset_port", "env_int", "ClusterArgs", "LaunchError",
+           "Placement", "Scheduler", "SEEDS_FROM_CHOICES", "cluster_args", "detect",
            "expand_hostlist", "from_k8s", "from_slurm", "from_torchrun", "place"]

@@ -81,7 +81,8 @@ def build_frame(peer: str, report: dict[str, Any], prev: dict[str, Any] | None) 
                  members=rows, catchups=catchups,
                  events=[(float(e["t"]), str(e["text"])) for e in report.get("events", [])][-EVENTS_SHOWN:],
                  rejected={k: int(v) for k, v in report.get("rejected", {}).items() if v},
-                 unreachable=[f"{u.get('replica_id')} {u.get('data_addr')} (named by {', '.join(u.get('named_by', []))})"
+                 unreachable=[f"{u.get('replica_id')} {u.get('data_addr')} "
+                              f"(named by {', '.join(u.get('named_by', []))})"
                               for u in report.get("unreachable", [])])
 
 

@@ -4,8 +4,9 @@ A small MLP on deterministic samples, inner AdamW, the default outer Nesterov SG
 per sync (the call that ended a span): syncs, contributors, retries, the sample ranges it
 trained, the inner steps it ran in that span and whether they are in the committed mean, and the
 digest of the global weights + outer optimizer. The initial weights go to ``<stats>.init.pt``, the
-global weights at the last committed sync to ``<stats>.final.pt`` (for replays). A line ``{"kind": "syncing"}`` goes out just
-before the call that will sync, so a test can kill a peer while this one is in the allreduce.
+global weights at the last committed sync to ``<stats>.final.pt`` (for replays). A line
+``{"kind": "syncing"}`` goes out just before the call that will sync, so a test can kill a peer while
+this one is in the allreduce.
 """
 from __future__ import annotations
 

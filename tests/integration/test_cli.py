@@ -156,7 +156,8 @@ def test_log_level_is_accepted_after_the_subcommand() -> None:
     p = build_parser()
     assert p.parse_args(["peer", "--log-level", "DEBUG"]).log_level == "DEBUG"
     assert p.parse_args(["--log-level", "WARNING", "peer"]).log_level == "WARNING"
-    assert p.parse_args(["--log-level", "WARNING", "members", "--peer", "h:1", "--log-level", "INFO"]).log_level == "INFO"
+    late = ["--log-level", "WARNING", "members", "--peer", "h:1", "--log-level", "INFO"]
+    assert p.parse_args(late).log_level == "INFO"
     assert p.parse_args(["peer"]).log_level is None
     assert p.parse_args(["peer", "--log-level", "debug"]).log_level == "DEBUG"
     r = subprocess.run([sys.executable, "-m", "p2pft.cli", "peer", "--log-level", "LOUD"], capture_output=True,

@@ -168,7 +168,8 @@ def test_hsdp_rank_faults_survivor_continues_and_replica_rejoins(tmp_path: Path,
         start = [r for r in records(c.stats[new]) if r.get("kind") == "start"][0]
         print(f"\nHSDP, rank {victim} of B {signal.Signals(sig).name}: first commit of A alone "
               f"{during[0]['t'] - t_kill:.2f} s after the kill, A's longest gap {longest:.2f} s; restart -> B "
-              f"contributes {t_back - ph['t_restart']:.2f} s (launch -> ranks up {start['t'] - start['t_launch']:.2f} s, "
+              f"contributes {t_back - ph['t_restart']:.2f} s "
+              f"(launch -> ranks up {start['t'] - start['t_launch']:.2f} s, "
               f"then {t_back - start['t']:.2f} s: join, snapshot {done[0].get('fetch_s', 0):.3f} s, replay "
               f"{done[0].get('replayed')}, promotion); digests equal at steps {compared}")
     if nccl:  # the shards really went over the stand-in's NCCL, on both replicas, every shard

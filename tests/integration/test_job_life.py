@@ -201,7 +201,7 @@ def test_readme_loop_runs_as_written_with_two_replicas(tmp_path: Path) -> None:
     assert [p.returncode for p in procs] == [0, 0], outs
     digests = {ln.split("digest ")[1] for out in outs for ln in out.splitlines() if " digest " in ln}
     assert len(digests) == 1, outs
-    assert all(f"step 60 digest" in out for out in outs), outs
+    assert all("step 60 digest" in out for out in outs), outs
     evals = [ln for out in outs for ln in out.splitlines() if "eval loss" in ln]
     assert [ln.split()[2] for ln in evals] == ["20", "40", "60"], evals   # one leader evaluates
 

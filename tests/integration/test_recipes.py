@@ -14,11 +14,10 @@ from pathlib import Path
 
 import pytest
 
+from recipe_replica import BASE_LR, schedule
 from replica_harness import Replicas, check_invariants, records, steps
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
-
-from recipe_replica import BASE_LR, schedule
 
 SCRIPT = Path(__file__).with_name("recipe_replica.py")
 

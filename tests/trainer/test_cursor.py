@@ -72,7 +72,8 @@ def test_bad_mask_is_rejected(mask: list, message: str) -> None:
         c.commit(mask)
 
 
-@pytest.mark.parametrize("kwargs", [{"batch_per_slot": 0}, {"batch_per_slot": 2, "max_slots": 0}, {"batch_per_slot": 1.5}])
+@pytest.mark.parametrize("kwargs", [{"batch_per_slot": 0}, {"batch_per_slot": 2, "max_slots": 0},
+                                    {"batch_per_slot": 1.5}])
 def test_bad_config_is_rejected(kwargs: dict) -> None:
     with pytest.raises(ValueError):
         DataCursor(**kwargs)

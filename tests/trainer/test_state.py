@@ -31,7 +31,8 @@ def _lm_step(model: nn.Module, opt: torch.optim.Optimizer, step: int) -> None:
 def _adamw(model: nn.Module) -> torch.optim.Optimizer:
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}], lr=3e-3)
+    groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=3e-3)
 
 
 def _wire(meta: dict) -> dict:

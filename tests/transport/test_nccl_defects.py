@@ -28,7 +28,8 @@ pytestmark = pytest.mark.slow
 
 def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(FAKES), str(HERE)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env["PYTHONPATH"] = os.pathsep.join([str(FAKES), str(HERE)]
+                                        + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     env.pop("NCCL_RUNTIME_CONNECT", None)
     env.update(extra or {})
     return env

@@ -21,7 +21,8 @@ def test_hello_and_ack_round_trip_with_secret() -> None:
     raw = pack_hello(b"k", KIND_RING, 7, 2, 1, 0, 3, 1, 2, 4096)
     st, h = parse_hello(b"k", raw)
     assert st == ST_OK and h is not None
-    assert (h.kind, h.epoch, h.shard, h.src, h.dst, h.world, h.lane, h.lanes, h.chunk) == (KIND_RING, 7, 2, 1, 0, 3, 1, 2, 4096)
+    assert ((h.kind, h.epoch, h.shard, h.src, h.dst, h.world, h.lane, h.lanes, h.chunk)
+            == (KIND_RING, 7, 2, 1, 0, 3, 1, 2, 4096))
     assert parse_hello(b"other", raw)[0] == ST_AUTH
     assert parse_hello(None, raw)[0] == ST_OK  # a server without a secret accepts anyone
     bad_version = bytearray(raw)

@@ -10,7 +10,9 @@ import msgpack
 import pytest
 
 from p2pft.core import codec
-from p2pft.core.messages import ALIVE, DEAD, LEFT, SUSPECT, Ack, Append, AppendResp, Nack, Ping, PreVote, PreVoteResp, ProbeRequest, PushPull, Row, Snapshot, Unknown, Update, Updates, ViewDelta, ViewFull, ViewRequest, Vote, VoteResp, Who
+from p2pft.core.messages import (ALIVE, DEAD, LEFT, SUSPECT, Ack, Append, AppendResp, Nack, Ping, PreVote, PreVoteResp,
+                                 ProbeRequest, PushPull, Row, Snapshot, Unknown, Update, Updates, ViewDelta, ViewFull,
+                                 ViewRequest, Vote, VoteResp, Who)
 from p2pft.core.meta import Kind, MemberMeta, NodeSpec, Status
 from p2pft.core.node import Node
 from p2pft.core.view import Member, Role, View

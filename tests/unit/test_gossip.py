@@ -127,7 +127,8 @@ def test_crashed_member_is_suspected_then_declared_dead() -> None:
     assert t_dead - t_suspect >= DEFAULT.suspicion_min - 1e-9
     assert t_dead - t_crash < 3.0
     # No survivor was ever suspected.
-    assert not [e for e in net.events if e[2] in (GossipEventKind.SUSPECT, GossipEventKind.DEAD) and e[3] != net.id(victim)]
+    assert not [e for e in net.events
+                if e[2] in (GossipEventKind.SUSPECT, GossipEventKind.DEAD) and e[3] != net.id(victim)]
 
 
 def test_suspected_member_refutes_with_a_higher_incarnation() -> None:
@@ -351,8 +352,8 @@ def test_a_suspicion_heard_from_another_member_is_probed_next() -> None:
     for _ in range(3):   # wherever the target sits in the observer's round
         g.probes.order = [n for n in g.probes.order if n != net.id(target)]
         inc = g.members[net.id(target)].inc
-        g.handle(wire_msg({"t": "g.upd", "pb": [{"k": SUSPECT, "n": net.id(target), "i": inc, "f": net.id(net.addrs[2])}]}),
-                 net.now)
+        pb = [{"k": SUSPECT, "n": net.id(target), "i": inc, "f": net.id(net.addrs[2])}]
+        g.handle(wire_msg({"t": "g.upd", "pb": pb}), net.now)
         net._drain(observer)
         assert g.members[net.id(target)].state == SUSPECT
         nxt = g.next_deadline()

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from p2pft.deploy.launch import LaunchError, Scheduler, cluster_args, detect, expand_hostlist, from_k8s, from_slurm, from_torchrun, place
+from p2pft.deploy.launch import (LaunchError, Scheduler, cluster_args, detect, expand_hostlist, from_k8s, from_slurm,
+                                 from_torchrun, place)
 
 
 # ---------------------------------------------------------------------- SLURM hostlists
@@ -83,7 +84,8 @@ def test_k8s_resolves_the_service_with_the_real_resolver() -> None:
 @pytest.mark.parametrize("env, needle", [
     ({"HOSTNAME": "t-0"}, "P2PFT_K8S_SERVICE is not set"),
     ({"P2PFT_K8S_SERVICE": "localhost"}, "HOSTNAME is not set"),
-    ({"P2PFT_K8S_SERVICE": "nohost.invalid", "HOSTNAME": "t-0"}, "'nohost.invalid' (P2PFT_K8S_SERVICE) does not resolve"),
+    ({"P2PFT_K8S_SERVICE": "nohost.invalid", "HOSTNAME": "t-0"},
+     "'nohost.invalid' (P2PFT_K8S_SERVICE) does not resolve"),
     ({"P2PFT_K8S_SERVICE": "localhost", "HOSTNAME": "t-0", "POD_IP": "pod"}, "POD_IP='pod' is not an IP address"),
 ])
 def test_k8s_rejects(env: dict[str, str], needle: str) -> None:

@@ -134,5 +134,6 @@ def test_protocol_cores_are_sans_io() -> None:
 
 
 def test_the_sans_io_reader_sees_io(tmp_path: Path) -> None:
-    (tmp_path / "core.py").write_text("import random\ndef f():\n    import asyncio.tasks\n    from time import monotonic\n")
+    (tmp_path / "core.py").write_text("import random\ndef f():\n"
+                                      "    import asyncio.tasks\n    from time import monotonic\n")
     assert _foreign_imports(tmp_path / "core.py") == {"random", "asyncio", "time"}

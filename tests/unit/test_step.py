@@ -5,7 +5,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from p2pft.core.step import Action, Decision, Reduced, ReplayLog, decide, view_wait_after_failure, SUSPICION_MULTIPLIER, VIEW_WAIT_SUSPICIONS
+from p2pft.core.step import (Action, Decision, Reduced, ReplayLog, decide, view_wait_after_failure,
+                             SUSPICION_MULTIPLIER, VIEW_WAIT_SUSPICIONS)
 
 F = Action.FAST_FORWARD
 

@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 from p2pft.core.meta import NodeSpec
 from p2pft.net.admin import admin_request
 from p2pft.net.driver import ConnLimits, NodeServer
-from p2pft.net.wire import DEFAULT_MAX_FRAME, FLAG_MAC, MAC_LEN, PROTOCOL_VERSION, FrameDecoder, Message, WireError, encode, load_secret
+from p2pft.net.wire import (DEFAULT_MAX_FRAME, FLAG_MAC, PROTOCOL_VERSION, FrameDecoder, Message, WireError, encode,
+                            load_secret)
 
 SECRET = b"cluster-secret"
 OTHER = b"another-secret"
@@ -99,7 +100,8 @@ def test_truncated_frames() -> None:
         dec.eof()                               # ... but the stream ended inside the frame
     assert info.value.kind == "truncated"
     # A frame whose msgpack payload itself is cut short is malformed.
-    assert decode_error(raw_frame(payload({"v": PROTOCOL_VERSION, "t": "x", "s": "y", "b": {}})[:-2])).kind == "malformed"
+    cut = payload({"v": PROTOCOL_VERSION, "t": "x", "s": "y", "b": {}})[:-2]
+    assert decode_error(raw_frame(cut)).kind == "malformed"
     # A signed frame too short to hold its MAC.
     assert decode_error(raw_frame(b"abc", flags=FLAG_MAC), secret=SECRET).kind == "malformed"
     # Zero-length frame.
@@ -127,7 +129,8 @@ def test_mistyped_payloads_are_malformed(obj: object) -> None:
 
 
 def test_unknown_flags_are_malformed() -> None:
-    assert decode_error(raw_frame(payload({"v": V, "t": "x", "s": "y", "b": {}, **STAMP}), flags=0x80)).kind == "malformed"
+    frame = raw_frame(payload({"v": V, "t": "x", "s": "y", "b": {}, **STAMP}), flags=0x80)
+    assert decode_error(frame).kind == "malformed"
 
 
 def test_secret_mismatches_each_have_their_own_kind() -> None:

@@ -3,7 +3,8 @@
 No sockets, no clock, no global random: callers feed messages and the current time, and drain
 ``outbox`` (``(addr, message)`` pairs) and ``events`` (``GossipEvent`` values). The same object
 runs under the asyncio driver and under the simulator. The member table and suspicions live in
-``p2pft.core.gossip.members``, the piggyback queue in ``p2pft.core.gossip.broadcast``, the probe order in ``p2pft.core.gossip.probe``.
+``p2pft.core.gossip.members``, the piggyback queue in ``p2pft.core.gossip.broadcast``, the probe order in
+``p2pft.core.gossip.probe``.
 
 What is implemented (memberlist is the reference for the semantics):
 - randomised round-robin direct probes; indirect probes through ``k`` members when the direct
@@ -25,7 +26,8 @@ from dataclasses import replace
 from typing import Any
 
 from ..config import Profile
-from ..messages import ALIVE, DEAD, LEFT, SUSPECT, Ack, GossipMessage, GossipMsg, Nack, Ping, ProbeRequest, PushPull, Row, Update, Updates, Who
+from ..messages import (ALIVE, DEAD, LEFT, SUSPECT, Ack, GossipMessage, GossipMsg, Nack, Ping, ProbeRequest, PushPull,
+                        Row, Update, Updates, Who)
 from ..meta import MemberMeta
 from .broadcast import BroadcastQueue
 from .events import GossipEvent, GossipEventKind
@@ -159,7 +161,7 @@ class Gossip:
             t = min(t, self._probe.end if self._probe.indirect else self._probe.direct_deadline)
         for _, _, dl in self._relay.values():
             t = min(t, dl)
-        for n, s in self._susp.items():
+        for s in self._susp.values():
             t = min(t, s.deadline(self.p.suspicion_confirmations))
         return t
 
