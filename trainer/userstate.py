@@ -19,9 +19,12 @@ PREFIX = "user/"
 
 
 class Stateful(Protocol):
-    def state_dict(self) -> Any: ...
+    """Any object with torch's two methods (a scheduler, a GradScaler, a user class). The argument
+    stays ``Any``: implementations take their own ``state_dict()``'s type."""
 
-    def load_state_dict(self, state: Any) -> Any: ...
+    def state_dict(self) -> object: ...
+
+    def load_state_dict(self, state: Any) -> object: ...
 
 
 class UserState:
@@ -50,9 +53,9 @@ class UserState:
     def names(self) -> list[str]:
         return sorted(self._objs)
 
-    def capture(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    def capture(self) -> tuple[dict[str, object], dict[str, torch.Tensor]]:
         """(msgpack-able trees by name, CPU copies of their tensors by key)."""
-        trees: dict[str, Any] = {}
+        trees: dict[str, object] = {}
         tensors: dict[str, torch.Tensor] = {}
         for name in self.names():
             tree, ts = _split(self._objs[name].state_dict(), f"{PREFIX}{name}")
@@ -60,7 +63,7 @@ class UserState:
             tensors.update({k: v.detach().to("cpu", copy=True).contiguous() for k, v in ts.items()})
         return trees, tensors
 
-    def restore(self, trees: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+    def restore(self, trees: dict[str, object], tensors: dict[str, torch.Tensor]) -> None:
         missing = [n for n in self.names() if n not in trees]
         if missing:
             raise ValueError(f"the snapshot has no state for registered {missing}")
@@ -78,10 +81,10 @@ class UserState:
         return h.hexdigest()
 
 
-def _split(value: Any, path: str) -> tuple[Any, dict[str, torch.Tensor]]:
+def _split(value: object, path: str) -> tuple[object, dict[str, torch.Tensor]]:
     tensors: dict[str, torch.Tensor] = {}
 
-    def walk(v: Any, p: str) -> Any:
+    def walk(v: object, p: str) -> object:
         if isinstance(v, torch.Tensor):
             tensors[p] = v
             return {_TENSOR: p}
@@ -93,7 +96,7 @@ def _split(value: Any, path: str) -> tuple[Any, dict[str, torch.Tensor]]:
     return walk(value, path), tensors
 
 
-def _join(tree: Any, tensors: dict[str, torch.Tensor]) -> Any:
+def _join(tree: object, tensors: dict[str, torch.Tensor]) -> object:
     if isinstance(tree, dict):
         if set(tree) == {_TENSOR}:
             return tensors[tree[_TENSOR]]

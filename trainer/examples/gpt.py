@@ -33,9 +33,19 @@ from collections.abc import Iterator
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from p2pft.deploy.replica_args import add_replica_args, require_replica_id
+
+if TYPE_CHECKING:  # imported where used: the arguments parse before torch loads (seconds)
+    from collections import deque
+
+    import torch
+
+    from p2pft.runtime import Runtime
+    from p2pft.trainer.attempt import StepResult
+    from p2pft.trainer.model import TinyLM
+    from p2pft.trainer.tokens import TokenFile
 
 T_START = time.time()
 CORPUS_VERSION = 1
@@ -156,7 +166,7 @@ class Shuffled:
     """A fixed seeded permutation of a dataset's samples, so contiguous index ranges (what the
     data cursor hands out) give well-mixed batches. Picklable for DataLoader workers."""
 
-    def __init__(self, dataset: Any, seed: int) -> None:
+    def __init__(self, dataset: TokenFile, seed: int) -> None:
         import torch
         self.dataset = dataset
         self.order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed)).tolist()
@@ -164,7 +174,7 @@ class Shuffled:
     def __len__(self) -> int:
         return len(self.order)
 
-    def __getitem__(self, i: int) -> Any:
+    def __getitem__(self, i: int) -> torch.Tensor:
         return self.dataset[self.order[i]]
 
 
@@ -179,7 +189,8 @@ class Endless:
 
 
 # ---------------------------------------------------------------------- model, optimizer, schedule
-def build(r: Recipe, data_dir: str | None = None) -> tuple[Any, Any, Any, Any, Any]:
+def build(r: Recipe, data_dir: str | None = None) -> tuple[TinyLM, torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR,
+                                                           torch.amp.GradScaler | None, Shuffled]:
     """(model, AdamW, LambdaLR, GradScaler or None, dataset), identical for one recipe."""
     import torch
 
@@ -193,7 +204,7 @@ def build(r: Recipe, data_dir: str | None = None) -> tuple[Any, Any, Any, Any, A
     return model, opt, sched, scaler, data
 
 
-def optimizer(model: Any, r: Recipe) -> tuple[Any, Any]:
+def optimizer(model: torch.nn.Module, r: Recipe) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
     """AdamW with weight-decay groups and its LambdaLR (DiLoCo: the inner optimizer; the replay
     oracle builds one per replica process)."""
     import torch
@@ -212,14 +223,15 @@ def lr_factor(r: Recipe, step: int) -> float:
     return r.min_lr_ratio + (1 - r.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * done))
 
 
-def autocast(r: Recipe) -> AbstractContextManager[Any]:
+def autocast(r: Recipe) -> AbstractContextManager[object]:
     import torch
     if r.amp == "off":
         return nullcontext()
     return torch.autocast("cpu", dtype=torch.bfloat16 if r.amp == "bf16" else torch.float16)
 
 
-def forward_backward(model: Any, batch: Any, r: Recipe, scaler: Any) -> float | None:
+def forward_backward(model: TinyLM, batch: torch.Tensor | None, r: Recipe, scaler: torch.amp.GradScaler | None
+                     ) -> float | None:
     """Accumulate the gradient of one replica's batch over r.accum micro-batches; the mean loss
     (None for no batch: the replica contributes nothing to this step)."""
     if batch is None:
@@ -233,12 +245,51 @@ def forward_backward(model: Any, batch: Any, r: Recipe, scaler: Any) -> float | 
     return total
 
 
-def clip(model: Any, r: Recipe) -> Any:
+def clip(model: torch.nn.Module, r: Recipe) -> torch.Tensor:
     import torch
     return torch.nn.utils.clip_grad_norm_(model.parameters(), r.clip)
 
 
 # ---------------------------------------------------------------------- stats, progress, stop
+class Cursor(Protocol):
+    def assign(self, slot: int) -> list[tuple[int, int]]: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+
+class LastLrs(Protocol):
+    @property
+    def last_lrs(self) -> list[float]: ...
+
+
+class Watched(Protocol):
+    """What the monitor reads of the trainer (``FaultTolerant``, or ``DiLoCo`` in gpt_diloco.py)."""
+
+    @property
+    def step(self) -> int: ...
+
+    @property
+    def synced(self) -> bool: ...
+
+    @property
+    def current_slot(self) -> int | None: ...
+
+    @property
+    def cursor(self) -> Cursor: ...
+
+    @property
+    def optimizer_step(self) -> LastLrs: ...
+
+    @property
+    def events(self) -> deque[dict[str, Any]]: ...
+
+    def digest(self) -> str: ...
+
+    def request_stop(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
 class Monitor:
     """Everything around the loop that is not training: the JSON-lines stats (flushed at every
     line: the process may be SIGKILLed at any moment), the progress line, stop conditions and
@@ -257,9 +308,9 @@ class Monitor:
         self.events: dict[str, int] = {}
         self.last: dict[str, Any] = {}
         self.last_epoch = -1
-        self.model: Any = None
-        self.ft: Any = None
-        self.rt: Any = None
+        self.model: torch.nn.Module | None = None
+        self.ft: Watched | None = None
+        self.rt: Runtime | None = None
         self.slot: int | None = None
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
@@ -269,11 +320,12 @@ class Monitor:
         if self.ft is not None:
             self.ft.request_stop()   # a commit in flight raises Stopped instead of retrying
 
-    def start(self, model: Any, ft: Any = None, rt: Any = None) -> None:
+    def start(self, model: torch.nn.Module, ft: Watched | None = None, rt: Runtime | None = None) -> None:
         """Wait for the peers (the group forms), announce the start (the harness waits for it),
         then wait for the go file."""
         self.model, self.ft, self.rt = model, ft, rt
-        if ft is not None and self.args.min_replicas > 1 and ft.step == 0:  # a restarted replica must not wait
+        # (A restarted replica must not wait.)
+        if ft is not None and rt is not None and self.args.min_replicas > 1 and ft.step == 0:
             # The group forms before the start record, as a torch job's rendezvous does.
             rt.wait_view(lambda v: len(v.participants) >= self.args.min_replicas
                          or v.role_of(rt.node_id) == "joiner", timeout=30.0)
@@ -295,13 +347,19 @@ class Monitor:
         commit applied but before its step line, the oracle still knows what it trained. Then
         the emulated accelerator time (--step-delay). DiLoCo records only before the inner step
         that ends a span (the call that syncs); the ranges are the span's."""
-        ft = self.ft
+        ft, _ = self._started()
         self.slot = ft.current_slot
         if record and self.slot is not None:
             self.write({"t": time.time(), "kind": "begin", "step": ft.step, "slot": self.slot,
                         "tr": [list(x) for x in ft.cursor.assign(self.slot)]})
         if self.args.step_delay:
             time.sleep(self.args.step_delay)
+
+    def _started(self) -> tuple[Watched, Runtime]:
+        """The trainer and runtime ``start`` was given (the p2pft loops have both)."""
+        if self.ft is None or self.rt is None:
+            raise RuntimeError("the monitor was started without a trainer and a runtime")
+        return self.ft, self.rt
 
     def write(self, rec: dict[str, Any]) -> None:
         if self.fh is not None:
@@ -313,10 +371,11 @@ class Monitor:
         self._step({"step": step, "c": 1, "role": "plain", "n": 1, "r": 0, "e": 0, "lr": lr,
                     "tr": [[(step - 1) * b, step * b]]}, loss)
 
-    def ft_step(self, res: Any, loss: float | None) -> None:
+    def ft_step(self, res: StepResult, loss: float | None) -> None:
         """One commit's line (replica.py's format, plus lr, the slot, the step our ranges were
         trained for, and the committed step's ring)."""
-        ft, view = self.ft, self.rt.view
+        ft, rt = self._started()
+        view = rt.view
         rec: dict[str, Any] = {"step": res.step, "c": int(res.committed), "role": res.role,
                                "n": res.contributors, "r": res.retries, "e": view.epoch if view else 0}
         if res.committed or res.fast_forwarded:
@@ -380,12 +439,13 @@ class Monitor:
               f"{json.dumps(self.events, sort_keys=True)}", flush=True)
         if ft is not None:
             ft.close()
+        if self.rt is not None:
             self.rt.close(leave=True)
 
 
-def save_weights(path: str | None, model: Any, step: int, suffix: str = "") -> None:
+def save_weights(path: str | None, model: torch.nn.Module | None, step: int, suffix: str = "") -> None:
     """torch.save {"step", "params"} to PATH (with `suffix` before its .pt), atomically."""
-    if not path:
+    if not path or model is None:
         return
     import torch
     if suffix:
@@ -395,7 +455,7 @@ def save_weights(path: str | None, model: Any, step: int, suffix: str = "") -> N
     os.replace(tmp, path)
 
 
-def start_runtime(args: argparse.Namespace) -> Any:
+def start_runtime(args: argparse.Namespace) -> Runtime:
     """This replica's control plane: addresses and secret from the command line."""
     from p2pft import Runtime
     from p2pft.net.wire import load_secret
@@ -413,7 +473,9 @@ def ft_options(args: argparse.Namespace) -> dict[str, Any]:
 def train_plain(args: argparse.Namespace, r: Recipe, mon: Monitor) -> None:
     import torch
     model, opt, sched, scaler, data = build(r, args.data_dir)
-    batches = iter(torch.utils.data.DataLoader(data, batch_size=r.batch, sampler=Endless(len(data)),
+    # (A map-style dataset: the DataLoader needs __len__/__getitem__, not the Dataset class.)
+    dataset = cast("torch.utils.data.Dataset[torch.Tensor]", data)
+    batches = iter(torch.utils.data.DataLoader(dataset, batch_size=r.batch, sampler=Endless(len(data)),
                                                num_workers=args.workers))
     mon.start(model)
     step = 0
