@@ -19,7 +19,7 @@ PREFIX = "user/"
 
 
 class Stateful(Protocol):
-    """Any object with torch's two methods (a scheduler, a GradScaler, a user class). The argument
+    """An object with torch's two methods (a scheduler, a GradScaler, a user class). The argument
     stays ``Any``: implementations take their own ``state_dict()``'s type."""
 
     def state_dict(self) -> object: ...
