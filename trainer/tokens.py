@@ -24,7 +24,7 @@ def write_tokens(path: str | os.PathLike[str], tokens: np.ndarray | list[int], d
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     arr = np.asarray(tokens)
-    if arr.size and (arr.min() < 0 or arr.max() > np.iinfo(DTYPES[dtype]).max):
+    if arr.size and (arr.min() < 0 or arr.max() > np.iinfo(dtype).max):
         raise ValueError(f"token ids do not fit in {dtype}")
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")

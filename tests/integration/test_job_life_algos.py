@@ -141,7 +141,8 @@ def test_a_whole_job_life(tmp_path: Path, algo: str) -> None:
         # 4. A replica started after the end trains nothing and says so.
         t0 = time.time()
         job.spawn("c", "late", seed=5, checkpoints=False)
-        job.wait(lambda: job.procs["late"].poll() is not None, 40, "the late replica to exit", allow_exit=done + ("late",))
+        job.wait(lambda: job.procs["late"].poll() is not None, 40, "the late replica to exit",
+                 allow_exit=done + ("late",))
         assert job.procs["late"].returncode == 0
         assert time.time() - t0 < 30
         assert "the job already finished at step" in (tmp_path / "late.log").read_text()
