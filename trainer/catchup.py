@@ -206,7 +206,7 @@ class Catchup:
         finally:
             with self.lock:
                 if gen == self._gen:
-                    self._worker_gen: int | None = None  # generation of the running worker, if any
+                    self._worker_gen = None  # generation of the running worker, if any
 
     def _restore_one(self, gen: int, deadline: float) -> bool:
         """Fetch a snapshot the log reaches, restore it; True once restored."""

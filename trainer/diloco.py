@@ -25,7 +25,7 @@ import torch
 
 from ..runtime import Runtime
 from .attempt import Entry, StepResult
-from .engine import StepEngine
+from .engine import StepEngine, data_server_of
 from .errors import StepTimeout, Stopped
 from .ft import WHOLE_STATE
 from .group import LocalGroup
@@ -119,7 +119,7 @@ class DiLoCo(StepEngine):
                                 allow_restart_from_scratch=allow_restart_from_scratch, on_finished=on_finished,
                                 initial_state=initial_state, finish_timeout=finish_timeout),
             checkpoint=CheckpointOptions.of(checkpoint_dir, checkpoint_every, resume))
-        super().__init__(glob, outer, group=LocalGroup(), runtime=runtime, data_server=runtime.data,
+        super().__init__(glob, outer, group=LocalGroup(), runtime=runtime, data_server=data_server_of(runtime),
                          state_io=WHOLE_STATE, options=options)
         self.batch = batch_per_replica
         # A joiner answers each sync at once and a fast replica reaches it early: both wait in
@@ -221,7 +221,8 @@ class DiLoCo(StepEngine):
         for p in self.bufs[frag].params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        pseudo_gradient([p.detach() for p in gp], [self._lparams[i].detach() for i in idx], [p.grad for p in gp])
+        grads = [p.grad for p in gp if p.grad is not None]
+        pseudo_gradient([p.detach() for p in gp], [self._lparams[i].detach() for i in idx], grads)
         for p in self.bufs[frag].params[len(idx):]:   # the pad, if any
             assert p.grad is not None
             p.grad.zero_()

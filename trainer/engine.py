@@ -57,6 +57,13 @@ WAIT_ROLE_S = 1.0           # one look for a view that puts us on the data plane
 WAIT_SHARDS_S = 0.5
 
 
+def data_server_of(runtime: Runtime) -> DataServer:
+    """The data server a one-rank replica's Runtime owns (bound by ``Runtime.start()``)."""
+    if runtime.data is None:
+        raise ValueError("the Runtime has no data server: call start() before building the trainer")
+    return runtime.data
+
+
 class StepEngine:
     """One rank's step protocol; its options come grouped in one ``EngineOptions``
     (``trainer/options.py``), built by the adapter from its documented keywords."""
@@ -127,7 +134,7 @@ class StepEngine:
         data_server.serve_state(self.serving.provide)
         host = parse_hostport(data_server.addr, "data address").host
         side = self.comms.listen(host) if self.rank != 0 else (host, 0)
-        self._ranks = [tuple(a) for a in group.agree(side)[1:]]
+        self._ranks: list[tuple[str, int]] = [(str(h), int(p)) for h, p in group.agree(side)[1:]]
         self._on_rank_lost = options.on_rank_lost
         if self.life.options.target is not None and self.life.options.target.kind is TargetKind.STEPS:
             self.catchup.end_step = self.life.options.target.n
@@ -183,8 +190,8 @@ class StepEngine:
         self.rt.set_status(Status.FRESH, self.step)  # 'ready' once it commits, or catches up
         self.rt.publish_step(self.step)
         self.beat()
-        self.comms.follow_views(self.rt, self._ranks)  # type: ignore[arg-type]
-        self.comms.watch_ranks(self.rt, self._ranks, self.rank_timeout,  # type: ignore[arg-type]
+        self.comms.follow_views(self.rt, self._ranks)
+        self.comms.watch_ranks(self.rt, self._ranks, self.rank_timeout,
                                self._stop.is_set, self._on_rank_lost)
 
     @property
@@ -338,7 +345,7 @@ class StepEngine:
                 # they reduce no more, so take the steps from their log.
                 ahead = dict(att.done_ahead)
                 n, mine = fast_forward(self, max(ahead.values()), att, ahead, slot)
-                return StepResult(self.step, False, 0, retries, att.role, fast_forwarded=n, **self._trained(mine))
+                return self._trained(StepResult(self.step, False, 0, retries, att.role, fast_forwarded=n), mine)
             if att.rejoin and self.synced:
                 log.warning("left out of view %d after being a participant at step %d: catching up from a "
                             "snapshot before contributing again", att.epoch, self.step)
@@ -561,7 +568,7 @@ class StepEngine:
             return None
         reduced = Reduced(dict(verdicts[0].steps), verdicts[0].count, dict(verdicts[0].held))
         d = decide(reduced, self.step, self.synced)
-        ring = {"data_rank": att.rank, "data_world": len(att.addrs)}
+        rank, world = att.rank, len(att.addrs)
         if d.action is Action.IDLE:
             return self._idle(att, verdicts, retries)
         if d.action is Action.RETRY:
@@ -574,23 +581,28 @@ class StepEngine:
         ranks = {s: r for s, r in att.slot_ranks if s < len(mask) and mask[s]}
         if d.action is Action.LOG:
             if self.catchup.on_reduced(entry, all(v.ready == d.step for v in verdicts)):
+                self.life.on_commit(False)
                 self.after_commit()
-                return StepResult(self.step, True, entry.count, retries, role, slot_ranks=ranks, **ring)
-            return StepResult(self.step, False, entry.count, retries, role, **ring)
+                return StepResult(self.step, True, entry.count, retries, role, slot_ranks=ranks, data_rank=rank,
+                                  data_world=world)
+            return StepResult(self.step, False, entry.count, retries, role, data_rank=rank, data_world=world)
         if d.action is Action.FAST_FORWARD:
             assert d.target is not None
             n, mine = fast_forward(self, d.target, att, reduced.held, slot)
             if not d.commit_after or self.step != d.step:
-                return StepResult(self.step, False, 0, retries, role, fast_forwarded=n, **self._trained(mine),
-                                  **ring)
+                return self._trained(StepResult(self.step, False, 0, retries, role, fast_forwarded=n,
+                                                data_rank=rank, data_world=world), mine)
         else:
             n, mine = 0, None
         if self._began_step == entry.step and slot is not None and mask[slot]:
             mine = entry
+        # The leader of a committed step is its lowest contributing slot: every replica that
+        # committed it read the same mask, so exactly one of them leads it.
+        self.life.on_commit(slot is not None and mask[slot] and mask.index(True) == slot)
         self.apply(entry)
         self.after_commit()
-        return StepResult(self.step, True, entry.count, retries, role, fast_forwarded=n, slot_ranks=ranks,
-                          **self._trained(mine), **ring)
+        return self._trained(StepResult(self.step, True, entry.count, retries, role, fast_forwarded=n,
+                                        slot_ranks=ranks, data_rank=rank, data_world=world), mine)
 
     def _idle(self, att: Attempt, verdicts: list[Verdict], retries: int) -> StepResult | None:
         """Nobody contributed (the others are paused, or there are none). A joiner catches up
@@ -612,10 +624,12 @@ class StepEngine:
         time.sleep(idle_backoff(self._idle_rounds))
         return None
 
-    def _trained(self, entry: Entry | None) -> dict[str, Any]:
-        """StepResult fields for our samples in `entry`'s mean (a fast-forwarded step's, or the
-        committed one's): they are the ranges this step began with."""
-        return {} if entry is None else {"trained": list(self._ranges), "trained_step": entry.step}
+    def _trained(self, res: StepResult, entry: Entry | None) -> StepResult:
+        """`res` with our samples in `entry`'s mean (a fast-forwarded step's, or the committed
+        one's): they are the ranges this step began with."""
+        if entry is not None:
+            res.trained, res.trained_step = list(self._ranges), entry.step
+        return res
 
     # ------------------------------------------------------------------ the optimizer step
     def apply(self, e: Entry) -> None:

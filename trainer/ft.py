@@ -15,7 +15,7 @@ import torch
 
 from ..runtime import Runtime
 from .attempt import StepResult
-from .engine import StepEngine
+from .engine import StepEngine, data_server_of
 from .errors import InitialStateMismatch, JobConfigError, JobError, JobFinished, MissingStateError, StepTimeout, Stopped
 from .group import LocalGroup
 from .job import JobOptions
@@ -84,7 +84,7 @@ class FaultTolerant(StepEngine):
                                 allow_restart_from_scratch=allow_restart_from_scratch, on_finished=on_finished,
                                 initial_state=initial_state, finish_timeout=finish_timeout),
             checkpoint=CheckpointOptions.of(checkpoint_dir, checkpoint_every, resume))
-        super().__init__(model, optimizer, group=LocalGroup(), runtime=runtime, data_server=runtime.data,
+        super().__init__(model, optimizer, group=LocalGroup(), runtime=runtime, data_server=data_server_of(runtime),
                          state_io=WHOLE_STATE, options=options)
         self._start_control()
 

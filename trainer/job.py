@@ -172,9 +172,11 @@ class JobLife:
 
     @property
     def is_leader(self) -> bool:
-        """True on the one participant that does side work for the step begun last (the lowest
-        slot of the view that step began in): the same answer on every rank of the replica,
-        and when the leader dies, the view that removes it names a survivor."""
+        """True on the one replica that does side work for the last step: after a commit, the
+        lowest contributing slot of that step's committed mask (the same mask on every replica
+        that committed it, so one leader per step, whatever views each read); before the first
+        commit, the lowest slot of the view the step began in. The same on every rank of a
+        replica; when the leader dies or pauses, the next step names another."""
         return self._lead
 
     @property
@@ -188,6 +190,11 @@ class JobLife:
         lead = view.lead() if view is not None else None
         mine = lead is not None and lead.node == self.rt.node_id and self.port.synced
         return mine, (lead.replica_id if lead is not None else None)
+
+    def on_commit(self, lead: bool) -> None:
+        """Every rank, for each step it commits: does this replica lead that step (the lowest
+        contributing slot of its committed mask)? One replica per committed step does."""
+        self._lead = lead
 
     def on_begin(self, lead: tuple[bool, str | None], finished: int | None) -> None:
         """Every rank, in ``begin()``: rank 0's reading of the view, agreed by the ranks."""
@@ -248,7 +255,8 @@ class JobLife:
             if self.port.stopping:
                 raise Stopped("stop requested")
             v = rt.wait_view(lambda v: pred(v) or self.port.stopping,
-                             min(POLL_S * 5, max(0.0, deadline - time.monotonic())), loop_timeout=self.port.loop_timeout)
+                             min(POLL_S * 5, max(0.0, deadline - time.monotonic())),
+                             loop_timeout=self.port.loop_timeout)
             if v is not None and pred(v):
                 return v
             if time.monotonic() >= deadline:

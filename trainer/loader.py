@@ -32,7 +32,7 @@ from .engine import StepEngine
 Key = tuple[int, int, int]   # (prediction generation, step, sample index)
 
 
-class _Tagged(Dataset):  # type: ignore[type-arg]
+class _Tagged(Dataset):
     """Map-style view of the user's dataset that keeps each sample's tag with it."""
 
     def __init__(self, dataset: Any) -> None:

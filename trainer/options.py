@@ -131,5 +131,6 @@ class EngineOptions:
     checkpoint: CheckpointOptions | None = None
 
 
-__all__ = ["DILOCO_LOOP_TIMEOUT_S", "Capacity", "CheckpointOptions", "DataPlaneOptions", "EngineOptions", "RANK_TIMEOUT_S", "Timeouts", "UpdateRule",
+__all__ = ["DILOCO_LOOP_TIMEOUT_S", "Capacity", "CheckpointOptions", "DataPlaneOptions", "EngineOptions",
+           "RANK_TIMEOUT_S", "Timeouts", "UpdateRule",
            "exit_replica"]

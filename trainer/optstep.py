@@ -7,8 +7,9 @@ inspection), ``GradScaler`` unscale and the skip of a step with inf/nan gradient
 the scheduler's own step, and the user's ``after_step`` hook (EMA weights, counters). It runs
 on every replica for a committed step, and again, identically, when a joiner replays logged
 steps or a replica fast-forwards: so a scheduler is stepped here, once per committed step, never
-by the training loop (which does not see replayed or fast-forwarded steps). For the same reason, registered state that changes per step (an EMA of
-the weights) must change in ``after_step``, not in the loop.
+by the training loop (which does not see replayed or fast-forwarded steps). For the same
+reason, registered state that changes per step (an EMA of the weights) must change in
+``after_step``, not in the loop.
 
 Every input is equal across replicas: the averaged gradient (bitwise), the contributor count,
 and the state in snapshots (optimizer, scheduler, scaler, the peak contributor count). A

@@ -89,7 +89,7 @@ class Pauses:
         self.e = engine
         self.why: str | None = None
         self._beat: PauseBeat | None = None
-        self._status_before = "ready"
+        self._status_before = Status.READY
         self._t0 = 0.0
 
     @contextlib.contextmanager
@@ -147,7 +147,8 @@ class Pauses:
                         "up from a snapshot", e.step, e.step - 1)
             e.catchup.start("paused")
         elif rt is not None:
-            rt.set_status(self._status_before if self._status_before in ("ready", "fresh") else "ready", e.step)
+            before = self._status_before
+            rt.set_status(before if before in (Status.READY, Status.FRESH) else Status.READY, e.step)
         e.events.append({"t": time.time(), "kind": "resume", "why": self.why, "step": e.step,
                          "seconds": round(seconds, 3)})
         log.info("back from a pause (%s) of %.1f s at step %d", self.why, seconds, e.step)

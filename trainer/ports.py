@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import deque
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Any, Callable, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol, Union
 
 import torch
 
@@ -24,6 +24,12 @@ if TYPE_CHECKING:
     from .group import ReplicaGroup
     from .requests import RequestKind, StateRequest
     from .state_io import StateIO
+
+
+#: one entry of a replica's event log (``engine.events``): scalars only, written as JSON lines
+Event = dict[str, Union[str, int, float, bool, None]]
+#: the msgpack-able half of a state snapshot (``capture_state``); its tensors travel beside it
+StateMeta = dict[str, object]
 
 
 class CatchupControl(Protocol):
@@ -98,7 +104,7 @@ class ReplicaState(Protocol):
     def state_io(self) -> StateIO: ...
 
     @property
-    def events(self) -> deque[dict[str, Any]]: ...
+    def events(self) -> deque[Event]: ...
 
     @property
     def secret(self) -> bytes | None: ...
@@ -114,7 +120,7 @@ class ReplicaState(Protocol):
 
     def digest(self) -> str: ...
 
-    def capture_state(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]: ...
+    def capture_state(self) -> tuple[StateMeta, dict[str, torch.Tensor]]: ...
 
 
 class CatchupPort(ReplicaState, Protocol):
@@ -183,7 +189,7 @@ class PausePort(RecoveryParts, Protocol):
 class LifePort(RecoveryParts, Protocol):
     """The job's life: loads the initial state, and runs idle rounds at the end barrier."""
 
-    def load_state(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None: ...
+    def load_state(self, meta: StateMeta, tensors: dict[str, torch.Tensor]) -> None: ...
 
     def state_mutation(self) -> AbstractContextManager[None]: ...
 
@@ -194,4 +200,5 @@ class LifePort(RecoveryParts, Protocol):
         view (joiners still catching up at the end barrier finish theirs)."""
 
 
-__all__ = ["CatchupControl", "CatchupPort", "CommsState", "RecentLog", "Serving", "DonorPort", "FastForwardPort", "LifePort", "PausePort", "RecoveryParts", "ReplicaState"]
+__all__ = ["CatchupControl", "CatchupPort", "CommsState", "DonorPort", "Event", "FastForwardPort", "LifePort",
+           "PausePort", "RecentLog", "RecoveryParts", "ReplicaState", "Serving", "StateMeta"]

@@ -153,7 +153,8 @@ def restore(
     """Load a `capture` snapshot so that params and optimizer state are bitwise equal to the source."""
     if meta.get("format") != FORMAT_VERSION:
         raise ValueError(f"snapshot format {meta.get('format')!r} is not supported (expected {FORMAT_VERSION})")
-    for kind, own in (("params", [n for n, _ in model.named_parameters()]), ("buffers", [n for n, _ in model.named_buffers()])):
+    for kind, own in (("params", [n for n, _ in model.named_parameters()]),
+                      ("buffers", [n for n, _ in model.named_buffers()])):
         theirs = list(meta.get(kind, []))
         if sorted(theirs) != sorted(own):
             missing = sorted(set(own) - set(theirs))

@@ -206,7 +206,8 @@ class StepBuffer:
 
         `source` (same layout as `flat`) reads another reduced buffer, e.g. a logged step, so
         that a background catch-up never touches the buffer the training thread allreduces."""
-        if isinstance(divisor, bool) or not isinstance(divisor, (int, float)) or not math.isfinite(divisor) or divisor <= 0:
+        if (isinstance(divisor, bool) or not isinstance(divisor, (int, float)) or not math.isfinite(divisor)
+                or divisor <= 0):
             raise ValueError(f"divisor must be a finite positive number, got {divisor!r}")
         src = self.flat
         if source is not None and source is not self.flat:

@@ -89,9 +89,11 @@ class JobPlanner:
 
     def _finished(self, cur: View, trainers: list[Trainer], now: float) -> int | None:
         """The end barrier: every participant says 'done' at one step S; joiners get
-        FINISH_GRACE_S to reach S too (a joiner that cannot is told the job finished)."""
+        FINISH_GRACE_S to reach S too (a joiner that cannot is told the job finished). A
+        paused member counts like a participant: it comes back to the job's last step and
+        says 'done' there too, so no replica leaves the job with a stale step's weights."""
         by_node = {t.node: t for t in trainers}
-        parts = [by_node[m.node] for m in cur.participants if m.node in by_node]
+        parts = [by_node[m.node] for m in (*cur.participants, *cur.paused) if m.node in by_node]
         ends = {t.step for t in parts if t.status is Status.DONE}
         if not parts or len(ends) != 1 or any(t.status is not Status.DONE for t in parts):
             self._done_since = None

@@ -131,3 +131,57 @@ def test_lone_joiner_whose_only_holder_is_wedged_gives_up_without_spinning(tmp_p
     assert "resuming from step" not in leaders, "the leader resumed from a replica whose loop is wedged"
     assert leaders.count("none has a checkpoint") <= 2, "the leader repeated its refusal at every tick"
     print(f"\nlone joiner: refused after {alive:.1f} s: {errors[0].split(': ', 1)[-1][:120]}")
+
+
+def test_a_pause_across_the_end_comes_back_to_the_final_state(tmp_path: Path) -> None:
+    """A replica pauses a few steps before the job's end for longer than the others need to
+    get there: the end barrier waits for it (a paused member counts), it comes back, catches
+    up to the last step and every replica leaves with the same step and digest (before, the
+    others finished without it and it left at its stale step, exit 0)."""
+    base = ["--min-replicas", "3", "--steps", "30", *FAST]
+    rs = Replicas(tmp_path, 3, base, witnesses=1)
+    rs.spawn_witness(0)
+    for i in range(3):
+        rs.extra = base + (["--pause-at-step", "24", "--pause-s", "8"] if i == 0 else [])
+        rs.spawn(i, f"r{i}")
+    try:
+        rs.wait(lambda: all(rs.procs[f"r{i}"].poll() is not None for i in range(3)), 90, "the job to finish",
+                allow_exit=("r0", "r1", "r2"))
+    finally:
+        rcs = rs.stop_all()
+    assert all(rcs[f"r{i}"] == 0 for i in range(3)), rcs
+    pause, resume = _event(rs, "r0", "pause"), _event(rs, "r0", "resume")
+    assert pause is not None and resume is not None
+    others_done = [max(r["t"] for r in steps(rs.stats[f"r{i}"]) if r["c"]) for i in (1, 2)]
+    assert min(others_done) < resume["t"], "the others did not reach the end during the pause"
+    ends = {n: [r for r in records(rs.stats[n]) if r.get("kind") == "exit"][-1] for n in ("r0", "r1", "r2")}
+    assert all(e["step"] == 30 for e in ends.values()), ends
+    assert len({e.get("digest") for e in ends.values()}) == 1, "a replica left the job with other weights"
+
+
+def test_one_leader_per_step_over_many_leader_pauses(tmp_path: Path) -> None:
+    """The leader evaluates inside a pause every 4 committed steps (others train on and one of
+    them leads the next steps): over the whole run no committed step has two leaders."""
+    base = ["--min-replicas", "3", "--steps", "60", "--leader-eval-every", "4", "--leader-eval-s", "0.4", *FAST]
+    rs = Replicas(tmp_path, 3, base, witnesses=1)
+    rs.spawn_witness(0)
+    for i in range(3):
+        rs.spawn(i, f"r{i}")
+    try:
+        rs.wait(lambda: all(rs.procs[f"r{i}"].poll() is not None for i in range(3)), 100, "the job to finish",
+                allow_exit=("r0", "r1", "r2"))
+    finally:
+        rcs = rs.stop_all()
+    assert all(rcs[f"r{i}"] == 0 for i in range(3)), rcs
+    leaders: dict[int, list[str]] = {}
+    for n in ("r0", "r1", "r2"):
+        for r in steps(rs.stats[n]):
+            if r.get("c") and r.get("lead"):
+                leaders.setdefault(r["step"], []).append(n)
+    evals = [r for n in ("r0", "r1", "r2") for r in records(rs.stats[n]) if r.get("event") == "leader_eval"]
+    assert len(evals) >= 8, f"only {len(evals)} evaluations"
+    assert len({e["step"] for e in evals}) == len(evals), "two replicas evaluated the same step"
+    double = {s: ns for s, ns in leaders.items() if len(ns) > 1}
+    assert not double, f"steps with two leaders: {double}"
+    ends = {n: [r for r in records(rs.stats[n]) if r.get("kind") == "exit"][-1] for n in ("r0", "r1", "r2")}
+    assert len({e.get("digest") for e in ends.values()}) == 1, ends

@@ -64,7 +64,7 @@ def launch(nproc: int, argv: list[str]) -> int:
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
                    P2PFT_T_LAUNCH=str(T_START))
         procs.append(group.spawn([sys.executable, "-m", "p2pft.trainer.examples.hsdp_replica", *argv], env=env))
-    stopping = {"t": None}
+    stopping: dict[str, float | None] = {"t": None}
 
     def on_term(signum: int, frame: object) -> None:
         stopping["t"] = time.monotonic()
@@ -77,8 +77,9 @@ def launch(nproc: int, argv: list[str]) -> int:
     while True:
         rcs = [p.poll() for p in procs]
         failed = [rc for rc in rcs if rc is not None and rc != 0]
-        if rcs and all(rc is not None for rc in rcs) and len(set(rcs)) == 1:
-            return rcs[0]   # every rank left with the same word (0, or a job error's exit code)
+        ended = [rc for rc in rcs if rc is not None]
+        if len(ended) == len(rcs) and len(set(ended)) == 1:
+            return ended[0]   # every rank left with the same word (0, or a job error's exit code)
         if failed and first_failure is None:
             first_failure = time.monotonic()
         # A job error reaches every rank at once (they exit alike, see above); a rank that
@@ -107,7 +108,7 @@ def worker(args: argparse.Namespace) -> int:
     try:
         from torch.distributed.fsdp import fully_shard
     except ImportError:  # torch < 2.6
-        from torch.distributed._composable.fsdp import fully_shard  # type: ignore[no-redef]
+        from torch.distributed._composable.fsdp import fully_shard
 
     from p2pft.ops.log import setup_logging
     from p2pft.trainer.metrics import StepMetrics

@@ -71,6 +71,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--pause-at-step", type=int, default=0,
                    help="at this committed step, step out for --pause-s seconds (ft.pause): the others go on")
     p.add_argument("--pause-s", type=float, default=0.0, help="length of the pause of --pause-at-step (s)")
+    p.add_argument("--leader-eval-every", type=int, default=0,
+                   help="the leader of every N-th committed step evaluates inside ft.pause('eval') for "
+                        "--leader-eval-s seconds (a nanoGPT-style loop; 0: never)")
+    p.add_argument("--leader-eval-s", type=float, default=0.5, help="length of each leader evaluation (s)")
     p.add_argument("--pause-until-file", default=None,
                    help="the pause of --pause-at-step also ends once this file exists (a test ends it as soon "
                         "as it has seen what happens during the pause)")
@@ -314,6 +318,13 @@ def _train(args: argparse.Namespace, ft: FaultTolerant, rt: Runtime, stats: Stat
             last_epoch = view.epoch
             rec["view"] = [[m.replica_id, m.role.value[0]] for m in view.members]
         stats.write(rec)
+        if (args.leader_eval_every and res.committed and res.step % args.leader_eval_every == 0
+                and ft.is_leader and not stop.flag):
+            stats.write({"t": time.time(), "kind": "event", "event": "leader_eval", "step": res.step})
+            with ft.pause("eval"):   # one replica per step evaluates; the others train on
+                pause_end = time.monotonic() + args.leader_eval_s
+                while time.monotonic() < pause_end and not stop.flag:
+                    time.sleep(0.02)
         while ft.events:  # popleft: the catch-up worker appends concurrently
             ev = ft.events.popleft()
             stats.write({**ev, "kind": "event", "event": ev["kind"]})
