@@ -40,8 +40,13 @@ IDLE_WAIT_S = 0.5           # a worker at the head of the log waits this long pe
 
 
 class Catchup:
-    def __init__(self, engine: CatchupPort, replay_cap_bytes: int) -> None:
+    def __init__(self, engine: CatchupPort, replay_cap_bytes: int, eager: bool = False) -> None:
         self.e = engine
+        # Eager (DiLoCo): pull a snapshot as soon as the replica is on the data plane, without
+        # waiting for a reduced step to log first, and hand over as soon as the snapshot is the
+        # head. Its steps are seconds apart, so each step waited for is seconds of a restarted
+        # replica not contributing; a step reduced meanwhile is in the log or in the snapshot.
+        self.eager = eager
         self.lock = threading.Lock()
         self._cond = threading.Condition(self.lock)
         # Held by a worker while it writes the replica's state: a worker stopped by a pause may
@@ -73,6 +78,14 @@ class Catchup:
         if e.rt is not None:
             e.rt.set_status(Status.JOINING, e.step)
         e.events.append({"t": time.time(), "kind": "catchup_start", "step": e.step, "why": why})
+
+    def kick(self) -> None:
+        """Training thread, each attempt: an eager catch-up starts its worker now (the donor of
+        the attempt is known) rather than after the first reduced step."""
+        with self.lock:
+            if self.eager and not self.e.synced and self._worker_gen != self._gen:
+                self._worker_gen = self._gen
+                threading.Thread(target=self._work, args=(self._gen,), daemon=True, name="p2pft-catchup").start()
 
     def ready_step(self) -> int | None:
         """The step this rank would hand over at (None: not at the head of the log)."""
@@ -193,6 +206,8 @@ class Catchup:
                         self._cond.wait(IDLE_WAIT_S)
                         continue
                     entry = self.log.pop_first()
+                if entry.step < self.e.step:   # reduced before the snapshot's step: it holds it
+                    continue
                 if entry.step != self.e.step:
                     log.info("replay log has a gap at step %d (want %d); pulling a newer snapshot",
                              entry.step, self.e.step)
@@ -212,7 +227,7 @@ class Catchup:
         """Fetch a snapshot the log reaches, restore it; True once restored."""
         with self.lock:
             first = self.log.first
-            if first is None and not self._quiet:
+            if first is None and not (self._quiet or self.eager):
                 self._cond.wait(IDLE_WAIT_S)
                 return False
             first = first if first is not None else 0
@@ -225,15 +240,18 @@ class Catchup:
         s0 = int(snap.meta["step"])
         while True:  # the snapshot may be ahead of our log: wait for the log to reach it
             with self.lock:
-                if not self.log and self._quiet:
-                    self._held = s0  # nothing reduced since it asked: the donor's state is the head
+                if not self.log and (self._quiet or self.eager):
+                    # Nothing reduced since it asked (quiet), or nothing logged yet (eager): the
+                    # donor's state is the head; a step reduced meanwhile comes in the log.
+                    self._held = s0
                     break
                 if not self.log or self.log.predates(s0):
                     log.info("snapshot of step %d predates the replay log; pulling a newer one", s0)
                     return False
                 # At the job's last step no further step is reduced: the step just before it is
-                # the log's last, and the snapshot then holds everything.
-                reach = s0 - 1 if s0 == self.end_step else s0
+                # the log's last, and the snapshot then holds everything. Eager: the log's next
+                # entries are the snapshot's step on (steps reduce in order).
+                reach = s0 - 1 if (s0 == self.end_step or self.eager) else s0
                 if self.log.last is not None and self.log.last >= reach:
                     self.log.drop_before(s0)
                     self._held = s0

@@ -23,6 +23,7 @@ from typing import Any, Callable
 
 import torch
 
+from ..core.view import Role
 from ..runtime import Runtime
 from .attempt import Entry, StepResult
 from .engine import StepEngine, data_server_of
@@ -42,6 +43,7 @@ log = logging.getLogger(__name__)
 
 OuterFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
 JOIN_MARGIN_S = 30.0   # beyond the step timeout, how long span end waits for a sync in flight
+PROMOTION_WAIT_S = 0.25  # a replica that just caught up waits this long for the view that promotes it
 
 
 @dataclass
@@ -60,6 +62,11 @@ class DiLoCo(StepEngine):
 
     ``begin()`` gives the samples of one inner step ([] while the replica contributes nothing);
     ``commit()`` takes the inner optimizer step and, every ``span`` of them, the sync."""
+
+    # Syncs are seconds apart: a restarted replica takes its snapshot (the global weights, the
+    # outer optimizer, the cursor) at once and holds the sync it is at, instead of logging one
+    # first (docs/diloco.md, "Failures").
+    eager_catchup = True
 
     def __init__(self, runtime: Runtime, model: torch.nn.Module, inner_optimizer: torch.optim.Optimizer, *,
                  sync_every: int, batch_per_replica: int, outer_optimizer: OuterFactory = outer_sgd,
@@ -173,11 +180,19 @@ class DiLoCo(StepEngine):
         self.beat()
         if self._k == 0:
             self._span_idx = super().begin(stop)
+            # Inner steps touch only the local model: the global weights and the outer optimizer
+            # (the state a joiner pulls) stay a committed state until the sync, so donors may
+            # copy them meanwhile instead of at the next sync only.
+            self.in_step = False
+            self.serving.idle()
             self._base = self.step
             was = self._contributing
             self._contributing = bool(self._span_idx)
             if self._contributing and (self._fresh or not was):
                 self._restart_local()
+            if self._contributing != was:
+                log.info("%s from sync %d (inner step %d)", "contributing" if self._contributing else
+                         "sitting out the syncs (not a participant, or catching up)", self.step, self.inner_step)
         elif stop or self.stopping:
             raise Stopped("stop requested")
         if not self._contributing:
@@ -193,9 +208,12 @@ class DiLoCo(StepEngine):
         """The inner optimizer step; at the end of a span, the sync (its allreduce in the
         background during the last `overlap` inner steps)."""
         if not self._contributing:
+            was_synced = self.synced
             res = self._sync_now()
             self._fresh = True
             self._base = self.step
+            if self.synced and not was_synced:
+                self._await_promotion()
             return DiLoCoResult(self.inner_step, self.step, False, _fragment_of(res, self), res)
         self.inner_step_fn(1)
         self._k += 1
@@ -226,6 +244,20 @@ class DiLoCo(StepEngine):
         for p in self.bufs[frag].params[len(idx):]:   # the pad, if any
             assert p.grad is not None
             p.grad.zero_()
+
+    def _await_promotion(self) -> None:
+        """Just caught up (a hand-over at this sync): the leader makes a ready joiner a
+        participant within a view change, tens of ms. Waiting that long for it, bounded, lets
+        this replica take a slot for the span that starts now and contribute at the next sync,
+        instead of sitting out a whole span first."""
+        rt = self.rt
+        if rt is None:
+            return
+        me = rt.node_id
+        got = rt.wait_view(lambda v: v.role_of(me) is Role.PARTICIPANT or self.stopping, PROMOTION_WAIT_S,
+                           loop_timeout=self.loop_timeout)
+        log.info("caught up at sync %d: %s", self.step, "a participant from this span on" if got is not None
+                 else "not yet a participant; sitting out one more span")
 
     def _sync_now(self) -> StepResult:
         """The engine's commit of the current sync, on this thread."""

@@ -68,6 +68,9 @@ class StepEngine:
     """One rank's step protocol; its options come grouped in one ``EngineOptions``
     (``trainer/options.py``), built by the adapter from its documented keywords."""
 
+    #: a restarted replica pulls its snapshot before the first reduced step (``Catchup.eager``)
+    eager_catchup = False
+
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, group: ReplicaGroup,
                  runtime: Runtime | None, data_server: DataServer, state_io: StateIO,
                  options: EngineOptions) -> None:
@@ -105,7 +108,7 @@ class StepEngine:
         self._synced = True            # see the synced property; written by mark_synced only
         self.events: deque[dict[str, Any]] = deque(maxlen=10_000)
         self.recent = RecentSteps(cap.recent_keep)  # served to peers that fast-forward
-        self.catchup = Catchup(self, cap.replay_cap_bytes)
+        self.catchup = Catchup(self, cap.replay_cap_bytes, eager=self.eager_catchup)
         # The backend of every communicator, from the data plane asked for (argument, else the
         # runtime's, else $P2PFT_DATA_PLANE) and the step buffer's device: an impossible 'nccl'
         # fails here, before this rank serves state or opens its side channel.
@@ -356,6 +359,7 @@ class StepEngine:
                 self.buf.pack(None, self.step)
                 self.buf.save()
             self.catchup.donor = att.donor
+            self.catchup.kick()
             verdicts = self.group.agree(self._verdict(self._allreduce(att)))
             check_usable(verdicts, self.rank, att.data_epoch)
             outcome = self._decide(att, verdicts, retries, slot)

@@ -185,3 +185,34 @@ def test_kill_during_outer_allreduce_survivors_retry_with_saved_pseudo_gradient(
         assert retried["c"] and retried["r"] >= 1 and retried["n"] == 2, retried
         assert retried["kept"] == retried["ran"] > 0 and retried["t"] > t_kill
     check_invariants(rs.stats)
+
+
+def test_a_restarted_replica_contributes_from_the_next_sync(tmp_path: Path) -> None:
+    """Spans of 10 inner steps x 50 ms: a restarted replica pulls the global weights and outer
+    optimizer as soon as it is in the view (donors serve them during their inner steps), holds
+    the sync it is at, is promoted, and contributes its own span to the sync after that; no
+    survivor waits for it (their syncs keep their pace)."""
+    span = ("--sync-every", "10", "--step-delay", "0.05")
+    rs = DiLoCoReplicas(tmp_path, 3)
+    for i in range(3):
+        rs.spawn(i, f"r{i}-0", "--min-replicas", "3", *span)
+    try:
+        rs.wait(lambda: all(len(rs.syncs(f"r{i}-0")) >= 3 for i in range(3)), 60, "3 syncs on every replica")
+        t_kill = rs.kill("r2-0")
+        rs.wait(lambda: any(r["t"] > t_kill and r["n"] == 2 and r["c"] for r in rs.syncs("r0-0")), 20,
+                "a sync without r2")
+        rs.spawn(2, "r2-1", *span)
+        rs.wait(lambda: any(r.get("tr") and r["c"] for r in rs.syncs("r2-1")), 40,
+                "the restarted replica to contribute")
+    finally:
+        rcs = rs.stop_all()
+    assert rcs["r0-0"] == 0 and rcs["r1-0"] == 0 and rcs["r2-1"] == 0, f"exit statuses {rcs}"
+    up = [r for r in records(rs.stats["r2-1"]) if r.get("kind") == "begin"][0]
+    at_up = max(r["step"] for r in rs.syncs("r0-0") if r["c"] and r["t"] <= up["t"])
+    first = min(r["step"] for r in rs.syncs("r2-1") if r.get("tr") and r["c"])
+    # In the view at sync `at_up`: it holds sync at_up + 1 and contributes to the one after.
+    assert first <= at_up + 2, f"up at sync {at_up}, first contribution at sync {first}"
+    _kept_all(rs, "r0-0")
+    gaps = [b["t"] - a["t"] for a, b in zip(rs.syncs("r0-0"), rs.syncs("r0-0")[1:]) if a["t"] > up["t"]]
+    assert gaps and max(gaps) < 2.5, f"a survivor's sync waited {max(gaps):.2f} s after the restart"
+    check_invariants(rs.stats)
