@@ -204,7 +204,7 @@ class DiLoCo(StepEngine):
         """Clear the local model's gradients (the inner optimizer's)."""
         self.inner_opt.zero_grad(set_to_none=True)
 
-    def commit(self) -> DiLoCoResult:  # type: ignore[override]
+    def commit(self) -> DiLoCoResult:
         """The inner optimizer step; at the end of a span, the sync (its allreduce in the
         background during the last `overlap` inner steps)."""
         if not self._contributing:
@@ -265,7 +265,7 @@ class DiLoCo(StepEngine):
             self._load_pseudo_gradient(self.schedule.fragment(self.step))
         if self.synced:
             self.buf = self.bufs[self.schedule.fragment(self.step)]
-        return super().commit()
+        return self.commit_step()
 
     def _launch(self) -> None:
         """Take the pseudo-gradient now and reduce it on a thread while inner steps go on."""
@@ -275,7 +275,7 @@ class DiLoCo(StepEngine):
 
         def run() -> None:
             try:
-                out.append(StepEngine.commit(self))
+                out.append(self.commit_step())
             except BaseException as exc:  # handed to the training thread at the span's end
                 out.append(exc)
         self._inflight_out = out

@@ -243,7 +243,7 @@ class StepEngine:
         self._slot = None
         try:
             with self.step_timeout_capped(timeout):
-                StepEngine.commit(self)
+                self.commit_step()
         except (StepTimeout, Stopped):
             pass
 
@@ -315,8 +315,10 @@ class StepEngine:
         if not self.buf.zero_grads():
             self.opt.zero_grad(set_to_none=True)
 
-    def commit(self) -> StepResult:
-        """Collective. Allreduce this rank's shard, agree in-replica, retry across views, apply."""
+    def commit_step(self) -> StepResult:
+        """Collective. Allreduce this rank's shard, agree in-replica, retry across views, apply:
+        the kernel's commit, which an algorithm's ``commit()`` calls when its step ends (every
+        step for ``FaultTolerant`` and ``HSDP``, every sync for ``DiLoCo``)."""
         self.serving.busy()
         self.in_step = True
         try:

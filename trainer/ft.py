@@ -88,6 +88,10 @@ class FaultTolerant(StepEngine):
                          state_io=WHOLE_STATE, options=options)
         self._start_control()
 
+    def commit(self) -> StepResult:
+        """Collective. Allreduce the step's gradients, retry across views, apply (``StepResult``)."""
+        return self.commit_step()
+
 
 __all__ = ["FaultTolerant", "InitialStateMismatch", "JobConfigError", "JobError", "JobFinished", "MissingStateError",
            "StepResult", "StepTimeout", "Stopped", "WHOLE_STATE"]

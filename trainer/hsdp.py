@@ -97,6 +97,10 @@ class HSDP(StepEngine):
         dist.barrier(kw.get("group"))
         return cls(model, optimizer, data_server=ds, runtime=rt, secret=secret, **kw)
 
+    def commit(self) -> StepResult:
+        """Collective over the replica's ranks: allreduce every shard, agree, retry, apply."""
+        return self.commit_step()
+
     def digests(self) -> list[str]:
         """Collective: every rank's shard digest (parameters + optimizer state), in rank order."""
         return self.group.agree(self.digest())

@@ -166,3 +166,50 @@ def _plain_load_digest(path: Path) -> str:
     out = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     return out.stdout.strip().splitlines()[-1]
+
+
+def test_a_fourth_algorithm_from_the_kernel_alone(tmp_path: Path) -> None:
+    """Local SGD (``trainer/examples/local_sgd.py``, ~60 lines on the kernel): replicas seeded
+    differently start from one state, a SIGKILL mid-run costs the survivors nothing, they end
+    the job together with one digest, and the killed replica restarted after the end trains
+    nothing and exits 0 saying so."""
+    names = ("a", "b", "c")
+    addrs = {n: f"127.0.0.1:{p}" for n, p in zip(names + ("w",), ports(4))}
+    procs = ProcessSet(tmp_path)
+    procs.tolerate_sigkill = True
+
+    def spawn(name: str, rid: str, seed: int) -> None:
+        procs.stats[name] = tmp_path / f"{name}.jsonl"
+        seeds = ",".join(a for n, a in addrs.items() if n != rid)
+        cmd = [sys.executable, "-m", "p2pft.trainer.examples.local_sgd", "--replica-id", rid, "--listen", addrs[rid],
+               "--seeds", seeds, "--stats", str(procs.stats[name]), "--steps", "120", "--sync-every", "4",
+               "--min-replicas", "3", "--seed", str(seed), "--step-delay", "0.04"]
+        with open(tmp_path / f"{name}.log", "wb") as log:
+            procs.procs[name] = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log)
+
+    with open(tmp_path / "w.log", "wb") as log:
+        procs.procs["w"] = subprocess.Popen(
+            [sys.executable, "-m", "p2pft", "peer", "--listen", addrs["w"], "--replica-id", "w",
+             "--seeds", ",".join(a for n, a in addrs.items() if n != "w")], stdout=subprocess.DEVNULL, stderr=log)
+    for k, n in enumerate(names):
+        spawn(n, n, seed=k)
+    try:
+        procs.wait(lambda: procs.last_step("b") >= 8, 60, "8 syncs on b")
+        procs.procs["b"].kill()
+        procs.procs["b"].wait(10)
+        t_kill = time.time()
+        procs.wait(lambda: all(procs.procs[n].poll() is not None for n in ("a", "c")), 90, "the job to finish",
+                   allow_exit=names)
+        spawn("b-late", "b", seed=1)
+        procs.wait(lambda: procs.procs["b-late"].poll() is not None, 40, "the late restart to exit",
+                   allow_exit=names + ("b-late",))
+    finally:
+        procs.stop_all()
+    assert procs.procs["a"].returncode == 0 and procs.procs["c"].returncode == 0
+    ends = [[r for r in records(procs.stats[n]) if r.get("kind") == "exit"][-1] for n in ("a", "c")]
+    assert ends[0]["step"] == ends[1]["step"] == 30 and ends[0]["digest"] == ends[1]["digest"], ends
+    alone = [r for r in records(procs.stats["a"]) if r.get("c") and r["t"] > t_kill]
+    assert alone and alone[0]["n"] == 2, "the survivors did not sync without the killed replica"
+    assert procs.procs["b-late"].returncode == 0
+    assert "the job already finished at step 30" in (tmp_path / "b-late.log").read_text()
+    assert not [r for r in records(procs.stats["b-late"]) if r.get("c")]
