@@ -32,7 +32,7 @@ def members_report(node: Node, committed_at: float | None) -> dict[str, Any]:
             out["members"].append({
                 "node": m.node, "replica_id": m.replica_id, "addr": m.addr, "role": m.role.value,
                 "state": state, "step": node.member_step(m.node), "data_addr": ",".join(m.data_addrs),
-                "slot": m.slot, "voter": m.node in voters})
+                "slot": m.slot, "voter": m.voter_id in voters})
         out["data_epoch"] = view.data_epoch
     return out
 

@@ -433,7 +433,7 @@ class NodeServer:
 
 def _describe(view: View) -> str:
     voters = set(view.voters)
-    return " ".join(f"{m.replica_id}({m.role.value[0]}{'*' if m.node in voters else ''})" for m in view.members)
+    return " ".join(f"{m.replica_id}({m.role.value[0]}{'*' if m.voter_id in voters else ''})" for m in view.members)
 
 
 def _fmt_peer(peer: Any) -> str:
