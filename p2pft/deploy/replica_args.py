@@ -20,6 +20,10 @@ def add_replica_args(p: argparse.ArgumentParser, *, replicas: int, digest_every:
     p.add_argument("--listen", default=os.environ.get("P2PFT_LISTEN", "127.0.0.1:0"), help="env P2PFT_LISTEN")
     p.add_argument("--seeds", default=os.environ.get("P2PFT_SEEDS", ""), help="env P2PFT_SEEDS")
     p.add_argument("--secret-file", default=os.environ.get("P2PFT_SECRET_FILE"))
+    p.add_argument("--data-dir", default=os.environ.get("P2PFT_DATA_DIR") or None,
+                   help="directory that keeps this replica's Raft voter identity, term, vote and log: restarted "
+                        "with the same one, it returns as the same voter, so a majority of voters killed at once "
+                        "heals (env P2PFT_DATA_DIR; default: none)")
     p.add_argument("--model", default="tiny", choices=["tiny", "small"])
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--lr-policy", default="sqrt", choices=["none", "linear", "sqrt"])
