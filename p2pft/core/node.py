@@ -314,8 +314,15 @@ class Node:
         return self.gossip.addr_of(voter)
 
     def missing_voters(self) -> list[str]:
-        """The voters (of the newest entry this node holds) that no live member holds now."""
-        return [v for v in self.raft.voters() if self._voter_member(v) is None]
+        """The voters (of the newest entry this node holds) that no member gossip holds alive
+        now (a suspect counts as missing: its probes failed, direct and indirect)."""
+        g = self.gossip.members
+        out = []
+        for v in self.raft.voters():
+            m = self._voter_member(v)
+            if m is None or (m != self.id and g[m].state != ALIVE):
+                out.append(v)
+        return out
 
     def _check_quorum(self, now: float) -> None:
         """A majority of the voters unreachable for ``quorum_loss_grace``: one ERROR naming them

@@ -60,12 +60,33 @@ def view_key(view: View) -> tuple[Any, ...]:
 
 @dataclass
 class InvariantChecker:
-    """Safety: one leader per term; one view per epoch, the same everywhere; epochs grow."""
+    """Safety: one leader per term; one view per epoch, the same everywhere; epochs grow. For
+    durable voters, on every write to their (virtual) disk: a voter's term never goes back and
+    its vote in a term never changes, and what it knew to be committed never shrinks."""
 
     leaders: dict[int, str] = field(default_factory=dict)
     views: dict[int, tuple[Any, ...]] = field(default_factory=dict)
     last_epoch: dict[str, int] = field(default_factory=dict)
     max_epoch: int = 0
+    votes: dict[tuple[str, int], str] = field(default_factory=dict)    # (voter, term) -> the vote cast
+    hard: dict[str, tuple[int, int]] = field(default_factory=dict)     # voter -> (term, committed index) on disk
+
+    def on_hard_state(self, hs: HardState, now: float) -> None:
+        term, commit = self.hard.get(hs.voter, (0, 0))
+        if hs.term < term:
+            raise InvariantViolation(f"t={now:.3f}: voter {hs.voter} wrote term {hs.term} after term {term}")
+        if hs.snap_index < commit:
+            raise InvariantViolation(f"t={now:.3f}: voter {hs.voter} forgot committed entries ({hs.snap_index} < {commit})")
+        self.hard[hs.voter] = (hs.term, hs.snap_index)
+        if hs.vote is not None:
+            cast = self.votes.setdefault((hs.voter, hs.term), hs.vote)
+            if cast != hs.vote:
+                raise InvariantViolation(f"t={now:.3f}: voter {hs.voter} voted for {cast} and {hs.vote} in term {hs.term}")
+        if hs.snap_view is not None:
+            seen = self.views.get(hs.snap_index)
+            if seen is not None and seen != view_key(hs.snap_view):
+                raise InvariantViolation(f"t={now:.3f}: voter {hs.voter} holds another view as committed epoch "
+                                         f"{hs.snap_index}:\n {seen}\n {view_key(hs.snap_view)}")
 
     def on_event(self, ev: SimEvent) -> None:
         node, now = ev.node, ev.now
@@ -210,6 +231,7 @@ class Simulator:
         if ready.hard_state is not None:   # on "disk" before any message leaves (etcd's rule)
             self.disk[addr] = ready.hard_state
             self.disk_writes[addr] += 1
+            self.checker.on_hard_state(ready.hard_state, self.now)
         last: Any = None
         data = b""
         for dst, msg in ready.messages:
