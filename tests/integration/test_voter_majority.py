@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 import shutil
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -190,3 +191,63 @@ def test_lost_data_dir_is_a_new_voter_and_a_shared_one_is_refused(ps: Peers) -> 
     assert f"restored voter {old['p3']}" in ps.log(3) and f"restored voter {old['p4']}" in ps.log(4)
     assert rep[2] is not None and rep[2]["voter_id"] == rep[2]["node"] != old["p2"]
     assert rep[3] is not None and rep[3]["voter_id"] == old["p3"] != rep[3]["node"]
+
+
+RESUME_BOUND = 45.0    # s from restarting the three replicas to their first commit (torch import, heal, resume grace)
+
+
+def test_three_replica_voters_killed_together_resume_from_their_checkpoints(tmp_path: Path, ctl: Any) -> None:
+    """2 witnesses + 3 replicas, 5 voters; the 3 replicas SIGKILLed at once (a majority of the
+    voters) and started again with the same commands: they return as the same voters, the
+    cluster commits views again and the job goes on from the step of their checkpoints."""
+    from tests.integration.replica_harness import Replicas, check_invariants, records, steps
+
+    rs = Replicas(tmp_path, 3, witnesses=2)
+
+    def spawn(i: int, life: int) -> None:
+        rs.extra = ["--checkpoint-every", "5", "--min-replicas", "3", "--checkpoint-dir", str(tmp_path / f"ckpt-r{i}"),
+                    "--data-dir", str(tmp_path / f"data-r{i}")]
+        rs.spawn(i, f"r{i}-{life}")
+
+    rs.spawn_witness(0)
+    rs.spawn_witness(1)
+    for i in range(3):
+        spawn(i, 0)
+    try:
+        rs.wait(lambda: all(rs.last_step(f"r{i}-0") >= 12 for i in range(3)), 60, "12 steps on all three")
+
+        def five_voters() -> bool:
+            rep = aio.run(ctl.report(rs.witness_addrs[0]))
+            return rep is not None and sum(1 for m in rep["members"] if m["voter"] and m["role"] != "witness") == 3
+        rs.wait(five_voters, 20, "the three replicas to be voters")
+        for i in range(3):
+            rs.procs[f"r{i}-0"].send_signal(signal.SIGKILL)
+        t_kill = time.monotonic()
+        for i in range(3):
+            rs.procs[f"r{i}-0"].wait(timeout=5)
+        before = max(rs.last_step(f"r{i}-0") for i in range(3))
+        w_log = tmp_path / "w0.log"
+        rs.wait(lambda: "a majority is lost" in w_log.read_text(errors="replace"), ERROR_BOUND + 5, "the ERROR")
+        error_after = time.monotonic() - t_kill
+        assert error_after <= ERROR_BOUND + 0.5, error_after
+        t_restart = time.monotonic()
+        for i in range(3):
+            spawn(i, 1)
+        took = rs.wait(lambda: all(any(r.get("c") for r in steps(rs.stats[f"r{i}-1"])) for i in range(3)),
+                       RESUME_BOUND + 30, "the three restarted replicas to commit")
+        took = time.monotonic() - t_restart
+    finally:
+        rcs = rs.stop_all()
+    assert all(rc == 0 for name, rc in rcs.items() if not name.endswith("-0")), rcs
+    assert took <= RESUME_BOUND, f"resumed {took:.1f} s after the restart (bound {RESUME_BOUND} s)"
+    logs = {i: (tmp_path / f"r{i}-1.log").read_text(errors="replace") for i in range(3)}
+    for i in range(3):
+        assert "restored voter" in logs[i], logs[i][-2000:]
+    starts = [next(r for r in records(rs.stats[f"r{i}-1"]) if r.get("kind") == "start") for i in range(3)]
+    best = max(int(s["step"]) for s in starts)
+    assert best >= 10 and best >= before - 6, f"not resumed from the checkpoints: {before=} {starts=}"
+    first = min(int(next(r for r in steps(rs.stats[f"r{i}-1"]) if r.get("c"))["step"]) for i in range(3))
+    assert first == best + 1, (before, best, first)     # from the checkpoint's step: not 0, nothing redone
+    check_invariants({k: v for k, v in rs.stats.items() if k.endswith("-1")})
+    print(f"killed at step {before}; ERROR after {error_after:.2f} s; resumed at step {first} "
+          f"{took:.1f} s after the restart")
