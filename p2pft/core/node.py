@@ -43,6 +43,8 @@ TRAINER_KIND, WITNESS_KIND = Kind.TRAINER, Kind.WITNESS
 BOOTSTRAP_GIVE_UP = 10     # bootstrap waits for the lowest seed at most this many bootstrap_waits
 BEAT_EVERY_MAX = 1.0       # a trainer's loop beats reach the leader at least this often
 TOUCH_EPOCH = 1 << 62      # a view request nobody can answer: only the connection attempt matters
+RESTORED_DEFER = 3         # election timeouts a restored voter leaves a surviving voter to lead first
+RESTORED_DEFER_MAX = 30.0  # s after its start a restored voter campaigns whatever its gossip shows
 
 
 _NOTHING = Ready()   # handed out when a step produced nothing; callers only read a Ready
@@ -80,6 +82,9 @@ class Node:
         self._hard_key: tuple[object, ...] | None = None   # what was last handed out to be written
         self._aliases: dict[str, str] = {}                # voter id -> the newest member holding it (gossip)
         self._quorum_lost_since: float | None = None
+        self._restored_at: float | None = now if restore is not None and restore.has_log else None
+        self._majority_since: float | None = None          # a restored voter first saw a majority of its voters
+        self._restored_epoch = restore.snap_index if restore is not None else 0
         self.quorum_lost: tuple[str, ...] = ()            # the missing voters, once reported (ERROR)
         self.stats: Counter[str] = Counter()
         self.planner = ViewPlanner(self.id, profile, self.gossip, self.raft, self.stats, high_water=step)
@@ -233,11 +238,45 @@ class Node:
         me = self.gossip.members[self.id]
         lt = me.meta.loop_timeout
         stalled = bool(lt) and me.beat_at is not None and now - me.beat_at > (lt or 0.0)
-        self.raft.set_abstain(stalled and len(self.raft.voters()) > 1)
-        if self.raft.abstain and self.is_leader():
+        stalled = stalled and len(self.raft.voters()) > 1
+        self.raft.set_abstain(stalled or self._defer_to_survivors(now))
+        if stalled and self.is_leader():
             log.warning("own training loop has not run for %.1f s: stepping down as Raft leader",
                         now - (me.beat_at or now), extra={"node": self.id})
             self.raft.step_down(now)
+
+    def _defer_to_survivors(self, now: float) -> bool:
+        """A voter restored from disk lets a voter that lived through the loss lead first.
+
+        The views carry the job's high water only as of the last committed one; the steps since
+        then reached the survivors by gossip (a witness saw every trainer's step until it died),
+        not the restarted processes, whose gossip starts empty. A survivor leading writes them
+        into the next view; a restarted trainer leading could forget them (and let a replica
+        resume below them without a word). So until a view is committed after its restore, a
+        restored voter does not campaign while its gossip does not show a majority of its voters
+        (it would only be guessing who survived), nor for ``RESTORED_DEFER`` election timeouts
+        after it does if a survivor voter (one whose node id is its voter id: it never
+        restarted) is alive among them, or one is not known to its gossip yet; then it does (a survivor whose log is behind cannot win:
+        liveness before preference), and in any case ``RESTORED_DEFER_MAX`` s after its start.
+        It votes all along."""
+        if self._restored_at is None:
+            return False
+        if (self.view is not None and self.view.epoch > self._restored_epoch) \
+                or now - self._restored_at > RESTORED_DEFER_MAX:
+            self._restored_at = None   # a view carries the job's state again (or the backstop)
+            return False
+        voters = self.raft.voters()
+        if (len(voters) - len(self.missing_voters())) * 2 <= len(voters):
+            self._majority_since = None
+            return len(voters) > 1
+        if self._majority_since is None:
+            self._majority_since = now
+        if now - self._majority_since > RESTORED_DEFER * self.p.election_max:
+            return False
+        g = self.gossip.members
+        # A survivor is alive, or a voter is not known here at all yet (it may be one).
+        return any(v != self.voter_id and ((v in g and g[v].state == ALIVE and not g[v].meta.voter)
+                                           or (v not in g and v not in self._aliases)) for v in voters)
 
     def loop_beat(self, now: float, timeout: float) -> None:
         """Trainer: its training loop ran. The process may gossip perfectly while its loop is

@@ -123,6 +123,10 @@ def run(plan: Plan, durable: bool = True, trace: bool = False) -> Outcome:
     before = _views(sim)[0]
     assert before.high_water == STEP and before.target == TARGET, \
         f"seed {plan.seed}: job state not in the view: {[(v.epoch, v.high_water, v.target, len(v.paused)) for v in _views(sim)]}"
+    # Steps go on after that view (steps make no view): only gossip carries them, to the witnesses.
+    for t in ts:
+        sim.call(t, lambda node, now: node.set_step(STEP + 5))
+    sim.run_until(sim.now + 1.5)
     sim.loss, sim.dup = plan.loss, plan.dup
 
     killed = [ts[i] for i in plan.kill]
@@ -168,6 +172,9 @@ def run(plan: Plan, durable: bool = True, trace: bool = False) -> Outcome:
     view = _views(sim)[0]
     assert view.target == TARGET, f"seed {plan.seed}: the job's target was lost"
     assert view.high_water >= STEP, f"seed {plan.seed}: the high water went from {STEP} to {view.high_water}"
+    if plan.witnesses:   # a witness saw the steps after the last view: they are not forgotten
+        out.notes.append(f"hw {view.high_water}")
+        assert view.high_water == STEP + 5, f"seed {plan.seed}: the high water went from {STEP + 5} to {view.high_water}"
     assert view.finished is None
     # The voters settle on live members (a voter whose disk was lost is replaced).
     sim.run_until(sim.now + HEAL_BOUND, stop=lambda: all(not n.missing_voters() for n in sim.nodes.values())
