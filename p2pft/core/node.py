@@ -29,7 +29,7 @@ from .config import DEFAULT, Profile
 from .durable import HardState
 from .gossip.events import GossipEventKind
 from .gossip.swim import Gossip
-from .messages import ALIVE, DEAD, LEFT, SUSPECT, Envelope, RaftMsg, GossipMessage, Message, RaftMessage, Unknown, Update, Updates, ViewDelta, ViewFull, ViewRequest
+from .messages import ALIVE, DEAD, LEFT, SUSPECT, Envelope, GossipMessage, Message, RaftMessage, RaftMsg, Unknown, Update, Updates, ViewDelta, ViewFull, ViewRequest
 from .meta import Kind, NodeSpec, Status
 from .raft import LEADER, Raft
 from .ready import Ready

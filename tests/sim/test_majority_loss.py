@@ -13,14 +13,16 @@ restarted at its address. Checked:
   the ERROR line, logged once) within ``ERROR_BOUND``;
 - when enough voters come back with their disks to make a majority of the voter set, a view of
   exactly the live members is committed everywhere within ``HEAL_BOUND`` of the last restart, the
-  job's state (target, high water) is the one committed before the loss, and the voters settle
-  on live members; when too many disks were lost, nothing is committed (the cluster stays stuck,
-  safely, and says so).
+  job's state is kept (the target and high water committed before the loss; with a witness alive,
+  the high water of the steps made after that view, which only the witnesses' gossip saw), and the
+  voters settle on live members; when too many disks were lost, nothing is committed (the
+  cluster stays stuck, safely, and says so).
 
 The same schedules without data directories (the code before durable voters: a restarted process
 is a new identity) stay stuck: ``test_without_data_dirs_the_same_schedules_stay_stuck``.
 
-Replay one: ``python tests/sim/test_majority_loss.py SEED [--old]``.
+Replay one: ``python tests/sim/test_majority_loss.py SEED [--old]``; many, with the report and
+heal times: ``python tests/sim/test_majority_loss.py --sweep 0 5000``.
 """
 from __future__ import annotations
 
@@ -221,10 +223,35 @@ def test_without_data_dirs_the_same_schedules_stay_stuck(seed: int) -> None:
     assert not out.recoverable and out.healed_after is None
 
 
+def sweep(lo: int, hi: int) -> None:
+    """Seeds lo..hi-1 outside the suite: failures, and the report and heal times (virtual s)."""
+    import logging
+    logging.disable(logging.CRITICAL)
+    fails, errs, heal = [], [], []
+    for s in range(lo, hi):
+        plan = make_plan(s)
+        try:
+            o = run(plan)
+        except AssertionError as exc:
+            fails.append((s, str(exc)[:200]))
+            continue
+        if o.error_after is not None and plan.hold > ERROR_BOUND:
+            errs.append(o.error_after)
+        if o.healed_after is not None:
+            heal.append(o.healed_after)
+    errs.sort()
+    heal.sort()
+    print(f"schedules {hi - lo}, failed {len(fails)} {fails[:5]}")
+    for name, xs in (("reported after", errs), ("healed after", heal)):
+        if xs:
+            print(f"{name}: n={len(xs)} p50={xs[len(xs) // 2]:.2f} p99={xs[int(len(xs) * 0.99)]:.2f} max={xs[-1]:.2f} s")
+
+
 if __name__ == "__main__":
-    seed = int(sys.argv[1])
-    o = run(make_plan(seed), durable="--old" not in sys.argv)
-    print(o)
+    if sys.argv[1] == "--sweep":
+        sweep(int(sys.argv[2]), int(sys.argv[3]))
+    else:
+        print(run(make_plan(int(sys.argv[1])), durable="--old" not in sys.argv))
 
 
 @pytest.mark.parametrize("seed", range(5))
