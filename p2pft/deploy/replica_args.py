@@ -68,5 +68,10 @@ def require_replica_id(p: argparse.ArgumentParser, args: argparse.Namespace) -> 
         args.advertise = ca.advertise
     if not args.replica_id:
         p.error("--replica-id is required (or set P2PFT_REPLICA_ID)")
+    if args.data_dir:
+        # Every example script's Runtime reads $P2PFT_DATA_DIR when not given data_dir (an HSDP
+        # replica's on its rank 0): set from the flag here, it is honoured by all of them.
+        args.data_dir = os.path.abspath(args.data_dir)
+        os.environ["P2PFT_DATA_DIR"] = args.data_dir
     if args.max_participants is not None and args.max_participants < 1:
         p.error(f"--max-participants must be at least 1, got {args.max_participants}")

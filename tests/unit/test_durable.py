@@ -188,3 +188,22 @@ def test_node_server_restores_its_voter_from_the_data_dir(tmp_path: Path, ctl: o
     assert hs is not None and hs.voter == first_id and hs.term == 1 and hs.snap_index == 1
     second_id, second_voter, term = asyncio.run(life(first_id))
     assert second_voter == first_id and second_id != first_id and term == 1
+
+
+def test_replica_scripts_honour_data_dir_through_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every example script parses the shared replica options; --data-dir reaches a Runtime
+    built without data_dir= (gpt.py, an HSDP replica's rank 0) through $P2PFT_DATA_DIR."""
+    import argparse
+
+    from p2pft.deploy.replica_args import add_replica_args, require_replica_id
+    from p2pft.runtime import Runtime
+    monkeypatch.setenv("P2PFT_DATA_DIR", "")   # undone at teardown, with what the parser sets
+    p = argparse.ArgumentParser()
+    add_replica_args(p, replicas=3, digest_every=10)
+    args = p.parse_args(["--replica-id", "r0", "--data-dir", str(tmp_path / "d")])
+    require_replica_id(p, args)
+    assert args.data_dir == str(tmp_path / "d")
+    assert Runtime(replica_id="r0").data_dir == str(tmp_path / "d")
+    assert Runtime(replica_id="r0", data_dir=str(tmp_path / "e")).data_dir == str(tmp_path / "e")
+    monkeypatch.delenv("P2PFT_DATA_DIR")
+    assert Runtime(replica_id="r0").data_dir is None
