@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
                  secret=load_secret(args.secret_file), advertise=args.advertise, data_listen=args.data_listen,
                  advertise_data=args.advertise_data, comm_timeout=args.comm_timeout,
                  metrics_port=args.metrics_port, data_plane=args.data_plane,
-                 max_participants=args.max_participants, data_dir=args.data_dir).start()
+                 max_participants=args.max_participants).start()
     t_runtime = time.time()
     stop = StopOnSignal()   # SIGTERM/SIGINT: the loop ends, the trainer's current call raises Stopped
 
