@@ -366,7 +366,8 @@ class Node:
     def _check_quorum(self, now: float) -> None:
         """A majority of the voters unreachable for ``quorum_loss_grace``: one ERROR naming them
         (not one per tick), kept in ``quorum_lost`` for ``p2pft members``/``top``; one line again
-        when a majority is back. Nothing can be committed meanwhile (no view, no job state)."""
+        when a majority is back. Nothing can be committed meanwhile (no view, no job state). When
+        they all left gracefully, or the job has finished, it is a WARNING: nothing failed."""
         voters = self.raft.voters()
         missing = self.missing_voters() if voters else []
         lost = bool(voters) and len(voters) - len(missing) <= len(voters) // 2
@@ -382,6 +383,13 @@ class Node:
         if not self.quorum_lost and now - self._quorum_lost_since >= self.p.quorum_loss_grace:
             self.quorum_lost = tuple(missing)
             self.stats["quorum_lost"] += 1
+            finished = self.view is not None and self.view.finished is not None
+            if finished or all(self._voter_left(v) for v in missing):
+                # A job's end, or a stop by SIGTERM: the voters went on purpose, not a failure.
+                log.warning("%d of the %d voters have left (%s)%s: no view can be committed until enough of them "
+                            "come back", len(missing), len(voters), self._describe_voters(missing),
+                            " after the job finished" if finished else "", extra={"node": self.id})
+                return
             log.error("%d of the %d voters are unreachable (%s) for %.1f s: a majority is lost, so no view can "
                       "be committed and the job cannot go on until enough of them come back. A replica restarted "
                       "with the same --data-dir returns as the same voter; a voter whose data directory is lost "
@@ -389,6 +397,12 @@ class Node:
                       now - self._quorum_lost_since, extra={"node": self.id})
         elif self.quorum_lost and tuple(missing) != self.quorum_lost:
             self.quorum_lost = tuple(missing)   # still lost, others missing: reported, not logged again
+
+    def _voter_left(self, voter: str) -> bool:
+        """The member holding `voter` left gracefully (SIGTERM, the job's end)."""
+        g = self.gossip.members
+        m = g.get(self._aliases.get(voter, voter))
+        return m is not None and m.state == LEFT
 
     def _describe_voters(self, voters: list[str] | tuple[str, ...]) -> str:
         out = []

@@ -44,3 +44,22 @@ def test_members_and_top_name_the_missing_voters() -> None:
         sim.restart(a, seeds=ADDRS[:2])
     sim.run_until(sim.now + 5.0)
     assert members_report(sim.nodes[ADDRS[0]], 0.0)["quorum_lost"]
+
+
+def test_voters_that_left_are_a_warning_not_an_error(caplog) -> None:   # type: ignore[no-untyped-def]
+    """A job stopped with SIGTERM (every replica leaves): the witnesses say so once, at WARNING."""
+    import logging
+    sim = Simulator(4)
+    for i, a in enumerate(ADDRS):
+        sim.add_node(a, seeds=[x for x in ADDRS if x != a], kind=WITNESS_KIND if i < 2 else TRAINER_KIND,
+                     replica_id=f"w{i}" if i < 2 else f"r{i}")
+    sim.run_until(15.0, stop=lambda: sim.converged() and all(len(n.view.voters) == 5 for n in sim.nodes.values()))
+    with caplog.at_level(logging.WARNING, logger="p2pft.core.node"):
+        for a in ADDRS[2:]:
+            sim.call(a, lambda node, now: node.leave(now))
+            sim.crash(a)
+        sim.run_until(sim.now + 8.0)
+    assert all(sim.nodes[a].quorum_lost for a in ADDRS[:2])
+    lines = [r for r in caplog.records if "voters" in r.getMessage()]
+    assert [r.levelno for r in lines] == [logging.WARNING, logging.WARNING], [r.getMessage() for r in lines]
+    assert all("have left" in r.getMessage() for r in lines)
