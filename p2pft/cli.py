@@ -83,13 +83,18 @@ def cmd_peer(args: argparse.Namespace) -> int:
     limits = ConnLimits(**{k: getattr(args, k) for k in ("max_inbound", "idle_timeout", "drain_timeout")
                            if getattr(args, k) is not None})
 
+    data_dir = args.data_dir or _env("DATA_DIR")
+
     async def main() -> int:
+        from .net.store import DataDirError
         server = NodeServer(listen=listen, spec=NodeSpec(replica_id=replica_id or ""), seeds=seeds,
-                            secret=secret, profile=profile, advertise=advertise, limits=limits)
+                            secret=secret, profile=profile, advertise=advertise, limits=limits, data_dir=data_dir)
         try:
             await server.start()
         except OSError as exc:
             raise CliError(f"cannot listen on {listen}: {exc.strerror or exc}") from None
+        except (DataDirError, ValueError) as exc:
+            raise CliError(str(exc)) from None
         from .ops.log import set_context
         set_context(node=server.node.id if server.node else "-")
         metrics = None
@@ -174,7 +179,17 @@ def format_members(report: dict[str, Any]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+    lost = report.get("quorum_lost") or []
+    if lost:
+        lines.append(f"MAJORITY OF VOTERS LOST: {quorum_lost_text(lost)} unreachable; no view can be committed "
+                     "until enough of them come back (restarted with their --data-dir)")
     return "\n".join(lines)
+
+
+def quorum_lost_text(lost: list[dict[str, Any]]) -> str:
+    """'r2 (r2.1a2b3c4d, 127.0.0.1:7102), ...' for the members report's quorum_lost list."""
+    return ", ".join(f"{v.get('replica_id')} ({v.get('voter')}{', ' + v['addr'] if v.get('addr') else ''})"
+                     for v in lost)
 
 
 # ---------------------------------------------------------------------- top
@@ -199,6 +214,10 @@ def build_parser() -> argparse.ArgumentParser:
     peer.add_argument("--secret-file", help="file holding the cluster secret (env P2PFT_SECRET_FILE or "
                       "P2PFT_SECRET)")
     peer.add_argument("--replica-id", default=None, help="stable name of this peer (default: its address)")
+    peer.add_argument("--data-dir", default=None,
+                      help="directory that keeps this peer's Raft voter identity, term, vote and log, so that a "
+                           "restart returns as the same voter (env P2PFT_DATA_DIR; default: none, a new identity "
+                           "on every start)")
     peer.add_argument("--profile", choices=sorted(PROFILES), default="default", help="timing profile")
     peer.add_argument("--ready-file", help=argparse.SUPPRESS)
     add_launch_args(peer)

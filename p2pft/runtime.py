@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass, replace
@@ -73,7 +74,7 @@ class Runtime:
                  status: Status | str = Status.FRESH, step: int = NodeSpec.step, advertise: str | None = None,
                  data_listen: str | None = None, advertise_data: str | None = None,
                  metrics_port: int | str | None = None, data_plane: str | None = None,
-                 max_participants: int | None = NodeSpec.max_participants) -> None:
+                 max_participants: int | None = NodeSpec.max_participants, data_dir: str | None = None) -> None:
         from .transport.backend import data_plane_from
         # The job's planned participants (max_participants): trainers beyond it wait as hot
         # spares (joiners kept current by the data plane), promoted in the view that removes a
@@ -85,6 +86,9 @@ class Runtime:
                                data_addrs=tuple(data_addrs) if data_addrs is not None else None,
                                metrics_port=metrics_port)
         self.replica_id = self.spec.replica_id
+        # A durable voter identity (term, vote, log) kept there across restarts (None:
+        # $P2PFT_DATA_DIR, else none: a new identity per process, as before).
+        self.data_dir = data_dir if data_dir is not None else (os.environ.get("P2PFT_DATA_DIR") or None)
         # "auto" | "nccl" | "tcp" (None: $P2PFT_DATA_PLANE, else auto), for whoever builds communicators.
         self.data_plane = data_plane_from(data_plane)
         self.secret = secret
@@ -149,7 +153,7 @@ class Runtime:
         # status and step the trainer may have set since.
         spec = replace(self.spec, data_addrs=data_addrs, status=self._status, step=self._step)
         server = NodeServer(listen=self.place.listen, spec=spec, seeds=self.place.seeds, secret=self.secret,
-                            profile=self.profile, advertise=self.place.advertise)
+                            profile=self.profile, advertise=self.place.advertise, data_dir=self.data_dir)
         server.on_view.append(self._on_view)
         self.server = server
         if data_addrs:

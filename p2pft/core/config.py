@@ -33,6 +33,7 @@ class Profile:
     bootstrap_wait: float = 0.6        # with seeds but no view anywhere, wait before bootstrapping
     view_retry: float = 0.5            # re-ask for a view we heard of but did not get
     compact_after: int = 64            # Raft log entries kept before compacting to a snapshot
+    quorum_loss_grace: float = 2.0     # a majority of the voters unreachable this long: one ERROR, shown by top
     # --- data plane ---
     data_ack_timeout: float = 0.3      # a ring neighbour's host silent this long (TCP) fails the op, blaming it
 
@@ -41,7 +42,7 @@ class Profile:
         fields = {k: getattr(self, k) * factor for k in (
             "probe_interval", "probe_timeout", "suspicion_min", "pushpull_interval", "dead_keep", "reconnect_interval",
             "heartbeat", "election_min", "election_max", "batch_window", "bootstrap_wait", "view_retry",
-            "data_ack_timeout")}
+            "data_ack_timeout", "quorum_loss_grace")}
         return replace(self, **fields)
 
 

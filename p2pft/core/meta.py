@@ -9,7 +9,9 @@ wire keys exist only in ``to_wire``/``from_wire``: they keep frames small at 1,0
 ``rb`` a failed data epoch for which a fresh one is requested, ``mp`` the most participants the
 job plans for (more trainers than that are hot spares), ``du`` the members whose data address
 this trainer has not reached for longer than the bound (see p2pft/core/reach.py), ``tg`` the job
-target it declares (``[kind, n]``), ``ar`` 1 when it may restart the job from scratch.
+target it declares (``[kind, n]``), ``ar`` 1 when it may restart the job from scratch, ``vo``
+its Raft voter identity when that is not its node id (a durable voter restored from its data
+directory: docs/control-plane.md, "Durable voters").
 """
 from __future__ import annotations
 
@@ -63,6 +65,7 @@ class MemberMeta:
     data_unreachable: tuple[str, ...] = ()    # members alive on gossip whose data port we cannot reach
     target: JobTarget | None = None           # the job's end as this trainer declares it
     allow_scratch: bool = False               # may restart below the high-water step (state lost)
+    voter: str = ""                           # its Raft identity when not its node id (restored from disk)
     _wire: dict[str, Any] | None = field(default=None, init=False, repr=False, compare=False)
 
     def to_wire(self) -> dict[str, Any]:
@@ -87,6 +90,8 @@ class MemberMeta:
                 w["tg"] = self.target.to_wire()
             if self.allow_scratch:
                 w["ar"] = 1
+            if self.voter:
+                w["vo"] = self.voter
             object.__setattr__(self, "_wire", w)
         return w
 
@@ -118,7 +123,7 @@ class MemberMeta:
                    data_epoch_request=None if rb is None else int(rb),
                    max_participants=None if mp is None else int(mp),
                    data_unreachable=tuple(du or ())[:64], target=JobTarget.from_wire(d.get("tg")),
-                   allow_scratch=bool(d.get("ar", 0)))
+                   allow_scratch=bool(d.get("ar", 0)), voter=str(d.get("vo", "")))
         if key is not None:
             if len(_decoded) >= _DECODED_MAX:
                 _decoded.clear()

@@ -9,6 +9,13 @@ cluster when there is none. Inputs: ``handle(msg, now)``, ``tick(now)``, the evi
 
 Messages are the dataclasses of ``p2pft.core.messages``; committed views are ``View`` values (Raft's
 log entries); member metadata is a ``MemberMeta``. Wire forms exist only in ``p2pft.core.codec``.
+
+Two identities: the node id (``replica_id.<random>``, one per process incarnation: gossip, views,
+the data plane) and the Raft voter id. They are the same unless the node keeps a data directory
+(``durable``): its first incarnation's node id is then its voter id for good, restored with its
+term, vote and log (``restore``), so that a majority of voters killed at once comes back when
+they restart (docs/control-plane.md, "Durable voters"). Views list voters by voter id and each
+member's voter id (``Member.voter``); Raft messages are addressed and signed with voter ids.
 """
 from __future__ import annotations
 
@@ -19,9 +26,10 @@ from collections import Counter
 from dataclasses import replace
 
 from .config import DEFAULT, Profile
+from .durable import HardState
 from .gossip.events import GossipEventKind
 from .gossip.swim import Gossip
-from .messages import ALIVE, DEAD, LEFT, SUSPECT, Envelope, GossipMessage, Message, RaftMessage, Unknown, Update, Updates, ViewDelta, ViewFull, ViewRequest
+from .messages import ALIVE, DEAD, LEFT, SUSPECT, Envelope, GossipMessage, Message, RaftMessage, RaftMsg, Unknown, Update, Updates, ViewDelta, ViewFull, ViewRequest
 from .meta import Kind, NodeSpec, Status
 from .raft import LEADER, Raft
 from .ready import Ready
@@ -35,6 +43,8 @@ TRAINER_KIND, WITNESS_KIND = Kind.TRAINER, Kind.WITNESS
 BOOTSTRAP_GIVE_UP = 10     # bootstrap waits for the lowest seed at most this many bootstrap_waits
 BEAT_EVERY_MAX = 1.0       # a trainer's loop beats reach the leader at least this often
 TOUCH_EPOCH = 1 << 62      # a view request nobody can answer: only the connection attempt matters
+RESTORED_DEFER = 3         # election timeouts a restored voter leaves a surviving voter to lead first
+RESTORED_DEFER_MAX = 30.0  # s after its start a restored voter campaigns whatever its gossip shows
 
 
 _NOTHING = Ready()   # handed out when a step produced nothing; callers only read a Ready
@@ -49,17 +59,33 @@ class Node:
     learner, and the leader's view maker when Raft elects it."""
 
     def __init__(self, spec: NodeSpec, *, addr: str, seeds: list[str] | tuple[str, ...] = (),
-                 profile: Profile = DEFAULT, rng: random.Random, now: float, start_stamp: float | None = None) -> None:
+                 profile: Profile = DEFAULT, rng: random.Random, now: float, start_stamp: float | None = None,
+                 durable: bool = False, restore: HardState | None = None) -> None:
         self.replica_id = spec.replica_id or addr
         self.addr = addr
         self.kind = spec.kind
         self.p = profile
         self.rng = rng
         self.id = f"{self.replica_id}.{rng.getrandbits(32):08x}"
+        if restore is not None and restore.replica_id != self.replica_id:
+            raise ValueError(f"the data directory holds the voter state of replica {restore.replica_id!r}, "
+                             f"not of {self.replica_id!r}")
+        # A durable node's voter id: its first incarnation's node id, then the one on its disk.
+        self.voter_id = restore.voter if restore is not None else self.id
+        self.durable = durable or restore is not None
         meta = replace(spec, replica_id=self.replica_id).meta(now if start_stamp is None else start_stamp)
+        if self.voter_id != self.id:
+            meta = replace(meta, voter=self.voter_id)
         step = spec.step
         self.gossip = Gossip(self.id, addr, meta, profile, rng, now, step=step)
-        self.raft = Raft(self.id, profile, rng, now, first_entry=self._first_view)
+        self.raft = Raft(self.voter_id, profile, rng, now, first_entry=self._first_view, restore=restore)
+        self._hard_key: tuple[object, ...] | None = None   # what was last handed out to be written
+        self._aliases: dict[str, str] = {}                # voter id -> the newest member holding it (gossip)
+        self._quorum_lost_since: float | None = None
+        self._restored_at: float | None = now if restore is not None and restore.has_log else None
+        self._majority_since: float | None = None          # a restored voter first saw a majority of its voters
+        self._restored_epoch = restore.snap_index if restore is not None else 0
+        self.quorum_lost: tuple[str, ...] = ()            # the missing voters, once reported (ERROR)
         self.stats: Counter[str] = Counter()
         self.planner = ViewPlanner(self.id, profile, self.gossip, self.raft, self.stats, high_water=step)
         self._now = now
@@ -82,7 +108,18 @@ class Node:
         self._role: Role | None = None         # our role in self.view (asked on every tick)
         self._dirty = True                     # leader: membership changed since the last reconcile
         self._next_reconcile = now
-        if not self.seeds:
+        if restore is not None and restore.has_log:
+            # A voter back from its disk: it never bootstraps (it belongs to a cluster), and it
+            # knows the last committed view, which it does not hand out again (its trainer is a
+            # new incarnation that is in no view yet).
+            self._bootstrapped = True
+            base = self.raft.entry(self.raft.commit)
+            if base is not None:
+                self.view, self.view_term = base, self.raft.term_at(self.raft.commit) or 0
+                self.gossip.set_epoch(base.epoch)
+            log.info("restored voter %s from disk: term %d, committed epoch %d, %d entries after it",
+                     self.voter_id, self.raft.term, self.raft.commit, len(restore.entries), extra={"node": self.id})
+        if not self.seeds and not self._bootstrapped:
             self._bootstrap(now)
         else:
             self.gossip.join(self.seeds, now)
@@ -93,7 +130,7 @@ class Node:
         """Everything produced since the last call (messages, committed views, leader terms).
         The caller acts on it; the node starts a fresh one."""
         out = self._ready
-        if not (out.messages or out.views or out.leader_terms):
+        if not (out.messages or out.views or out.leader_terms or out.hard_state is not None):
             return _NOTHING   # the common case after a timer: no allocation
         self._ready = Ready()
         return out
@@ -106,7 +143,7 @@ class Node:
         if isinstance(msg, GossipMessage):
             self.gossip.handle(msg, now)
         elif isinstance(msg, RaftMessage):
-            if msg.to != self.id:
+            if msg.to != self.voter_id:
                 self.stats["misaddressed"] += 1
                 return
             self.raft.handle(msg.src, msg, now)
@@ -128,6 +165,7 @@ class Node:
         self._check_own_loop(now)
         self.gossip.tick(now)
         self.raft.tick(now)
+        self._check_quorum(now)
         if not self._bootstrapped and self.view is None and now >= self._next_bootstrap:
             self._next_bootstrap = now + self.p.probe_interval
             self._maybe_bootstrap(now)
@@ -200,11 +238,45 @@ class Node:
         me = self.gossip.members[self.id]
         lt = me.meta.loop_timeout
         stalled = bool(lt) and me.beat_at is not None and now - me.beat_at > (lt or 0.0)
-        self.raft.set_abstain(stalled and len(self.raft.voters()) > 1)
-        if self.raft.abstain and self.is_leader():
+        stalled = stalled and len(self.raft.voters()) > 1
+        self.raft.set_abstain(stalled or self._defer_to_survivors(now))
+        if stalled and self.is_leader():
             log.warning("own training loop has not run for %.1f s: stepping down as Raft leader",
                         now - (me.beat_at or now), extra={"node": self.id})
             self.raft.step_down(now)
+
+    def _defer_to_survivors(self, now: float) -> bool:
+        """A voter restored from disk lets a voter that lived through the loss lead first.
+
+        The views carry the job's high water only as of the last committed one; the steps since
+        then reached the survivors by gossip (a witness saw every trainer's step until it died),
+        not the restarted processes, whose gossip starts empty. A survivor leading writes them
+        into the next view; a restarted trainer leading could forget them (and let a replica
+        resume below them without a word). So until a view is committed after its restore, a
+        restored voter does not campaign while its gossip does not show a majority of its voters
+        (it would only be guessing who survived), nor for ``RESTORED_DEFER`` election timeouts
+        after it does if a survivor voter (one whose node id is its voter id: it never
+        restarted) is alive among them, or one is not known to its gossip yet; then it does (a survivor whose log is behind cannot win:
+        liveness before preference), and in any case ``RESTORED_DEFER_MAX`` s after its start.
+        It votes all along."""
+        if self._restored_at is None:
+            return False
+        if (self.view is not None and self.view.epoch > self._restored_epoch) \
+                or now - self._restored_at > RESTORED_DEFER_MAX:
+            self._restored_at = None   # a view carries the job's state again (or the backstop)
+            return False
+        voters = self.raft.voters()
+        if (len(voters) - len(self.missing_voters())) * 2 <= len(voters):
+            self._majority_since = None
+            return len(voters) > 1
+        if self._majority_since is None:
+            self._majority_since = now
+        if now - self._majority_since > RESTORED_DEFER * self.p.election_max:
+            return False
+        g = self.gossip.members
+        # A survivor is alive, or a voter is not known here at all yet (it may be one).
+        return any(v != self.voter_id and ((v in g and g[v].state == ALIVE and not g[v].meta.voter)
+                                           or (v not in g and v not in self._aliases)) for v in voters)
 
     def loop_beat(self, now: float, timeout: float) -> None:
         """Trainer: its training loop ran. The process may gossip perfectly while its loop is
@@ -236,6 +308,109 @@ class Node:
             self._send(self.leader_addr, Updates(updates=[Update(LEFT, self.id, self.gossip.inc)]))
         self._pump(now)
 
+    # ------------------------------------------------------------------ voters
+    def voter_of(self, node: str) -> str:
+        """The voter id of member `node` (its node id unless it restored a durable identity)."""
+        if node == self.id:
+            return self.voter_id
+        m = self.gossip.members.get(node)
+        if m is not None and m.meta.voter:
+            return m.meta.voter
+        vm = self.view.member(node) if self.view is not None else None
+        return vm.voter_id if vm is not None else node
+
+    def _voter_member(self, voter: str) -> str | None:
+        """The live member holding voter id `voter`, if gossip knows one."""
+        if voter == self.voter_id:
+            return self.id
+        g = self.gossip.members
+        alias = self._aliases.get(voter)
+        if alias is not None and alias in g and g[alias].state in (ALIVE, SUSPECT):
+            return alias
+        m = g.get(voter)
+        if m is not None and m.state in (ALIVE, SUSPECT) and not m.meta.voter:
+            return voter
+        return None
+
+    def member_of_voter(self, voter: str) -> str:
+        """The member that holds voter id `voter` (for logs and reports: falls back to the id)."""
+        live = self._voter_member(voter)
+        if live is not None:
+            return live
+        vm = self.view.member_of_voter(voter) if self.view is not None else None
+        return vm.node if vm is not None else voter
+
+    def _voter_addr(self, voter: str) -> str | None:
+        """Where Raft messages for `voter` go: its live member's address, else the last one a view
+        or gossip knew (a durable voter restarted on the same address is reached there)."""
+        live = self._voter_member(voter)
+        if live is not None:
+            return self.gossip.addr_of(live)
+        for view in (self.view, self.raft.last_view()):
+            m = view.member_of_voter(voter) if view is not None else None
+            if m is not None:
+                return m.addr
+        return self.gossip.addr_of(voter)
+
+    def missing_voters(self) -> list[str]:
+        """The voters (of the newest entry this node holds) that no member gossip holds alive
+        now (a suspect counts as missing: its probes failed, direct and indirect)."""
+        g = self.gossip.members
+        out = []
+        for v in self.raft.voters():
+            m = self._voter_member(v)
+            if m is None or (m != self.id and g[m].state != ALIVE):
+                out.append(v)
+        return out
+
+    def _check_quorum(self, now: float) -> None:
+        """A majority of the voters unreachable for ``quorum_loss_grace``: one ERROR naming them
+        (not one per tick), kept in ``quorum_lost`` for ``p2pft members``/``top``; one line again
+        when a majority is back. Nothing can be committed meanwhile (no view, no job state). When
+        they all left gracefully, or the job has finished, it is a WARNING: nothing failed."""
+        voters = self.raft.voters()
+        missing = self.missing_voters() if voters else []
+        lost = bool(voters) and len(voters) - len(missing) <= len(voters) // 2
+        if not lost:
+            self._quorum_lost_since = None
+            if self.quorum_lost:
+                log.warning("a majority of the voters is reachable again (was missing: %s)",
+                            self._describe_voters(self.quorum_lost), extra={"node": self.id})
+                self.quorum_lost = ()
+            return
+        if self._quorum_lost_since is None:
+            self._quorum_lost_since = now
+        if not self.quorum_lost and now - self._quorum_lost_since >= self.p.quorum_loss_grace:
+            self.quorum_lost = tuple(missing)
+            self.stats["quorum_lost"] += 1
+            finished = self.view is not None and self.view.finished is not None
+            if finished or all(self._voter_left(v) for v in missing):
+                # A job's end, or a stop by SIGTERM: the voters went on purpose, not a failure.
+                log.warning("%d of the %d voters have left (%s)%s: no view can be committed until enough of them "
+                            "come back", len(missing), len(voters), self._describe_voters(missing),
+                            " after the job finished" if finished else "", extra={"node": self.id})
+                return
+            log.error("%d of the %d voters are unreachable (%s) for %.1f s: a majority is lost, so no view can "
+                      "be committed and the job cannot go on until enough of them come back. A replica restarted "
+                      "with the same --data-dir returns as the same voter; a voter whose data directory is lost "
+                      "never does", len(missing), len(voters), self._describe_voters(missing),
+                      now - self._quorum_lost_since, extra={"node": self.id})
+        elif self.quorum_lost and tuple(missing) != self.quorum_lost:
+            self.quorum_lost = tuple(missing)   # still lost, others missing: reported, not logged again
+
+    def _voter_left(self, voter: str) -> bool:
+        """The member holding `voter` left gracefully (SIGTERM, the job's end)."""
+        g = self.gossip.members
+        m = g.get(self._aliases.get(voter, voter))
+        return m is not None and m.state == LEFT
+
+    def _describe_voters(self, voters: list[str] | tuple[str, ...]) -> str:
+        out = []
+        for v in voters:
+            m = self.view.member_of_voter(v) if self.view is not None else None
+            out.append(f"{m.replica_id} ({v})" if m is not None else v)
+        return ", ".join(out)
+
     # ------------------------------------------------------------------ queries
     def is_leader(self) -> bool:
         return self.raft.role == LEADER
@@ -266,7 +441,7 @@ class Node:
         self._bootstrapped = True
         role = WITNESS if self.kind is Kind.WITNESS else PARTICIPANT
         member = member_entry(self.id, self.addr, self.gossip.meta, role, 0 if role is PARTICIPANT else None, 1)
-        self.raft.bootstrap(View(epoch=1, members=(member,), voters=(self.id,), data_epoch=1), now)
+        self.raft.bootstrap(View(epoch=1, members=(member,), voters=(self.voter_id,), data_epoch=1), now)
         log.info("bootstrapped a new cluster as %s", self.id, extra={"node": self.id})
 
     def _maybe_bootstrap(self, now: float) -> None:
@@ -356,6 +531,13 @@ class Node:
         msg.src = self.id
         self._ready.messages.append((addr, msg))  # type: ignore[arg-type]
 
+    def _send_raft(self, addr: str, voter: str, msg: RaftMsg) -> None:
+        """Raft speaks voter ids: addressed to the voter, signed with ours."""
+        msg.frm = self.addr
+        msg.src = self.voter_id
+        msg.to = voter
+        self._ready.messages.append((addr, msg))
+
     def _addr_of(self, node: str) -> str | None:
         a = self.gossip.addr_of(node)
         if a:
@@ -371,11 +553,17 @@ class Node:
         g, raft, out = self.gossip, self.raft, self._ready
         out.messages.extend(g.outbox)
         g.outbox.clear()
-        for node, msg in raft.outbox:
-            addr = self._addr_of(node)
+        for ev in g.events:   # voter ids held by members (a durable voter's later incarnations)
+            m = g.members.get(ev.node)
+            if m is not None and m.meta.voter:
+                old = self._aliases.get(m.meta.voter)
+                om = g.members.get(old) if old is not None else None
+                if om is None or om.state not in (ALIVE, SUSPECT) or (m.meta.start, m.node) >= (om.meta.start, om.node):
+                    self._aliases[m.meta.voter] = m.node
+        for voter, msg in raft.outbox:
+            addr = self._voter_addr(voter)
             if addr:
-                msg.to = node
-                self._send(addr, msg)
+                self._send_raft(addr, voter, msg)
         raft.outbox.clear()
         for term in raft.events:
             self._dirty = True
@@ -383,8 +571,8 @@ class Node:
             log.info("became Raft leader for term %d", term, extra={"node": self.id})
         raft.events.clear()
         if raft.leader:
-            self.leader = raft.leader
-            self.leader_addr = self._addr_of(self.leader)
+            self.leader = self.member_of_voter(raft.leader)
+            self.leader_addr = self._voter_addr(raft.leader)
         for ev in g.events:
             if ev.kind is GossipEventKind.NEWER_VIEW:
                 self._ask_view(ev.node, now)
@@ -393,7 +581,7 @@ class Node:
                 if ev.kind is not GossipEventKind.UPDATE:  # suspect / dead / alive / left: when detection happened
                     log.debug("gossip: %s %s", ev.node, ev.kind, extra={"node": self.id})
                 if ev.lost:
-                    raft.leader_failed(ev.node, now)
+                    raft.leader_failed(self.voter_of(ev.node), now)
         g.events.clear()
         declared = g.take_declared()
         if declared and self.leader_addr and self.leader != self.id and not self.is_leader():
@@ -410,6 +598,11 @@ class Node:
             g.set_epoch(view.epoch)
             out.views.append(view)
         raft.committed.clear()
+        if self.durable:
+            key = raft.hard_key()
+            if key != self._hard_key:
+                self._hard_key = key
+                out.hard_state = raft.hard_state(self.replica_id)
         if self.view is not prev and self.is_leader():
             self._push_view(prev)
         if self.is_leader() and not raft.pending():
@@ -438,9 +631,9 @@ class Node:
         view = self.view
         assert view is not None
         voters = set(view.voters)
-        targets = {m.node: m.addr for m in view.members if m.node not in voters}
+        targets = {m.node: m.addr for m in view.members if m.voter_id not in voters}
         for m in (prev.members if prev is not None else ()):
-            if m.node not in voters and m.node not in targets:
+            if m.voter_id not in voters and m.node not in targets:
                 targets[m.node] = m.addr
         # Members are sorted by node id in every view the leader makes, so a delta reproduces it
         # exactly at a member holding the same base view; the others ask for the whole view.

@@ -11,10 +11,15 @@ view that adds or removes more than one voter, nor a new view before the last on
 Pre-vote and check-quorum keep a partitioned or removed voter from disrupting the leader. A
 voter also ignores vote requests while it hears from a leader (leader stickiness).
 
-Node identities are per process incarnation, so no state needs to survive a restart: a restarted
-process is a new node that has never voted, and the old identity is removed from the voter set
-through an ordinary single-server change. A term's vote is therefore never cast twice by the
-same identity, which is the property Raft's stable storage exists to guarantee.
+A voter's identity (``me``) is its node id, per process incarnation, unless the node keeps a
+data directory: then it is a durable identity restored with its term, vote and log
+(``HardState``, ``restore``), and ``hard_state()`` is what the driver must write before it sends
+anything after a step that changed it (``hard_key`` says when). Either way a term's vote is
+never cast twice by the same identity, nor an acknowledged entry forgotten: the two properties
+Raft's stable storage exists to guarantee. A node without a data directory is a new identity
+on every start that has never voted; its old identity leaves the voter set through an ordinary
+single-server change, or, with a majority of the voters gone at once, only when enough durable
+voters come back (docs/control-plane.md, "Durable voters").
 """
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ from dataclasses import replace
 from typing import Callable
 
 from .config import Profile
+from .durable import HardState
 from .messages import Append, AppendResp, PreVote, PreVoteResp, RaftMsg, Snapshot, Vote, VoteResp
 from .view import View
 
@@ -52,7 +58,7 @@ class Raft:
     leader's first entry; ``None`` repeats the last view."""
 
     def __init__(self, me: str, profile: Profile, rng: random.Random, now: float, *,
-                 first_entry: Callable[[View], View] | None = None) -> None:
+                 first_entry: Callable[[View], View] | None = None, restore: HardState | None = None) -> None:
         self._abstain = False  # do not campaign (the node's own trainer loop is stalled); still votes
         self.me = me
         self.p = profile
@@ -80,6 +86,32 @@ class Raft:
         self._last_leader_contact = -1e9
         self._next_hb = float("inf")
         self._reset_election(now)
+        if restore is not None:
+            self._restore(restore)
+
+    # ------------------------------------------------------------------ durable state
+    def _restore(self, hs: HardState) -> None:
+        """Come back as the voter `hs` describes: its term and vote, its log compacted at what it
+        knew to be committed (already applied: the node does not hand those views out again)."""
+        if hs.voter != self.me:
+            raise ValueError(f"durable state of voter {hs.voter} restored into {self.me}")
+        self.term, self.voted_for = hs.term, hs.vote
+        self.snap_index, self.snap_term, self.snap_view = hs.snap_index, hs.snap_term, hs.snap_view
+        self.log = list(hs.entries)
+        self.commit = self.applied = hs.snap_index
+
+    def hard_key(self) -> tuple[int, str | None, int, int, int, int]:
+        """Changes whenever ``hard_state()`` would: term, vote, commit and the last entry (by the
+        log matching property, equal last (index, term) means an equal log)."""
+        return (self.term, self.voted_for, self.commit, self.snap_index, self.last_index, self.last_term())
+
+    def hard_state(self, replica_id: str) -> HardState:
+        """What must be on disk before any message of this step leaves: term, vote, and the log
+        compacted at the commit index (a few entries: one proposal is in flight at a time)."""
+        c = self.commit
+        return HardState(voter=self.me, replica_id=replica_id, term=self.term, vote=self.voted_for,
+                         snap_index=c, snap_term=self.term_at(c) or 0, snap_view=self.entry(c),
+                         entries=tuple(self.log[c - self.snap_index:]))
 
     # ------------------------------------------------------------------ log helpers
     @property

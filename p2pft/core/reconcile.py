@@ -29,7 +29,7 @@ LEFT_KEEP = 128            # trainers recently left out of a view, carried in th
 def member_entry(node: str, addr: str, meta: Any, role: Role, slot: int | None, since: int) -> Member:
     """A view's entry for a node, from its gossip metadata."""
     return Member(node=node, replica_id=meta.replica_id or node, addr=addr, data_addrs=meta.data_addrs,
-                  role=role, slot=slot, shards=meta.shards, since=since)
+                  role=role, slot=slot, shards=meta.shards, since=since, voter=meta.voter)
 
 
 def canonical(view: View) -> tuple[Any, ...]:
@@ -48,6 +48,11 @@ def held_step(m: GossipMember) -> int:
     'ready' trainer has committed steps since (every commit is gossiped, not every status), so
     its step is the later of the two. A paused one says -1 when it holds no committed state."""
     return max(m.meta.step, m.step) if m.meta.status is Status.READY else m.meta.step
+
+
+def _start(g: Gossip, m: Member) -> tuple[float, str]:
+    gm = g.members.get(m.node)
+    return (gm.meta.start if gm is not None else 0.0, m.node)
 
 
 class ViewPlanner:
@@ -258,14 +263,26 @@ class ViewPlanner:
         return voters
 
     def _voter_target(self, voters: list[str], members: list[Member], now: float) -> list[str] | None:
-        """The next voter set we would like (one server away from ``voters``), or None."""
+        """The next voter set we would like (one server away from ``voters``), or None.
+
+        Voters are named by voter id (``Member.voter_id``): a durable voter's later incarnation
+        holds its old voter id, so a voter counts as present while any member holds it."""
         g = self.gossip
-        in_view = {m.node for m in members}
+        by_voter: dict[str, Member] = {}
+        for m in members:   # the newest incarnation holding a voter id (a restart may overlap its old one)
+            old = by_voter.get(m.voter_id)
+            if old is None or _start(g, m) >= _start(g, old):
+                by_voter[m.voter_id] = m
+        in_view = set(by_voter)
         window = 3 * self.p.heartbeat
 
+        def alive(v: str) -> bool:
+            m = by_voter.get(v)
+            gm = g.members.get(m.node) if m is not None else None
+            return gm is not None and gm.state == ALIVE
+
         def fresh_majority(new: list[str]) -> bool:
-            up = sum(1 for v in new if self.raft.acked_within(v, now, window)
-                     or (v not in voters and v in g.members and g.members[v].state == ALIVE))
+            up = sum(1 for v in new if self.raft.acked_within(v, now, window) or (v not in voters and alive(v)))
             return up * 2 > len(new)
 
         gone = [v for v in voters if v not in in_view]
@@ -275,7 +292,7 @@ class ViewPlanner:
                 if fresh_majority(new):
                     return new
             return None
-        eligible = sorted((m for m in members if g.members.get(m.node) is not None
+        eligible = sorted((m for m in by_voter.values() if g.members.get(m.node) is not None
                            and g.members[m.node].state == ALIVE), key=voter_preference)
         # An odd number of voters, up to max_voters, sized by the whole view (a member that is
         # only suspected still counts, so a brief suspicion does not shrink and regrow the set).
@@ -284,14 +301,14 @@ class ViewPlanner:
             target -= 1
         if len(voters) < target:
             for m in eligible:
-                if m.node not in voters:
-                    new = voters + [m.node]
+                if m.voter_id not in voters:
+                    new = voters + [m.voter_id]
                     return new if fresh_majority(new) else None
         if len(voters) > target:
             # Shrink (e.g. 2 voters of 2 members -> 1): an even set tolerates no more failures
             # than the odd one below it, and losing either of 2 voters would stall for good.
-            order = {m.node: voter_preference(m) for m in members}
-            newest = max((v for v in voters if v != self.me), key=lambda v: order.get(v, (1 << 62, 0, v)),
+            order = {v: voter_preference(m) for v, m in by_voter.items()}
+            newest = max((v for v in voters if v != self.raft.me), key=lambda v: order.get(v, (1 << 62, 0, v)),
                          default=None)
             if newest:
                 new = [v for v in voters if v != newest]

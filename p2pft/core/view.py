@@ -77,6 +77,13 @@ class Member:
     slot: int | None                # data slot of a participant (rank in the data cursor)
     shards: int = 1
     since: int = 0                  # epoch this node entered the views
+    voter: str = ""                 # its Raft identity when not its node id (a durable voter's, kept on disk)
+
+    @property
+    def voter_id(self) -> str:
+        """The name this member has in ``View.voters`` (its node id unless it restored a durable
+        voter identity from its data directory)."""
+        return self.voter or self.node
 
     @property
     def data_addr(self) -> str:
@@ -88,9 +95,12 @@ class Member:
         return shard_addr(self.data_addrs, shard, self.node)
 
     def to_wire(self) -> dict[str, Any]:
-        return {"node": self.node, "replica_id": self.replica_id, "addr": self.addr,
-                "data_addr": ",".join(self.data_addrs), "role": self.role.value, "slot": self.slot,
-                "shards": self.shards, "since": self.since}
+        d = {"node": self.node, "replica_id": self.replica_id, "addr": self.addr,
+             "data_addr": ",".join(self.data_addrs), "role": self.role.value, "slot": self.slot,
+             "shards": self.shards, "since": self.since}
+        if self.voter:
+            d["vo"] = self.voter
+        return d
 
     @classmethod
     def from_wire(cls, d: dict[str, Any]) -> "Member":
@@ -99,7 +109,7 @@ class Member:
         return cls(node=str(d["node"]), replica_id=str(d.get("replica_id", d["node"])), addr=str(d["addr"]),
                    data_addrs=split_addrs(d.get("data_addr", "")), role=Role(d["role"]),
                    slot=None if slot is None else int(slot), shards=int(d.get("shards", 1)),
-                   since=int(d.get("since", 0)))
+                   since=int(d.get("since", 0)), voter=str(d.get("vo", "")))
 
 
 def shard_addr(addrs: Sequence[str], shard: int, who: str = "a member") -> str:
@@ -143,6 +153,15 @@ class View:
 
     def member(self, node: str | None) -> Member | None:
         return self._by_node.get(node) if node is not None else None
+
+    def member_of_voter(self, voter: str | None) -> Member | None:
+        """The member that holds Raft identity `voter` (a durable voter's later incarnation)."""
+        if voter is None:
+            return None
+        m = self._by_node.get(voter)
+        if m is not None and not m.voter:
+            return m
+        return next((m for m in self.members if m.voter == voter), None)
 
     def role_of(self, node: str | None) -> Role | None:
         m = self.member(node)

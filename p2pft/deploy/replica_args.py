@@ -20,6 +20,10 @@ def add_replica_args(p: argparse.ArgumentParser, *, replicas: int, digest_every:
     p.add_argument("--listen", default=os.environ.get("P2PFT_LISTEN", "127.0.0.1:0"), help="env P2PFT_LISTEN")
     p.add_argument("--seeds", default=os.environ.get("P2PFT_SEEDS", ""), help="env P2PFT_SEEDS")
     p.add_argument("--secret-file", default=os.environ.get("P2PFT_SECRET_FILE"))
+    p.add_argument("--data-dir", default=os.environ.get("P2PFT_DATA_DIR") or None,
+                   help="directory that keeps this replica's Raft voter identity, term, vote and log: restarted "
+                        "with the same one, it returns as the same voter, so a majority of voters killed at once "
+                        "heals (env P2PFT_DATA_DIR; default: none)")
     p.add_argument("--model", default="tiny", choices=["tiny", "small"])
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--lr-policy", default="sqrt", choices=["none", "linear", "sqrt"])
@@ -64,5 +68,10 @@ def require_replica_id(p: argparse.ArgumentParser, args: argparse.Namespace) -> 
         args.advertise = ca.advertise
     if not args.replica_id:
         p.error("--replica-id is required (or set P2PFT_REPLICA_ID)")
+    if args.data_dir:
+        # Every example script's Runtime reads $P2PFT_DATA_DIR when not given data_dir (an HSDP
+        # replica's on its rank 0): set from the flag here, it is honoured by all of them.
+        args.data_dir = os.path.abspath(args.data_dir)
+        os.environ["P2PFT_DATA_DIR"] = args.data_dir
     if args.max_participants is not None and args.max_participants < 1:
         p.error(f"--max-participants must be at least 1, got {args.max_participants}")

@@ -24,7 +24,8 @@ def members_report(node: Node, committed_at: float | None) -> dict[str, Any]:
     is the wall time this node got that view."""
     view = node.view
     out: dict[str, Any] = {"node": node.id, "epoch": view.epoch if view else 0, "leader": node.leader,
-                           "committed_at": committed_at, "members": []}
+                           "committed_at": committed_at, "members": [], "voter_id": node.voter_id,
+                           "quorum_lost": quorum_lost_report(node)}
     if view:
         voters = set(view.voters)
         for m in view.members:
@@ -32,8 +33,19 @@ def members_report(node: Node, committed_at: float | None) -> dict[str, Any]:
             out["members"].append({
                 "node": m.node, "replica_id": m.replica_id, "addr": m.addr, "role": m.role.value,
                 "state": state, "step": node.member_step(m.node), "data_addr": ",".join(m.data_addrs),
-                "slot": m.slot, "voter": m.node in voters})
+                "slot": m.slot, "voter": m.voter_id in voters})
         out["data_epoch"] = view.data_epoch
+    return out
+
+
+def quorum_lost_report(node: Node) -> list[dict[str, str]]:
+    """The voters this node has reported unreachable with a majority lost (``Node.quorum_lost``,
+    the ERROR line's list): empty while a majority is reachable."""
+    out = []
+    for v in node.quorum_lost:
+        m = node.view.member_of_voter(v) if node.view is not None else None
+        out.append({"voter": v, "replica_id": m.replica_id if m is not None else v.rsplit(".", 1)[0],
+                    "addr": m.addr if m is not None else ""})
     return out
 
 
@@ -75,4 +87,4 @@ def admin_error(exc: BaseException, peer: str, timeout: float) -> str | None:
         return f"bad answer from {peer}: {exc}"
     return None
 
-__all__ = ["admin_error", "admin_request", "members_report"]
+__all__ = ["admin_error", "admin_request", "members_report", "quorum_lost_report"]

@@ -14,6 +14,10 @@ inbound connections the longest-idle one is closed to make room, idle ones are c
 ``idle_timeout``, and a client that does not read its admin answers for ``drain_timeout`` loses
 its connection; each of these is counted and logged.
 
+A node given a data directory (``data_dir``) is a durable voter: its Raft hard state is loaded
+from there at start and written there (``VoterStore``: atomic replace, fsync) whenever a step
+changed it, before any message of that step is sent or any view published.
+
 A node may advertise an address other than the one it binds (``advertise``: a NAT or, in tests,
 the fault proxy in front of it); when it binds a specific IP, its outgoing connections use that
 IP as their source, so that a proxy can tell the nodes apart by source address.
@@ -38,6 +42,7 @@ from ..ops.observe import Observer
 from ..transport.addr import is_wildcard, join_hostport, parse_hostport, reachable_host
 from ..transport.wire import source_address
 from .admin import members_report
+from .store import VoterStore
 from .aio import Wakeup, read_or_idle
 from .wire import DEFAULT_MAX_FRAME, FrameDecoder, ReplayGuard, WireError, encode
 
@@ -159,7 +164,7 @@ class NodeServer:
 
     def __init__(self, *, listen: str, spec: NodeSpec = NodeSpec(), seeds: list[str] | tuple[str, ...] = (),
                  secret: bytes | None = None, profile: Profile = DEFAULT, limits: ConnLimits = ConnLimits(),
-                 advertise: str | None = None, seed: int | None = None) -> None:
+                 advertise: str | None = None, seed: int | None = None, data_dir: str | None = None) -> None:
         self.listen = listen
         self.host, self.port = parse_hostport(listen, "listen address")
         if advertise:
@@ -170,6 +175,8 @@ class NodeServer:
         self.limits = limits
         self.replay = ReplayGuard(window=limits.replay_window)
         self.spec = spec
+        self.data_dir = data_dir or None
+        self.store: VoterStore | None = None
         self.seeds = list(seeds)
         self.secret = secret
         self.profile = profile
@@ -214,8 +221,20 @@ class NodeServer:
         if self.port == 0:
             self.port = self._server.sockets[0].getsockname()[1]
         self.replay = ReplayGuard(window=self.replay.window)   # the start of this process's table
-        self.node = Node(self.spec, addr=self.addr, seeds=self.seeds, profile=self.profile, rng=self.rng,
-                         now=time.monotonic(), start_stamp=time.time())
+        restore = None
+        try:
+            if self.data_dir:
+                self.store = VoterStore(self.data_dir)
+                restore = self.store.load()
+            self.node = Node(self.spec, addr=self.addr, seeds=self.seeds, profile=self.profile, rng=self.rng,
+                             now=time.monotonic(), start_stamp=time.time(), durable=self.store is not None,
+                             restore=restore)
+        except BaseException:
+            self._server.close()
+            if self.store is not None:
+                self.store.close()
+                self.store = None
+            raise
         self._wake = Wakeup()
         self._timer = asyncio.get_running_loop().create_task(self._timer_loop())
         self._flush()
@@ -242,6 +261,8 @@ class NodeServer:
             self._timer.cancel()
         if self._server:
             self._server.close()
+        if self.store is not None:
+            self.store.close()
         for w in list(self._inbound):
             w.close()
         for p in list(self._peers.values()):
@@ -273,9 +294,23 @@ class NodeServer:
     def _flush(self) -> None:
         """Act on the node's Ready: send its messages, publish its committed views."""
         node = self.node
-        if node is None:
+        if node is None or self.counters["store_failed"]:
             return
         ready = node.ready()
+        if ready.hard_state is not None and self.store is not None:
+            try:
+                self.store.save(ready.hard_state)
+            except OSError as exc:
+                # Sending now could acknowledge a vote or an entry this voter would forget: stop.
+                self.counters["store_failed"] += 1
+                log.critical("cannot write the voter state to %s (%s): this node stops", self.store.path,
+                             exc.strerror or exc)
+                self.closing = True
+                if self._timer:
+                    self._timer.cancel()
+                if self._server:
+                    self._server.close()
+                return
         last: Any = None
         body: dict[str, Any] = {}
         for addr, msg in ready.messages:
@@ -433,7 +468,7 @@ class NodeServer:
 
 def _describe(view: View) -> str:
     voters = set(view.voters)
-    return " ".join(f"{m.replica_id}({m.role.value[0]}{'*' if m.node in voters else ''})" for m in view.members)
+    return " ".join(f"{m.replica_id}({m.role.value[0]}{'*' if m.voter_id in voters else ''})" for m in view.members)
 
 
 def _fmt_peer(peer: Any) -> str:

@@ -50,6 +50,7 @@ class Frame:
     events: list[tuple[float, str]]               # (wall time, text), oldest first
     rejected: dict[str, int] = field(default_factory=dict)
     unreachable: list[str] = field(default_factory=list)   # "r2 10.0.0.5:7300 (named by r0)"
+    quorum_lost: list[str] = field(default_factory=list)   # voters unreachable with a majority lost: "r2 (r2.1a2b3c4d)"
     error: str | None = None                      # the last poll failed (the frame shows the one before)
 
 
@@ -83,7 +84,8 @@ def build_frame(peer: str, report: dict[str, Any], prev: dict[str, Any] | None) 
                  rejected={k: int(v) for k, v in report.get("rejected", {}).items() if v},
                  unreachable=[f"{u.get('replica_id')} {u.get('data_addr')} "
                               f"(named by {', '.join(u.get('named_by', []))})"
-                              for u in report.get("unreachable", [])])
+                              for u in report.get("unreachable", [])],
+                 quorum_lost=[f"{v.get('replica_id')} ({v.get('voter')})" for v in report.get("quorum_lost", [])])
 
 
 def _short(node: str) -> str:
@@ -112,6 +114,11 @@ def _cells(r: MemberRow) -> tuple[str, ...]:
             "yes" if r.voter else "", r.addr)
 
 
+def _quorum_text(f: Frame) -> str:
+    return (f"! majority of voters lost: {', '.join(f.quorum_lost)} unreachable; nothing can be committed until "
+            "enough of them come back")
+
+
 def _catchup_text(c: tuple[str, float, int, int]) -> str:
     rid, secs, step, head = c
     return f"{rid}: joiner for {secs:.1f} s, step {step} (participants at {head})"
@@ -122,6 +129,8 @@ def render_plain(f: Frame) -> str:
     lines = [_header(f)]
     if f.error:
         lines.append(f"! {f.error}")
+    if f.quorum_lost:
+        lines.append(_quorum_text(f))
     rows = [COLUMNS] + [_cells(r) for r in f.members]
     widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
     lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
@@ -152,6 +161,8 @@ def render_rich(f: Frame) -> Any:
     parts: list[Any] = []
     if f.error:
         parts.append(Text(f"! {f.error}", style="bold red"))
+    if f.quorum_lost:
+        parts.append(Text(_quorum_text(f), style="bold red"))
     parts.append(table)
     parts.append(Text("catch-ups: " + ("; ".join(_catchup_text(c) for c in f.catchups) if f.catchups else "none"),
                       style="yellow" if f.catchups else ""))

@@ -6,7 +6,10 @@ what makes thousands of fault schedules useful. Messages go through a msgpack ro
 the wire, so nothing that could not be sent is ever delivered.
 
 Faults: loss, duplication, reordering (random delay), partitions (also one-way), crash and
-restart (a restart is a new node at the same address, as a restarted process is).
+restart (a restart is a new node at the same address, as a restarted process is). A node added
+with ``durable=True`` has a data directory: a virtual disk that keeps what its ``Ready`` said to
+write (``hard_state``, written before its messages leave) across a crash, unless the crash loses
+it (``crash(addr, lose_disk=True)``); its restart restores its voter identity from there.
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ import msgpack
 
 from ..core import codec
 from ..core.config import DEFAULT, Profile
+from ..core.durable import HardState
 from ..core.meta import NodeSpec, Status
 from ..core.node import WITNESS_KIND, Node
 from ..core.view import View
@@ -56,12 +60,35 @@ def view_key(view: View) -> tuple[Any, ...]:
 
 @dataclass
 class InvariantChecker:
-    """Safety: one leader per term; one view per epoch, the same everywhere; epochs grow."""
+    """Safety: one leader per term; one view per epoch, the same everywhere; epochs grow. For
+    durable voters, on every write to their (virtual) disk: a voter's term never goes back and
+    its vote in a term never changes, and what it knew to be committed never shrinks."""
 
     leaders: dict[int, str] = field(default_factory=dict)
     views: dict[int, tuple[Any, ...]] = field(default_factory=dict)
     last_epoch: dict[str, int] = field(default_factory=dict)
     max_epoch: int = 0
+    votes: dict[tuple[str, int], str] = field(default_factory=dict)    # (voter, term) -> the vote cast
+    hard: dict[str, tuple[int, int]] = field(default_factory=dict)     # voter -> (term, committed index) on disk
+
+    def on_hard_state(self, hs: HardState, now: float) -> None:
+        term, commit = self.hard.get(hs.voter, (0, 0))
+        if hs.term < term:
+            raise InvariantViolation(f"t={now:.3f}: voter {hs.voter} wrote term {hs.term} after term {term}")
+        if hs.snap_index < commit:
+            raise InvariantViolation(f"t={now:.3f}: voter {hs.voter} forgot committed entries "
+                                     f"({hs.snap_index} < {commit})")
+        self.hard[hs.voter] = (hs.term, hs.snap_index)
+        if hs.vote is not None:
+            cast = self.votes.setdefault((hs.voter, hs.term), hs.vote)
+            if cast != hs.vote:
+                raise InvariantViolation(f"t={now:.3f}: voter {hs.voter} voted for {cast} and {hs.vote} "
+                                         f"in term {hs.term}")
+        if hs.snap_view is not None:
+            seen = self.views.get(hs.snap_index)
+            if seen is not None and seen != view_key(hs.snap_view):
+                raise InvariantViolation(f"t={now:.3f}: voter {hs.voter} holds another view as committed epoch "
+                                         f"{hs.snap_index}:\n {seen}\n {view_key(hs.snap_view)}")
 
     def on_event(self, ev: SimEvent) -> None:
         node, now = ev.node, ev.now
@@ -102,12 +129,15 @@ class Simulator:
         self._seq = itertools.count()
         self._timer: dict[str, float] = {}
         self._spec: dict[str, dict[str, Any]] = {}
+        self.disk: dict[str, HardState] = {}      # addr -> a durable node's data directory (survives crashes)
+        self.disk_writes: Counter[str] = Counter()
 
     # ------------------------------------------------------------------ cluster
     def add_node(self, addr: str, *, seeds: list[str] | None = None, kind: str = WITNESS_KIND,
-                 replica_id: str | None = None, shards: int = 1, max_participants: int | None = None) -> Node:
+                 replica_id: str | None = None, shards: int = 1, max_participants: int | None = None,
+                 durable: bool = False) -> Node:
         spec = {"seeds": list(seeds or []), "kind": kind, "replica_id": replica_id or addr, "shards": shards,
-                "max_participants": max_participants}
+                "max_participants": max_participants, "durable": durable}
         self._spec[addr] = spec
         return self._start(addr, spec)
 
@@ -116,13 +146,18 @@ class Simulator:
                              shards=spec["shards"], status=Status.FRESH if spec["kind"] != WITNESS_KIND else None,
                              max_participants=spec.get("max_participants")),
                     addr=addr, seeds=spec["seeds"], profile=self.profile,
-                    rng=random.Random(self.rng.getrandbits(64)), now=self.now)
+                    rng=random.Random(self.rng.getrandbits(64)), now=self.now,
+                    durable=bool(spec.get("durable")), restore=self.disk.get(addr) if spec.get("durable") else None)
         self.nodes[addr] = node
         self.crashed.pop(addr, None)
         self._after(addr, node)
         return node
 
-    def crash(self, addr: str) -> None:
+    def crash(self, addr: str, lose_disk: bool = False) -> None:
+        """Kill the node at `addr` (no goodbye). `lose_disk`: its data directory is gone too, so
+        it restarts as a new voter identity."""
+        if lose_disk:
+            self.disk.pop(addr, None)
         node = self.nodes.pop(addr, None)
         if node is not None:
             self.crashed[addr] = self._spec[addr]
@@ -195,6 +230,10 @@ class Simulator:
         """Take the node's Ready: messages onto the virtual network (as msgpack bytes, through
         the codec as on the wire), leader terms and views to the checker."""
         ready = node.ready()
+        if ready.hard_state is not None:   # on "disk" before any message leaves (etcd's rule)
+            self.disk[addr] = ready.hard_state
+            self.disk_writes[addr] += 1
+            self.checker.on_hard_state(ready.hard_state, self.now)
         last: Any = None
         data = b""
         for dst, msg in ready.messages:

@@ -22,6 +22,8 @@ from p2pft.sim.cluster import InvariantViolation, LeaderElected, SimEvent, Simul
 
 N_SCHEDULES = 500          # run in CHUNKS parametrized tests
 CHUNKS = 10
+N_DURABLE = 200            # the same kind of schedules with data directories
+DURABLE_CHUNKS = 4
 LIVENESS_BOUND = 10.0      # virtual seconds from the last heal to a converged view everywhere
 FORM_BOUND = 10.0          # virtual seconds for the initial cluster to converge
 VOTER_SETTLE = 3.0         # virtual seconds for voter changes to follow a converged membership
@@ -53,12 +55,13 @@ def make_plan(seed: int) -> tuple[int, str, list[str], list[tuple[float, str, fl
 
 
 def cut_off(sim: Simulator) -> set[str]:
-    """Live node ids that a partition or one-way block separates from some other node."""
+    """Live voter ids (node ids, unless restored from a data directory) that a partition or
+    one-way block separates from some other node."""
     ids = set()
     for a, b in sim.blocked:
         for x in (a, b):
             if x in sim.nodes:
-                ids.add(sim.nodes[x].id)
+                ids.add(sim.nodes[x].voter_id)
     return ids
 
 
@@ -83,7 +86,7 @@ def dropped_voters(sim: Simulator) -> set[str]:
     for node in sim.nodes.values():
         view = node.raft.last_view()
         if view:
-            out |= set(view.voters) - {m.node for m in view.members}
+            out |= set(view.voters) - {m.voter_id for m in view.members}
     return out
 
 
@@ -92,12 +95,14 @@ def may_crash(sim: Simulator, addr: str) -> bool:
     not cut off by a partition and not about to be dropped. Such voters count as failed: the
     leader may remove one from the voters, and a crash in that window would leave a voter set
     with no live majority, which no protocol with single-server changes can recover from."""
-    victim = sim.nodes[addr].id
-    usable = sim.live_ids() - {victim} - cut_off(sim) - dropped_voters(sim)
+    victim = sim.nodes[addr].voter_id
+    usable = {n.voter_id for n in sim.nodes.values()} - {victim} - cut_off(sim) - dropped_voters(sim)
     return all(len(s & usable) * 2 > len(s) for s in voter_sets(sim))
 
 
-def run_schedule(seed: int, *, trace: bool = False, keep_sim: bool = False) -> Result:
+def run_schedule(seed: int, *, trace: bool = False, keep_sim: bool = False, durable: bool = False) -> Result:
+    """``durable``: every node has a data directory (a restart keeps its voter identity), and a
+    crash loses it with probability 0.3 (the node then comes back as a new voter)."""
     n, start, kinds, plan = make_plan(seed)
     res = Result(seed, plan)
     rng = random.Random(seed * 7919 + 1)
@@ -119,7 +124,7 @@ def run_schedule(seed: int, *, trace: bool = False, keep_sim: bool = False) -> R
     addrs = [f"10.0.0.{i}:7000" for i in range(n)]
     for i, a in enumerate(addrs):
         seeds = ([] if i == 0 else [addrs[0]]) if start == "chain" else addrs
-        sim.add_node(a, seeds=seeds, kind=kinds[i])
+        sim.add_node(a, seeds=seeds, kind=kinds[i], durable=durable)
     sim.run_until(FORM_BOUND, stop=sim.converged)
     if not sim.converged():
         raise AssertionError(f"initial cluster of {n} did not converge within {FORM_BOUND} s")
@@ -131,8 +136,9 @@ def run_schedule(seed: int, *, trace: bool = False, keep_sim: bool = False) -> R
             allowed = sorted(a for a in sim.nodes if may_crash(sim, a))
             if allowed:
                 a = r.choice(allowed)
-                note(f"t={sim.now:.3f} crash {a} ({sim.nodes[a].id})")
-                sim.crash(a)
+                lose = durable and r.random() < 0.3
+                note(f"t={sim.now:.3f} crash {a} ({sim.nodes[a].id}){' losing its data directory' if lose else ''}")
+                sim.crash(a, lose_disk=lose)
         elif kind == "restart" and sim.crashed:
             a = r.choice(sorted(sim.crashed))
             sim.restart(a, seeds=[s for s in addrs if s != a])
@@ -179,9 +185,9 @@ def replay_text(res: Result) -> str:
     return "\n".join(lines)
 
 
-def check_one(seed: int) -> Result:
+def check_one(seed: int, durable: bool = False) -> Result:
     try:
-        res = run_schedule(seed, keep_sim=True)
+        res = run_schedule(seed, keep_sim=True, durable=durable)
     except InvariantViolation as exc:
         partial = Result(seed, make_plan(seed)[3])
         pytest.fail(f"safety violated: {exc}\nseed {seed}, plan {partial.plan}\n"
@@ -238,7 +244,7 @@ def check_chain(res: Result) -> None:
         assert all(m.slot is None for m in members if m.role is WITNESS)
         assert n.view.data_epoch <= n.view.epoch
         voters = set(n.view.voters)
-        assert voters <= {m.node for m in members}, "a voter outside the view"
+        assert voters <= {m.voter_id for m in members}, "a voter outside the view"
         live = len(members)
         assert len(voters) == min(n.p.max_voters, live if live % 2 else live - 1), f"{len(voters)} voters of {live}"
 
@@ -246,6 +252,19 @@ def check_chain(res: Result) -> None:
 @pytest.mark.parametrize("seed", range(10_000, 10_060))
 def test_committed_views_form_one_chain(seed: int) -> None:
     check_chain(check_one(seed))
+
+
+@pytest.mark.parametrize("chunk", range(DURABLE_CHUNKS))
+def test_random_fault_schedules_with_data_directories(chunk: int) -> None:
+    """The same fault schedules with every node durable: restarts keep their voter identity (or
+    lose it with their directory), on top of partitions, one-way blocks, loss, duplication and
+    reordering; the disk writes are checked too (one vote per term, terms and commits never
+    go back), and the views still form one chain."""
+    per = N_DURABLE // DURABLE_CHUNKS
+    for seed in range(20_000 + chunk * per, 20_000 + (chunk + 1) * per):
+        res = check_one(seed, durable=True)
+        if seed % 5 == 0:
+            check_chain(res)
 
 
 def test_the_checker_catches_a_forged_second_view() -> None:
@@ -260,7 +279,7 @@ def test_the_checker_catches_a_forged_second_view() -> None:
 
 
 def main(argv: list[str]) -> int:
-    """Replay one seed: ``python tests/sim/test_safety.py SEED [--trace]``."""
+    """Replay one seed: ``python tests/sim/test_safety.py SEED [--trace] [--durable]``."""
     if not argv or not argv[0].isdigit():
         print(__doc__)
         return 2
@@ -268,7 +287,7 @@ def main(argv: list[str]) -> int:
     n, start, kinds, plan = make_plan(seed)
     print(f"seed {seed}: {n} nodes, start={start}, kinds={kinds}\nplan: {plan}")
     try:
-        res = run_schedule(seed, trace="--trace" in argv, keep_sim=True)
+        res = run_schedule(seed, trace="--trace" in argv, keep_sim=True, durable="--durable" in argv)
     except InvariantViolation as exc:
         print(f"SAFETY VIOLATION: {exc}")
         return 1
