@@ -29,7 +29,8 @@ from .config import DEFAULT, Profile
 from .durable import HardState
 from .gossip.events import GossipEventKind
 from .gossip.swim import Gossip
-from .messages import ALIVE, DEAD, LEFT, SUSPECT, Envelope, GossipMessage, Message, RaftMessage, RaftMsg, Unknown, Update, Updates, ViewDelta, ViewFull, ViewRequest
+from .messages import (ALIVE, DEAD, LEFT, SUSPECT, Envelope, GossipMessage, Message, RaftMessage, RaftMsg, Unknown,
+                       Update, Updates, ViewDelta, ViewFull, ViewRequest)
 from .meta import Kind, NodeSpec, Status
 from .raft import LEADER, Raft
 from .ready import Ready
@@ -256,9 +257,9 @@ class Node:
         restored voter does not campaign while its gossip does not show a majority of its voters
         (it would only be guessing who survived), nor for ``RESTORED_DEFER`` election timeouts
         after it does if a survivor voter (one whose node id is its voter id: it never
-        restarted) is alive among them, or one is not known to its gossip yet; then it does (a survivor whose log is behind cannot win:
-        liveness before preference), and in any case ``RESTORED_DEFER_MAX`` s after its start.
-        It votes all along."""
+        restarted) is alive among them, or one is not known to its gossip yet; then it does (a
+        survivor whose log is behind cannot win: liveness before preference), and in any case
+        ``RESTORED_DEFER_MAX`` s after its start. It votes all along."""
         if self._restored_at is None:
             return False
         if (self.view is not None and self.view.epoch > self._restored_epoch) \

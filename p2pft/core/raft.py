@@ -45,7 +45,8 @@ class RaftRole(str, enum.Enum):
         return self.value
 
 
-FOLLOWER, PRECANDIDATE, CANDIDATE, LEADER = RaftRole.FOLLOWER, RaftRole.PRECANDIDATE, RaftRole.CANDIDATE, RaftRole.LEADER
+FOLLOWER, PRECANDIDATE, CANDIDATE = RaftRole.FOLLOWER, RaftRole.PRECANDIDATE, RaftRole.CANDIDATE
+LEADER = RaftRole.LEADER
 MAX_ENTRIES = 16
 
 
@@ -60,6 +61,7 @@ class Raft:
     def __init__(self, me: str, profile: Profile, rng: random.Random, now: float, *,
                  first_entry: Callable[[View], View] | None = None, restore: HardState | None = None) -> None:
         self._abstain = False  # do not campaign (the node's own trainer loop is stalled); still votes
+        self._election_deadline = 0.0   # set by _reset_election below, before any tick reads it
         self.me = me
         self.p = profile
         self.rng = rng

@@ -124,8 +124,8 @@ def run(plan: Plan, durable: bool = True, trace: bool = False) -> Outcome:
                                                   for v in _views(sim)) and sim.converged())
     before = _views(sim)[0]
     assert before.high_water == STEP and before.target == TARGET, \
-        f"seed {plan.seed}: job state not in the view: "
-        f"{[(v.epoch, v.high_water, v.target, len(v.paused)) for v in _views(sim)]}"
+        (f"seed {plan.seed}: job state not in the view: "
+         f"{[(v.epoch, v.high_water, v.target, len(v.paused)) for v in _views(sim)]}")
     # Steps go on after that view (steps make no view): only gossip carries them, to the witnesses.
     for t in ts:
         sim.call(t, lambda node, now: node.set_step(STEP + 5))
