@@ -218,23 +218,24 @@ class NcclCommunicator(Communicator):
 
     # ------------------------------------------------------------------ init thread
     def _obtain_uid(self, identity: str) -> tuple[bytes, bool]:
-        """The unique id, and whether rank 0 said to use the TCP ring instead (shared device)."""
+        """The unique id, and whether rank 0 said to use the TCP ring instead (shared device).
+        Rank 0 makes the id only once every rank answered (see ncclid): an id starts NCCL's
+        bootstrap root, which lives until every rank has reached it."""
         if self._uid is not None:
             return self._uid, False
         deadline = time.monotonic() + self.connect_timeout
-        use_tcp = False
-        if self.rank == 0:
-            uid = self._make_uid()
-            if len(uid) != UNIQUE_ID_BYTES:
-                raise CommError(f"NCCL unique id of {len(uid)} bytes, expected {UNIQUE_ID_BYTES}")
-            if self._star is not None:
-                use_tcp = self._star.push(uid, deadline, identity, fallback=self._fallback is not None)
+        got: bytes | None
+        if self._star is None:
+            got = self._make_uid()
+            if len(got) != UNIQUE_ID_BYTES:
+                raise CommError(f"NCCL unique id of {len(got)} bytes, expected {UNIQUE_ID_BYTES}")
+        elif self.rank == 0:
+            got = self._star.push(self._make_uid, deadline, identity, fallback=self._fallback is not None)
         else:
-            assert self._star is not None
-            uid, use_tcp = self._star.receive(deadline, deadline + self.connect_timeout, identity)
+            got = self._star.receive(deadline, deadline + self.connect_timeout, identity)
         if self._star is not None:
             self._star.watch()
-        return uid, use_tcp
+        return (got, False) if got is not None else (b"", True)
 
     def _init(self) -> None:
         t0 = time.monotonic()

@@ -3,8 +3,9 @@
 It keeps the API of CuPy's binding (``cupy_backends/cuda/libs/nccl.pyx``) and the behaviour of
 NCCL that p2pft's failure handling depends on:
 
-* ``get_unique_id()`` starts a bootstrap root in the calling process (as ncclGetUniqueId does)
-  and returns its address in 128 bytes: ``bytes`` as CuPy 14 does, or, with
+* ``get_unique_id()`` starts a bootstrap root in the calling process (as ncclGetUniqueId does),
+  a thread and a listening socket that stay until every rank of the id reached it (never, for an
+  id whose init does not run), and returns its address in 128 bytes: ``bytes`` as CuPy 14 does, or, with
   ``$FAKE_CUPY_VERSION=13``, a tuple of C ``char`` values whose signedness is the platform's
   (signed on x86_64, unsigned on aarch64; ``$FAKE_CHAR_SIGNED`` overrides). CuPy 13's
   ``NcclCommunicator`` takes only such a tuple (``TypeError`` for bytes) and converts each item
@@ -108,21 +109,26 @@ def _to_char(v: Any, signed: bool) -> int:
 
 # ---------------------------------------------------------------------------------- bootstrap root
 def _serve_root(listener: socket.socket) -> None:
-    """Collect every rank's (rank, nranks, device identity, data address); answer all at once."""
-    listener.settimeout(600)
+    """Collect every rank's (rank, nranks, device identity, data address); answer all at once.
+
+    Like NCCL's bootstrap root it never gives up: until every rank of the id has reached it, this
+    thread and its listening socket stay, for the life of the process (`live_roots()` counts them).
+    """
     conns: dict[int, tuple[socket.socket, str, str]] = {}
     nranks = None
     try:
         while nranks is None or len(conns) < nranks:
             c, _ = listener.accept()
-            c.settimeout(600)
+            c.settimeout(None)
             rank, n, ident, addr = _recv_obj(c).split("|")
             nranks = int(n)
             conns[int(rank)] = (c, ident, addr)
-    except OSError:
+    except (OSError, EOFError, ValueError):
         return
     finally:
         listener.close()
+        with _roots_lock:
+            _roots.discard(threading.current_thread())
     idents = [conns[r][1] for r in range(nranks)]
     dup = len(set(idents)) != len(idents)
     table = "DUP" if dup else "|".join(conns[r][2] for r in range(nranks))
@@ -132,6 +138,16 @@ def _serve_root(listener: socket.socket) -> None:
         except OSError:
             pass
         c.close()
+
+
+_roots: set[threading.Thread] = set()
+_roots_lock = threading.Lock()
+
+
+def live_roots() -> int:
+    """Bootstrap roots of this process still waiting for their ranks (a test hook)."""
+    with _roots_lock:
+        return len(_roots)
 
 
 def _send_obj(s: socket.socket, text: str) -> None:
@@ -157,7 +173,10 @@ def _recv_exact(s: socket.socket, n: int) -> bytes:
 def get_unique_id() -> Any:
     listener = socket.create_server(("127.0.0.1", 0))
     port = listener.getsockname()[1]
-    threading.Thread(target=_serve_root, args=(listener,), daemon=True, name="fake-nccl-root").start()
+    th = threading.Thread(target=_serve_root, args=(listener,), daemon=True, name="fake-nccl-root")
+    with _roots_lock:
+        _roots.add(th)
+    th.start()
     raw = _MAGIC + struct.pack("<H", port) + os.urandom(NCCL_UNIQUE_ID_BYTES - len(_MAGIC) - 2)
     if _major() >= 14:
         return raw
