@@ -57,6 +57,11 @@ _START_FACTOR = 10.0
 #: shard number of the TCP ring used instead when the ranks share a device (u32 on the wire)
 FALLBACK_SHARD = 1 << 31
 _META = 4   # tag, contribute, count, dtype: what every rank all-gathers before the sum
+#: seconds ncclCommAbort/ncclCommDestroy may take before the process is taken down (see `release_bounded`)
+RELEASE_TIMEOUT_ENV = "P2PFT_NCCL_ABORT_TIMEOUT_S"
+DEFAULT_RELEASE_TIMEOUT_S = 60.0
+#: exit status of a process taken down because releasing an NCCL communicator hung
+EXIT_RELEASE_HUNG = 4
 
 # NCCL data type enum values (nccl.h; the same numbers as cupy.cuda.nccl.NCCL_*).
 _NCCL_DTYPES = {
@@ -94,6 +99,67 @@ def new_nccl_comm(nccl: Any, world: int, uid: bytes, rank: int) -> Any:
         return nccl.NcclCommunicator(world, tuple(b - 256 if b > 127 else b for b in uid), rank)
     except OverflowError:   # unsigned char
         return nccl.NcclCommunicator(world, tuple(uid), rank)
+
+
+def release_timeout() -> float | None:
+    """`$P2PFT_NCCL_ABORT_TIMEOUT_S` (default 60; 0 or "off": never take the process down)."""
+    raw = os.environ.get(RELEASE_TIMEOUT_ENV, "").strip().lower()
+    if raw in ("", "default"):
+        return DEFAULT_RELEASE_TIMEOUT_S
+    if raw in ("0", "off", "none"):
+        return None
+    try:
+        v = float(raw)
+    except ValueError:
+        raise ValueError(f"${RELEASE_TIMEOUT_ENV} must be a number of seconds or 'off', got {raw!r}") from None
+    if not v > 0:
+        raise ValueError(f"${RELEASE_TIMEOUT_ENV} must be > 0 (or 'off'), got {raw!r}")
+    return v
+
+
+def _take_down(what: str, limit: float) -> None:
+    """The release of a communicator hung: this process cannot use its device any more (the
+    stuck kernels are still queued on its streams), so it exits and its replica restarts."""
+    logger.critical("%s has not returned after %g s (a peer process on this node stopped?): taking this "
+                    "process down (exit status %d) so that the replica restarts; set $%s to change the limit",
+                    what, limit, EXIT_RELEASE_HUNG, RELEASE_TIMEOUT_ENV)
+    for h in logging.getLogger().handlers + logger.handlers:
+        try:
+            h.flush()
+        except Exception:  # noqa: BLE001 - exiting anyway
+            pass
+    os._exit(EXIT_RELEASE_HUNG)
+
+
+def release_bounded(comm: Any, how: str, what: str, limit: float | None = None,
+                    on_hung: Callable[[str, float], None] = _take_down) -> threading.Thread:
+    """Run ``comm.abort()`` or ``comm.destroy()`` (`how`) on a thread of its own, watched.
+
+    Real ncclCommAbort and ncclCommDestroy synchronize NCCL's streams and join its proxy
+    thread, which waits for the other ranks on the node (NVIDIA/nccl#829, #863): with a peer
+    process stopped (SIGSTOP, a debugger) they do not return. Called on the training thread
+    they would block it, holding the communicator's lock. So nobody waits for them: the caller
+    has already cleared the handle (no other call can reach the communicator), and a watchdog,
+    like PyTorch's heartbeat monitor, takes the process down when the release is not done
+    within `limit` seconds (`release_timeout()` when None)."""
+    limit = release_timeout() if limit is None else limit
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            getattr(comm, how)()
+        except Exception:  # noqa: BLE001
+            logger.exception("%s failed", what)
+        finally:
+            done.set()
+    th = threading.Thread(target=run, daemon=True, name="p2pft-nccl-release")
+    th.start()
+    if limit is not None:
+        def watch() -> None:
+            if not done.wait(limit):
+                on_hung(what, limit)
+        threading.Thread(target=watch, daemon=True, name="p2pft-nccl-release-watchdog").start()
+    return th
 
 
 class _Buffer:
@@ -188,6 +254,7 @@ class NcclCommunicator(Communicator):
         # possibly stuck, after the host call returned. Only abort releases the communicator then.
         self._unfinished = False
         self._init_error: BaseException | None = None
+        self._released: threading.Thread | None = None   # the thread running abort/destroy, once started
         self._init_done = threading.Event()
         self._init_thread = threading.Thread(target=self._init, daemon=True,
                                              name=f"p2pft-nccl-init-e{epoch}s{shard}r{rank}")
@@ -286,10 +353,7 @@ class NcclCommunicator(Communicator):
             self._init_error = e
         finally:
             if comm is not None:  # failed, aborted or closed while we were initialising: ours alone
-                try:
-                    comm.abort()
-                except Exception:  # noqa: BLE001
-                    logger.exception("ncclCommAbort failed")
+                self._released = release_bounded(comm, "abort", self._what("ncclCommAbort"))
             self._init_done.set()
 
     def _identity(self, api: DeviceApi) -> str:
@@ -341,13 +405,10 @@ class NcclCommunicator(Communicator):
         if self._star is not None:  # tell the others first, then drop the links
             self._star.tell(err)
             self._star.close()
-        with self._nccl_lock:
+        with self._nccl_lock:   # once the handle is cleared no other call can reach the communicator
             comm, self._comm = self._comm, None
-            if comm is not None:
-                try:
-                    comm.abort()  # ncclCommAbort: unblocks kernels stuck on a dead peer
-                except Exception:  # noqa: BLE001
-                    logger.exception("ncclCommAbort failed")
+        if comm is not None:   # ncclCommAbort: unblocks kernels stuck on a dead peer
+            self._released = release_bounded(comm, "abort", self._what("ncclCommAbort"))
         level = logging.INFO if isinstance(err, CommAborted) else logging.WARNING
         logger.log(level, "nccl communicator epoch=%d shard=%d rank=%d failed: %s", self.epoch, self.shard,
                    self.rank, err)
@@ -360,7 +421,7 @@ class NcclCommunicator(Communicator):
         err: CommError | None = None
         with self._nccl_lock:
             comm = self._comm
-            if comm is None:
+            if comm is None or self._failed is not None:   # never enqueue onto a failed or closing one
                 err = self._failed or CommAborted("communicator closed")
             else:
                 try:
@@ -431,8 +492,7 @@ class NcclCommunicator(Communicator):
         stream = api.current_stream(tensor)
         meta = _int64([tag, 1 if contribute else 0, buf.count, buf.dtype], tensor)
         rows_t = _int64([0] * (_META * self.world), tensor)
-        with self._lock:
-            self._inflight += 1
+        self._begin()
         try:
             self._collective(stream, tmo, "the NCCL tag exchange", lambda c: c.allGather(
                 meta.data_ptr(), rows_t.data_ptr(), _META, _NCCL_DTYPES["int64"], stream.handle))
@@ -447,6 +507,16 @@ class NcclCommunicator(Communicator):
             with self._lock:
                 self._inflight -= 1
         return sum(r[1] for r in rows)
+
+    def _begin(self) -> None:
+        """Count an operation in flight, atomically with the check that the communicator is
+        neither failed nor closed: close() decides between destroy and abort from this count,
+        so an operation must not start enqueueing after it looked (destroy would then wait for
+        the kernel for ever)."""
+        with self._lock:
+            if self._failed is not None:
+                raise self._failed
+            self._inflight += 1
 
     def _check_rows(self, rows: list[list[int]], tag: int, buf: _Buffer) -> None:
         for r, (t, _c, n, d) in enumerate(rows):
@@ -473,8 +543,7 @@ class NcclCommunicator(Communicator):
         if self.tcp is not None:
             return self.tcp.broadcast(tensor, root, timeout=timeout)
         stream = api.current_stream(tensor)
-        with self._lock:
-            self._inflight += 1
+        self._begin()
         try:
             self._collective(stream, tmo, "broadcast", lambda c: c.bcast(
                 buf.ptr, buf.count, buf.dtype, root, stream.handle))
@@ -484,6 +553,17 @@ class NcclCommunicator(Communicator):
 
     def abort(self, reason: str) -> None:
         self._fail(CommAborted(f"aborted: {reason}"))
+
+    def _what(self, call: str) -> str:
+        return f"{call} of the NCCL communicator epoch={self.epoch} shard={self.shard} rank={self.rank}"
+
+    def wait_released(self, timeout: float) -> bool:
+        """Whether the NCCL communicator's abort or destroy (if one was started) has returned."""
+        th = self._released
+        if th is None:
+            return True
+        th.join(timeout)
+        return not th.is_alive()
 
     def close(self) -> None:
         """Release the communicator: ncclCommDestroy when it never failed and every collective
@@ -509,11 +589,9 @@ class NcclCommunicator(Communicator):
             self._on_dead(self)
         with self._nccl_lock:
             comm, self._comm = self._comm, None
-            if comm is not None:
-                try:
-                    comm.destroy() if idle else comm.abort()
-                except Exception:  # noqa: BLE001
-                    logger.exception("releasing the NCCL communicator failed")
+        if comm is not None:
+            how = "destroy" if idle else "abort"
+            self._released = release_bounded(comm, how, self._what(f"ncclComm{how.capitalize()}"))
         # The init thread may still be inside ncclCommInitRank (a peer never came): it is a
         # daemon thread and aborts the communicator itself if init ever returns.
         self._init_thread.join(0.1)

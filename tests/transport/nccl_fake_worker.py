@@ -101,6 +101,50 @@ def run(scenario: str, epoch: int, rank: int, ds: DataServer, peers: list[str]) 
                 threading.Thread(target=lambda: (comm.close(), done.set()), daemon=True).start()
                 return result(t0, ok=done.wait(5.0), err=type(e).__name__)
             return result(t0, ok=False, msg="the collective did not fail")
+        elif scenario == "close_race":
+            # close() decides between destroy and abort from the operations in flight. An
+            # allreduce that has passed its checks but not yet counted itself, and a close() slow
+            # between its decision and the release (its on_dead callback), interleave: the
+            # allreduce enqueues onto the closing communicator, and destroy waits for its kernel.
+            if rank == 1:
+                comm.wait_init(20)
+                wait_release(20)    # takes no part: a collective of rank 0 would be stuck
+                return result(t0, ok=True)
+            comm.wait_init(20)
+            from p2pft.transport import nccl as nccl_mod
+            in_window = threading.Event()
+            real_int64 = nccl_mod._int64
+
+            def slow_int64(values: Any, like: Any) -> Any:
+                in_window.set()
+                time.sleep(0.3)
+                return real_int64(values, like)
+            nccl_mod._int64 = slow_int64
+            on_dead = comm._on_dead
+
+            def slow_on_dead(c: Any) -> None:
+                time.sleep(0.6)
+                if on_dead is not None:
+                    on_dead(c)
+            comm._on_dead = slow_on_dead
+            errs: list[BaseException] = []
+
+            def op() -> None:
+                try:
+                    comm.allreduce(torch.ones(8), timeout=30.0)
+                except BaseException as e:  # noqa: BLE001 - reported
+                    errs.append(e)
+            th = threading.Thread(target=op)
+            th.start()
+            in_window.wait(5)
+            t0 = time.monotonic()
+            done = threading.Event()
+            threading.Thread(target=lambda: (comm.close(), done.set()), daemon=True).start()
+            closed = done.wait(5.0)
+            th.join(5)
+            nccl_mod._int64 = real_int64
+            return result(t0, ok=closed and not th.is_alive(), returned_s=round(time.monotonic() - t0, 3),
+                          released=comm.wait_released(5.0), err=type(errs[0]).__name__ if errs else None)
         elif scenario == "slow_first_step":
             fakedevice.DEVICE.slow_kernel(1.5)
             x = torch.full((16,), float(rank + 1))

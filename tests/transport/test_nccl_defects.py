@@ -175,6 +175,43 @@ def test_close_after_a_failure_another_thread_has_not_aborted_yet(ranks: Ranks, 
     assert not violations.exists() or violations.read_text() == "", violations.read_text()
 
 
+def test_close_while_an_allreduce_is_about_to_enqueue(ranks: Ranks, violations: Path) -> None:
+    """close() decided "idle, destroy" before an allreduce that had passed its checks counted
+    itself in flight; the allreduce then enqueued onto the closing communicator, and destroy
+    (which flushes queued work) waited for that kernel for ever. Now an operation counts itself
+    atomically with the check that the communicator is open, and nothing is enqueued once it
+    failed or is closing: the allreduce raises CommAborted and close() returns."""
+    res = ranks.run_released("close_race", {"FAKE_NCCL_VIOLATIONS": str(violations)})[0]
+    assert res["ok"] and res["released"], res
+    assert res["err"] == "CommAborted" and res["returned_s"] < 2.0, res
+    assert not violations.exists() or violations.read_text() == "", violations.read_text()
+
+
+def test_abort_held_up_by_a_stopped_local_peer_is_bounded() -> None:
+    """Real ncclCommAbort waits for the other ranks' processes on the node (its proxy thread),
+    so with a SIGSTOPped peer it does not return; the stand-in's abort does the same. It ran on
+    the training thread, holding the communicator's lock: the survivor's collective never
+    reported its timeout. Now the abort runs on a thread of its own: the survivor gets its
+    CommTimeout within the timeout, and a watchdog (as PyTorch's heartbeat monitor) takes the
+    process down with one CRITICAL line and exit status 4 once the abort has not returned
+    within $P2PFT_NCCL_ABORT_TIMEOUT_S."""
+    pair = Ranks()
+    try:
+        pair.start("kill_after_init", {"P2PFT_NCCL_ABORT_TIMEOUT_S": "2"})
+        for r in range(2):
+            assert pair.line(r, 30) == "inited"
+        pair.procs[1].send_signal(signal.SIGSTOP)
+        res = pair.result(0, 10)
+        assert not res["ok"] and res["err"] == "CommTimeout" and res["s"] < 4.0, res
+        rc = pair.procs[0].wait(10)
+        err = pair.procs[0].stderr.read() if pair.procs[0].stderr else ""
+        pair.procs[1].send_signal(signal.SIGCONT)
+    finally:
+        pair.close()
+    assert rc == 4, (rc, err[-2000:])
+    assert "ncclCommAbort of the NCCL communicator" in err and "taking this process down" in err, err[-2000:]
+
+
 def test_two_ranks_on_one_device_is_one_clear_error(ranks: Ranks) -> None:
     """Defect 4: NCCL refuses two ranks on one GPU at init; the ranks now compare device
     identities during the id hand-off and fail with one error that says so and what to do."""

@@ -21,7 +21,8 @@ NCCL that p2pft's failure handling depends on:
   across ranks hang the same way (NCCL does not check them).
 * ``abort()`` wakes stuck kernels and host calls and sets the handle to 0; later calls raise
   ``ncclInvalidArgument``. ``destroy()`` waits for the queued kernels first (it never returns
-  while one is stuck).
+  while one is stuck). Both then wait, as NCCL's proxy thread does, for every other rank's
+  process on this host that is stopped (SIGSTOP) to run again.
 * A guard records every call made while another call on the same communicator is in progress
   (``abort`` takes 50 ms and ``check_async_error`` 5 ms: race windows widened so that
   unsynchronised calls do overlap),
@@ -170,6 +171,15 @@ def _recv_exact(s: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
+def _stopped(pid: int) -> bool:
+    """Whether process `pid` (on this host) is stopped (SIGSTOP, a debugger)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
+
+
 def get_unique_id() -> Any:
     listener = socket.create_server(("127.0.0.1", 0))
     port = listener.getsockname()[1]
@@ -236,7 +246,7 @@ class NcclCommunicator:
         self._listener.settimeout(_SLICE)
         root_port = struct.unpack_from("<H", raw, len(_MAGIC))[0]
         ident = fakedevice.DEVICE.identity()
-        me = f"127.0.0.1:{self._listener.getsockname()[1]}"
+        me = f"127.0.0.1:{self._listener.getsockname()[1]}@{os.getpid()}"
         deadline = time.monotonic() + 600
         while True:   # the root may not listen yet? it does: it listens before the id exists
             try:
@@ -258,7 +268,8 @@ class NcclCommunicator:
             self._listener.close()
             self._comm = 0
             raise NcclError(ncclInvalidUsage, "Duplicate GPU detected")
-        self._addrs = table.split("|")
+        self._addrs = [a.split("@")[0] for a in table.split("|")]
+        self._pids = [int(a.split("@")[1]) for a in table.split("|")]
         self._connected = False
         if os.environ.get("NCCL_RUNTIME_CONNECT", "1") == "0":
             self._connect()
@@ -478,9 +489,10 @@ class NcclCommunicator:
             return
         self._enter("abort")
         try:
-            self._aborted.set()
+            self._aborted.set()   # NCCL's abort flag: kernels spinning on a peer give up first
             self._close_sockets()
             time.sleep(ABORT_S)   # ncclCommAbort tears down proxies and frees memory: it takes a while
+            self._wait_local_peers()
         finally:
             self._leave("abort")
             self._comm = 0
@@ -494,9 +506,17 @@ class NcclCommunicator:
                 while self._outstanding:
                     self._out_cv.wait(_SLICE)
             self._close_sockets()
+            self._wait_local_peers()
         finally:
             self._leave("destroy")
             self._comm = 0
+
+    def _wait_local_peers(self) -> None:
+        """Abort and destroy join NCCL's proxy thread, which waits for the other ranks on the node
+        (NVIDIA/nccl#829, #863): while a peer process here is stopped (SIGSTOP), they do not
+        return. A dead peer (gone from /proc) holds nothing up."""
+        while any(_stopped(pid) for r, pid in enumerate(getattr(self, "_pids", [])) if r != self.rank):
+            time.sleep(_SLICE)
 
     def _close_sockets(self) -> None:
         for s in list(self._peers.values()) + [self._listener]:
