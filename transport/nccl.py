@@ -9,15 +9,17 @@ What NCCL and CuPy allow, and how this module keeps to it:
 
 * ncclCommInitRank blocks (CuPy offers no non-blocking init): the id hand-off and the init run
   on a helper thread, and the first operation waits at most `timeout`. Since NCCL 2.22 peers are
-  connected by the first collective (``NCCL_RUNTIME_CONNECT=1``), inside the host call, waiting
-  for every peer: so this module sets ``NCCL_RUNTIME_CONNECT=0`` (unless the user set it) and runs
-  a one-element allreduce on the helper thread before the communicator is handed out, so that
-  connecting happens within the bounded init and never on the training thread.
+  connected lazily (``NCCL_RUNTIME_CONNECT=1``), algorithm by algorithm, inside the first host
+  call that uses each, waiting for every peer: so this module sets ``NCCL_RUNTIME_CONNECT=0`` at
+  import (unless the user set it; NCCL reads it once per process, at its first init), and the
+  helper thread runs every kind of collective the communicator uses once before it is handed
+  out, which connects them within the bounded init where NCCL read its parameters earlier.
 * NCCL forbids concurrent calls on one communicator, and CuPy's ``abort()`` clears its handle only
-  after ncclCommAbort returned: every call into the communicator (enqueue, async-error check,
-  abort, destroy) holds one lock per communicator. Calls under it never block for long: the
-  connect happened at init, and destroy is used only when no collective is in flight.
-* ncclCommDestroy waits for queued work: `close()` aborts when a collective may be stuck.
+  after ncclCommAbort returned: every call into the communicator (enqueue, async-error check)
+  holds one lock per communicator, and the handle is cleared under it before abort or destroy.
+* ncclCommAbort and ncclCommDestroy join NCCL's proxy thread, which waits for the node's other
+  ranks (it hangs while one is stopped): they run on a thread of their own, watched
+  (`release_bounded`); destroy only when no collective may be stuck (it waits for queued work).
 * Collectives are enqueued on the caller's current stream (torch's, so they follow the kernels
   that produced the gradients and precede the optimizer's) and polled, so abort() and timeouts
   work. An event recorded just before the collective starts its clock: compute queued ahead of it
@@ -57,6 +59,8 @@ _START_FACTOR = 10.0
 #: shard number of the TCP ring used instead when the ranks share a device (u32 on the wire)
 FALLBACK_SHARD = 1 << 31
 _META = 4   # tag, contribute, count, dtype: what every rank all-gathers before the sum
+#: bytes of the warm-up's large allreduce: large enough for NCCL's ring algorithm, where small ones take the tree
+WARM_RING_BYTES = 4 << 20
 #: seconds ncclCommAbort/ncclCommDestroy may take before the process is taken down (see `release_bounded`)
 RELEASE_TIMEOUT_ENV = "P2PFT_NCCL_ABORT_TIMEOUT_S"
 DEFAULT_RELEASE_TIMEOUT_S = 60.0
@@ -69,6 +73,23 @@ _NCCL_DTYPES = {
     "float16": 6, "float32": 7, "float64": 8, "bfloat16": 9,
 }
 _NCCL_SUM = 0
+
+
+def _nccl_mapped() -> bool:
+    """Whether a libnccl is already loaded in this process (Linux: /proc/self/maps)."""
+    try:
+        with open("/proc/self/maps") as f:
+            return "libnccl" in f.read()
+    except OSError:
+        return False
+
+
+# NCCL reads its parameters once per process, at its first init (param.h), torch's or ours: set
+# the connect mode here, at import, so that it holds for every NCCL communicator of the process
+# (NCCL then connects peers inside ncclCommInitRank, which p2pft runs on a bounded helper thread).
+# Where NCCL was loaded before p2pft (torch's NCCL group first), the warm-up connects instead.
+NCCL_LOADED_BEFORE_P2PFT = _nccl_mapped()
+os.environ.setdefault("NCCL_RUNTIME_CONNECT", "0")
 
 
 def nccl_available() -> bool:
@@ -333,7 +354,7 @@ class NcclCommunicator(Communicator):
         comm = None
         try:
             t_id = time.monotonic()
-            os.environ.setdefault("NCCL_RUNTIME_CONNECT", "0")   # connect inside init, not the first collective
+            os.environ.setdefault("NCCL_RUNTIME_CONNECT", "0")   # (set at import already, unless the user chose)
             api.use_device(self._device)
             nccl = api.nccl()
             comm = new_nccl_comm(nccl, self.world, uid, self.rank)
@@ -364,16 +385,46 @@ class NcclCommunicator(Communicator):
             return ""
 
     def _connect(self, api: DeviceApi, comm: Any) -> None:
-        """A one-element allreduce, so that any lazy connect happens here, on the init thread,
-        before the communicator is published (the caller's wait for init bounds it)."""
+        """Run every kind of collective the communicator uses once, on a stream of its own, on the
+        init thread, before it is published (the caller's wait for init bounds this): with
+        ``NCCL_RUNTIME_CONNECT=0`` in effect NCCL connected everything at init and this only
+        checks the sum; where NCCL read its parameters before p2pft set it (torch's NCCL first
+        in the process, or the user's ``NCCL_RUNTIME_CONNECT=1``) NCCL connects each algorithm
+        inside the first host call that uses it, waiting for every peer with no timeout: here,
+        not on the training thread under the communicator's lock. The result is copied to the host
+        on that stream, not read with ``.item()`` on the default stream (which would wait behind
+        the caller's compute)."""
         import torch
 
         kind = api.accelerator_type
         dev = torch.device(kind, self._device) if kind != "cpu" and self._device is not None else torch.device(kind)
-        one = torch.empty(1, dtype=torch.int64, device=dev)   # no kernel: nothing to wait for on the caller's stream
+        # No kernel on the caller's stream: empty tensors, filled on the warm-up stream.
+        one = torch.empty(1, dtype=torch.int64, device=dev)
+        meta = torch.empty(_META, dtype=torch.int64, device=dev)
+        rows = torch.empty(_META * self.world, dtype=torch.int64, device=dev)
+        big = torch.empty(WARM_RING_BYTES, dtype=torch.uint8, device=dev)
         stream = api.new_stream(one)
-        api.copy_async(one, torch.ones(1, dtype=torch.int64), stream)   # not behind the caller's compute
-        comm.allReduce(one.data_ptr(), one.data_ptr(), 1, _NCCL_DTYPES["int64"], _NCCL_SUM, stream.handle)
+        api.copy_async(one, torch.ones(1, dtype=torch.int64), stream)
+        for t in (meta, big):
+            api.zero_async(t, stream)
+        i64, u8 = _NCCL_DTYPES["int64"], _NCCL_DTYPES["uint8"]
+        calls: list[Callable[[], None]] = [
+            lambda: comm.allGather(meta.data_ptr(), rows.data_ptr(), _META, i64, stream.handle),   # the tag exchange
+            lambda: comm.allReduce(big.data_ptr(), big.data_ptr(), WARM_RING_BYTES, u8, _NCCL_SUM, stream.handle),
+            lambda: comm.bcast(one.data_ptr(), 1, i64, 0, stream.handle),   # every rank holds 1
+            lambda: comm.allReduce(one.data_ptr(), one.data_ptr(), 1, i64, _NCCL_SUM, stream.handle),
+        ]
+        for call in calls:   # one at a time: each connect waits for every peer's matching call
+            call()
+            self._wait_stream(stream, comm)
+        host = torch.empty(1, dtype=torch.int64)   # pageable: a first pinned allocation may synchronize the device
+        api.copy_async(host, one, stream)
+        self._wait_stream(stream, comm)
+        got = int(host[0])
+        if got != self.world:
+            raise CommError(f"NCCL warm-up allreduce gave {got}, expected {self.world}")
+
+    def _wait_stream(self, stream: Stream, comm: Any) -> None:
         checked = time.monotonic()
         while not stream.query():
             if self._failed is not None:
@@ -382,8 +433,6 @@ class NcclCommunicator(Communicator):
                 checked = time.monotonic()
                 comm.check_async_error()
             time.sleep(_POLL_S * 4)
-        if int(one.item()) != self.world:
-            raise CommError(f"NCCL warm-up allreduce gave {int(one.item())}, expected {self.world}")
 
     def wait_init(self, timeout: float) -> bool:
         """Whether init (id hand-off, ncclCommInitRank, connect) finished within `timeout`."""

@@ -11,6 +11,7 @@ One process serves many scenarios, so the suite pays for starting Python and tor
 from __future__ import annotations
 
 import json
+import os
 import sys
 import threading
 import time
@@ -38,6 +39,15 @@ def wait_release(bound: float) -> None:
 
 def run(scenario: str, epoch: int, rank: int, ds: DataServer, peers: list[str]) -> None:
     backend = "nccl-auto" if scenario.endswith("_auto") else "nccl"
+    if os.environ.get("TEST_NCCL_FIRST") == "1":
+        # Another NCCL user (torch's process group) initialised NCCL in this process before
+        # p2pft set NCCL_RUNTIME_CONNECT=0: NCCL read its parameters then, and connects lazily.
+        from cupy.cuda import nccl as fake_nccl
+
+        mode = os.environ.pop("NCCL_RUNTIME_CONNECT", None)
+        fake_nccl._param("NCCL_RUNTIME_CONNECT", "1")
+        if mode is not None:
+            os.environ["NCCL_RUNTIME_CONNECT"] = mode
     comm = ds.communicator(epoch, 0, rank, peers, timeout=2.0, connect_timeout=5.0, backend=backend)
     t0 = time.monotonic()
     try:
@@ -169,8 +179,6 @@ def run(scenario: str, epoch: int, rank: int, ds: DataServer, peers: list[str]) 
 
 
 def main() -> None:
-    import os
-
     rank, world = int(sys.argv[1]), int(sys.argv[2])
     ds = DataServer("127.0.0.1", 0, secret=b"s")
     print(ds.addr, flush=True)

@@ -124,15 +124,24 @@ def test_sum_and_joiner_on_the_stand_in(ranks: Ranks) -> None:
         assert r["x"] == [3.0 * i for i in range(16)], r
 
 
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["kill", "stop"])
-def test_rank_lost_between_init_and_first_collective(sig: int, violations: Path) -> None:
+@pytest.mark.parametrize("sig,nccl_first", [(signal.SIGKILL, False), (signal.SIGSTOP, False),
+                                             (signal.SIGSTOP, True)], ids=["kill", "stop", "stop-nccl-first"])
+def test_rank_lost_between_init_and_first_collective(sig: int, nccl_first: bool, violations: Path) -> None:
     """Defect 1: with lazy connect the first collective connected inside the host call, blocking
     the caller with no timeout (a stopped peer: for ever; a killed one: until an abort from
     another thread freed the communicator under it). Now the connect happens inside the bounded
-    init and the survivor gets a CommError within its timeout, without a concurrent call."""
+    init and the survivor gets a CommError within its timeout, without a concurrent call.
+    nccl-first: NCCL read its parameters before p2pft set NCCL_RUNTIME_CONNECT=0 (torch's NCCL
+    first in the process), so it connects algorithm by algorithm; a warm-up of only a small
+    allreduce (the tree) left the tag exchange's allGather (the ring) to connect inside the
+    training thread's host call. The warm-up now runs every kind of collective the
+    communicator uses."""
     pair = Ranks()
     try:
-        pair.start("kill_after_init", {"FAKE_NCCL_VIOLATIONS": str(violations)})
+        env = {"FAKE_NCCL_VIOLATIONS": str(violations)}
+        if nccl_first:
+            env["TEST_NCCL_FIRST"] = "1"
+        pair.start("kill_after_init", env)
         for r in range(2):
             assert pair.line(r, 30) == "inited"
         pair.procs[1].send_signal(sig)
