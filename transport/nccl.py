@@ -59,6 +59,7 @@ _START_FACTOR = 10.0
 #: shard number of the TCP ring used instead when the ranks share a device (u32 on the wire)
 FALLBACK_SHARD = 1 << 31
 _META = 4   # tag, contribute, count, dtype: what every rank all-gathers before the sum
+_BCAST_TAG = -(1 << 62)   # first word of a broadcast's check row (an allreduce on another rank sees a tag mismatch)
 #: bytes of the warm-up's large allreduce: large enough for NCCL's ring algorithm, where small ones take the tree
 WARM_RING_BYTES = 4 << 20
 #: seconds ncclCommAbort/ncclCommDestroy may take before the process is taken down (see `release_bounded`)
@@ -529,6 +530,7 @@ class NcclCommunicator(Communicator):
         collective is polled (abort, async errors and timeouts work)."""
         api = device_api()
         buf = _Buffer(api, tensor)  # TypeError for a host tensor before anything is enqueued
+        self._check_device(buf)
         tag = int(tag)
         if not -(1 << 63) <= tag < (1 << 63):
             raise ValueError(f"tag {tag} does not fit in 64 bits")
@@ -557,6 +559,13 @@ class NcclCommunicator(Communicator):
                 self._inflight -= 1
         return sum(r[1] for r in rows)
 
+    def _check_device(self, buf: _Buffer) -> None:
+        """NCCL reads the buffer through the communicator's device: memory of another device is
+        an illegal access (or silently another GPU's data over peer access)."""
+        if self._device is not None and buf.index is not None and buf.index != self._device:
+            raise ValueError(f"the tensor is on device {buf.index}, this NCCL communicator on device "
+                             f"{self._device} (build the communicator on the tensor's device)")
+
     def _begin(self) -> None:
         """Count an operation in flight, atomically with the check that the communicator is
         neither failed nor closed: close() decides between destroy and abort from this count,
@@ -581,10 +590,13 @@ class NcclCommunicator(Communicator):
         return self._star.peers[r] if self._star is not None else None
 
     def broadcast(self, tensor: Any, root: int, *, timeout: float | None = None) -> None:
+        """All-gather (root, count, dtype) of every rank and check them (NCCL does not: a
+        mismatch hangs or writes out of bounds), then broadcast on the tensor's current stream."""
         if not 0 <= root < self.world:
             raise ValueError(f"root {root} out of range for world {self.world}")
         api = device_api()
         buf = _Buffer(api, tensor)
+        self._check_device(buf)
         tmo = self.timeout if timeout is None else float(timeout)
         if self._failed is not None:
             raise self._failed
@@ -592,8 +604,20 @@ class NcclCommunicator(Communicator):
         if self.tcp is not None:
             return self.tcp.broadcast(tensor, root, timeout=timeout)
         stream = api.current_stream(tensor)
+        meta = _int64([_BCAST_TAG, root, buf.count, buf.dtype], tensor)
+        rows_t = _int64([0] * (_META * self.world), tensor)
         self._begin()
         try:
+            self._collective(stream, tmo, "the NCCL broadcast check", lambda c: c.allGather(
+                meta.data_ptr(), rows_t.data_ptr(), _META, _NCCL_DTYPES["int64"], stream.handle))
+            flat = rows_t.tolist()
+            for r in range(self.world):
+                t, rt, n, d = flat[_META * r:_META * r + _META]
+                if t != _BCAST_TAG or rt != root or (n, d) != (buf.count, buf.dtype):
+                    raise self._fail(ProtocolMismatch(
+                        f"broadcast mismatch: rank {r} has root {rt}, {n} elements of NCCL type {d} "
+                        f"(tag {t}); this rank root {root}, {buf.count} of type {buf.dtype}",
+                        peer_rank=r, peer_addr=self._peer_addr(r)))
             self._collective(stream, tmo, "broadcast", lambda c: c.bcast(
                 buf.ptr, buf.count, buf.dtype, root, stream.handle))
         finally:

@@ -34,6 +34,8 @@ from .wire import (
 if TYPE_CHECKING:
     import torch
 
+    from .device import Event
+
 __all__ = ["StateSnapshot", "fetch_state", "serve_state_connection"]
 
 logger = logging.getLogger(__name__)
@@ -153,7 +155,8 @@ def serve_state_connection(sock: socket.socket, provider: Callable[[dict], State
 # ---------------------------------------------------------------------------- joiner side
 def fetch_state(addr: str, request: dict, *, secret: bytes | None = None, timeout: float = 60.0,
                 rate_limit_bytes_per_s: float | None = None,
-                into: "Mapping[str, torch.Tensor] | None" = None, source_host: str | None = None) -> StateSnapshot:
+                into: "Mapping[str, torch.Tensor] | None" = None, source_host: str | None = None,
+                after: "Event | None" = None) -> StateSnapshot:
     """Pull a snapshot from the donor at `addr`; every chunk is crc32-checked.
 
     `timeout` bounds connecting and each wait for data (no progress). `into` optionally maps
@@ -163,6 +166,11 @@ def fetch_state(addr: str, request: dict, *, secret: bytes | None = None, timeou
     ``meta["_staging_bytes"]``), never through a full host copy.
     Raises PeerFailed if the donor goes away, CommTimeout if it stalls, ProtocolMismatch on
     corruption or a bad handshake, CommError if the donor has nothing to give.
+    Copies into CUDA `into` tensors run on a stream of their own that first waits for `after`,
+    an event the caller records (`device.written_event`) on the stream that last used those
+    tensors; without it, for the calling thread's current stream, which on a fetch thread is the
+    default stream: behind whatever is queued there (a collective stuck until this very joiner
+    joins it), and not after a side stream that training writes on.
     The connection's source IP is `source_host` (a replica passes its data server's, so that
     peers see the address they know it by; see wire.source_address for when it is used).
     """
@@ -210,8 +218,8 @@ def fetch_state(addr: str, request: dict, *, secret: bytes | None = None, timeou
             else:
                 t = host_empty(torch, dtype, shape)
                 fresh.append(True)
-            if t.device.type == "cuda":
-                pair = pairs.get(t.device) or pairs.setdefault(t.device, PinnedPair(chunk, t.device))
+            if not fresh[-1] and is_device_tensor(t):   # a fresh tensor is host memory (host_empty)
+                pair = pairs.get(t.device) or pairs.setdefault(t.device, PinnedPair(chunk, t.device, after))
                 b: Any = DeviceSink(t, pair)
             else:
                 b = as_flat_buffer(t, reducible=False)

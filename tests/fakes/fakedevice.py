@@ -127,7 +127,8 @@ class FakeDevice:
 
     def __init__(self) -> None:
         self._default: FakeStream | None = None
-        self._current = threading.local()   # like torch's: the current stream is per thread
+        self._current = threading.local()   # like torch's: the current stream and device are per thread
+        self._placed: dict[int, int] = {}      # data_ptr -> device index, for tensors `place`d elsewhere than 0
         self._lock = threading.Lock()
 
     def probe(self) -> tuple[bool, bool, int, str]:
@@ -142,13 +143,20 @@ class FakeDevice:
         return isinstance(t, torch.Tensor) and t.device.type == "cpu"
 
     def current_device(self) -> int | None:
-        return 0
+        return getattr(self._current, "device", 0)
 
     def use_device(self, index: int | None) -> None:
-        pass
+        """Per thread, like cudaSetDevice."""
+        if index is not None:
+            self._current.device = int(index)
 
     def device_index(self, t: Any) -> int | None:
-        return 0
+        return self._placed.get(int(t.data_ptr()), 0)
+
+    def place(self, t: Any, index: int) -> Any:
+        """Test hook: count tensor `t` as memory of device `index` (default: device 0)."""
+        self._placed[int(t.data_ptr())] = int(index)
+        return t
 
     def identity(self, index: int | None = None) -> str:
         return f"fake:{socket.gethostname()}:{os.environ.get('P2PFT_FAKE_GPU') or f'pid{os.getpid()}'}"

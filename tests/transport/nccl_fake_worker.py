@@ -162,6 +162,8 @@ def run(scenario: str, epoch: int, rank: int, ds: DataServer, peers: list[str]) 
             return result(t0, ok=True, n=n, x=x[0].item())
         elif scenario == "mismatch_count":
             comm.allreduce(torch.ones(10 + 2 * rank), timeout=2.0)
+        elif scenario == "bcast_mismatch":
+            comm.broadcast(torch.ones(10 + 2 * rank), 0, timeout=2.0)
         elif scenario in ("sum", "sum_auto"):
             x = torch.arange(16, dtype=torch.float32) * (rank + 1)
             n = comm.allreduce(x, tag=7)

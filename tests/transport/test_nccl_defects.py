@@ -261,6 +261,14 @@ def test_mismatched_counts_are_a_protocol_mismatch(ranks: Ranks) -> None:
         assert r["s"] < 1.5, r
 
 
+def test_mismatched_broadcast_counts_are_a_protocol_mismatch(ranks: Ranks) -> None:
+    """Broadcast counts were not checked either: the ranks hung until their timeout (or the
+    receivers wrote past their buffers). Broadcast now all-gathers (root, count, dtype) first."""
+    for r in ranks.run("bcast_mismatch"):
+        assert not r["ok"] and r["err"] == "ProtocolMismatch" and "broadcast mismatch" in r["msg"], r
+        assert r["s"] < 1.5, r
+
+
 _STAGING = r"""
 import sys, threading, time, torch
 import fakedevice

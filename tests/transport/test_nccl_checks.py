@@ -1,0 +1,88 @@
+"""Small checks of the NCCL path on the CPU stand-in: the buffer's device against the
+communicator's, broadcast counts, and the joiner's device copies ordered by the caller's event."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+OWN_RING_LOOP = True
+FAKES = Path(__file__).resolve().parent.parent / "fakes"
+pytestmark = pytest.mark.slow
+
+
+def _run(script: str, extra: dict[str, str] | None = None) -> str:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(FAKES)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env.update(extra or {})
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout.strip()
+
+
+_DEVICE = r"""
+import torch
+import fakedevice
+from p2pft.transport import DataServer
+
+ds = DataServer("127.0.0.1", 0)
+c = ds.communicator(1, 0, 0, [ds.addr], backend="nccl", device=0, timeout=5.0)
+x = torch.ones(4)
+assert c.allreduce(x) == 1
+out = []
+for op in ("allreduce", "broadcast"):
+    y = fakedevice.DEVICE.place(torch.ones(4), 1)
+    try:
+        c.allreduce(y) if op == "allreduce" else c.broadcast(y, 0)
+        out.append(f"{op}: enqueued")
+    except ValueError as e:
+        out.append("OK" if "device 1" in str(e) and "device 0" in str(e) else f"{op}: {e!r}")
+assert c.failed is None
+c.close()
+ds.close()
+print(" ".join(out))
+"""
+
+
+def test_a_tensor_on_another_device_is_one_clear_error() -> None:
+    """The buffer's device was never compared with the communicator's: NCCL would read another
+    GPU's memory through the wrong device (an illegal access, or silently wrong data over peer
+    access). Now a ValueError names both, before anything is enqueued, and the communicator
+    stays usable."""
+    assert _run(_DEVICE) == "OK OK"
+
+
+_JOINER = r"""
+import time
+import torch
+import fakedevice
+from p2pft.transport import DataServer, StateSnapshot, fetch_state
+from p2pft.transport.device import written_event
+
+dev = fakedevice.DEVICE
+w = torch.full((4096,), 7.0)
+s = DataServer("127.0.0.1", 0)
+s.state_chunk_bytes = 4096
+ready = written_event(w)                 # the donor's state, written before what follows
+s.serve_state(lambda req: StateSnapshot(meta={}, tensors={"w": w}, ready=ready))
+mine = torch.zeros(4096)                 # the joiner's own parameter, last written on the compute stream
+after = written_event(mine)
+dev.slow_kernel(20.0)                    # then a collective stuck until this joiner joins it
+t0 = time.monotonic()
+snap = fetch_state(s.addr, {}, timeout=5.0, into={"w": mine}, after=after)
+took = time.monotonic() - t0
+s.close()
+ok = snap.tensors["w"] is mine and mine.tolist() == [7.0] * 4096 and took < 3.0
+print("OK" if ok else f"took {took:.1f} s, same={snap.tensors['w'] is mine}")
+"""
+
+
+def test_joiner_copies_wait_for_the_callers_event_not_the_default_stream() -> None:
+    """The joiner's copies into its device tensors waited for the fetching thread's current
+    stream (the default stream on a fetch thread), behind a collective stuck until that very
+    joiner joins it. They now wait for the event the caller recorded where it last used them."""
+    assert _run(_JOINER) == "OK"
