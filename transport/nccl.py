@@ -60,6 +60,10 @@ _START_FACTOR = 10.0
 FALLBACK_SHARD = 1 << 31
 _META = 4   # tag, contribute, count, dtype: what every rank all-gathers before the sum
 _BCAST_TAG = -(1 << 62)   # first word of a broadcast's check row (an allreduce on another rank sees a tag mismatch)
+#: what a rank that closes its communicator tells the others (ncclid links), and how long an
+#: operation in flight then has to complete (it may be the last one the closing rank finished)
+_CLOSED_REASON = "closed its communicator"
+_CLOSE_GRACE_S = 2.0
 #: bytes of the warm-up's large allreduce: large enough for NCCL's ring algorithm, where small ones take the tree
 WARM_RING_BYTES = 4 << 20
 #: seconds ncclCommAbort/ncclCommDestroy may take before the process is taken down (see `release_bounded`)
@@ -260,7 +264,7 @@ class NcclCommunicator(Communicator):
         self.unique_id: bytes | None = self._uid
         self.uid_known = threading.Event()
         self._star = (StarLinks(epoch=epoch, shard=shard, rank=rank, peers=list(peers), options=options or RingOptions(),
-                                on_error=self._fail) if uid is None and world > 1 and peers is not None else None)
+                                on_error=self._on_star_error) if uid is None and world > 1 and peers is not None else None)
         self._api: DeviceApi | None = None
         # NCCL binds the communicator to the calling thread's current CUDA device, which is
         # per thread: remember the caller's so the init thread can select it.
@@ -277,6 +281,8 @@ class NcclCommunicator(Communicator):
         self._unfinished = False
         self._init_error: BaseException | None = None
         self._released: threading.Thread | None = None   # the thread running abort/destroy, once started
+        self._peer_closed: CommError | None = None   # a peer closed: fail once the operations in flight ended
+        self._peer_closed_at = 0.0
         self._init_done = threading.Event()
         self._init_thread = threading.Thread(target=self._init, daemon=True,
                                              name=f"p2pft-nccl-init-e{epoch}s{shard}r{rank}")
@@ -322,7 +328,11 @@ class NcclCommunicator(Communicator):
             got = self._star.push(self._make_uid, deadline, identity, fallback=self._fallback is not None)
         else:
             got = self._star.receive(deadline, deadline + self.connect_timeout, identity)
-        if self._star is not None:
+        if self._star is not None and got is None:
+            # The TCP ring carries failures from here (a rank closing its ring after its last
+            # allreduce must not abort a peer still finishing that allreduce).
+            self._star.close()
+        elif self._star is not None:
             self._star.watch()
         return (got, False) if got is not None else (b"", True)
 
@@ -466,6 +476,18 @@ class NcclCommunicator(Communicator):
             self._on_dead(self)
         return err
 
+    def _on_star_error(self, err: CommError) -> None:
+        """A verdict from the id links. A peer that closed its communicator has finished every
+        collective it entered: one this rank is still in may be that last one, and completes;
+        it is failed only once the operations in flight ended, or after a short grace."""
+        if isinstance(err, CommAborted) and err.peer_rank is not None and _CLOSED_REASON in err.reason:
+            with self._lock:
+                if self._inflight > 0 and self._failed is None:
+                    if self._peer_closed is None:
+                        self._peer_closed, self._peer_closed_at = err, time.monotonic()
+                    return
+        self._fail(err)
+
     def _call(self, what: str, fn: Callable[[Any], None]) -> None:
         """One call into the NCCL communicator, under its lock; a failure fails this communicator."""
         err: CommError | None = None
@@ -515,6 +537,9 @@ class NcclCommunicator(Communicator):
                 self._call(what, lambda c: c.check_async_error())
             if started is not None and now - started > timeout:
                 raise self._fail(CommTimeout(f"{what} made no progress within {timeout:g} s"))
+            closed = self._peer_closed
+            if closed is not None and now - self._peer_closed_at > min(timeout, _CLOSE_GRACE_S):
+                raise self._fail(closed)   # not the collective the peer finished before closing
             time.sleep(_POLL_S)
 
     def _collective(self, stream: Stream, timeout: float, what: str, fn: Callable[[Any], None]) -> None:
@@ -555,8 +580,7 @@ class NcclCommunicator(Communicator):
             self._collective(stream, tmo, "allreduce", lambda c: c.allReduce(
                 buf.ptr, buf.ptr, buf.count, buf.dtype, _NCCL_SUM, stream.handle))
         finally:
-            with self._lock:
-                self._inflight -= 1
+            self._end()
         return sum(r[1] for r in rows)
 
     def _check_device(self, buf: _Buffer) -> None:
@@ -574,7 +598,18 @@ class NcclCommunicator(Communicator):
         with self._lock:
             if self._failed is not None:
                 raise self._failed
-            self._inflight += 1
+            closed = self._peer_closed
+            if closed is None:
+                self._inflight += 1
+        if closed is not None:
+            raise self._fail(closed)
+
+    def _end(self) -> None:
+        with self._lock:
+            self._inflight -= 1
+            closed = self._peer_closed if self._inflight == 0 else None
+        if closed is not None:
+            self._fail(closed)
 
     def _check_rows(self, rows: list[list[int]], tag: int, buf: _Buffer) -> None:
         for r, (t, _c, n, d) in enumerate(rows):
@@ -621,8 +656,7 @@ class NcclCommunicator(Communicator):
             self._collective(stream, tmo, "broadcast", lambda c: c.bcast(
                 buf.ptr, buf.count, buf.dtype, root, stream.handle))
         finally:
-            with self._lock:
-                self._inflight -= 1
+            self._end()
 
     def abort(self, reason: str) -> None:
         self._fail(CommAborted(f"aborted: {reason}"))
@@ -656,7 +690,7 @@ class NcclCommunicator(Communicator):
             tcp.close()
         if self._star is not None:
             if first:
-                self._star.tell(CommAborted("closed its communicator"))
+                self._star.tell(CommAborted(_CLOSED_REASON))
             self._star.close()
         if self._on_dead is not None and first:
             self._on_dead(self)

@@ -53,12 +53,18 @@ for c in epoch(1, "nccl-auto"):   # warm: the fallback ring's and the device's t
     c.close()
 base_fd, base_th = fds(), threading.active_count()
 out = {}
+sums = []
 # 1. data epochs under auto on a shared device: every one becomes a TCP ring
 for e in range(2, 22):
     cs = epoch(e, "nccl-auto")
-    out.setdefault("tcp", []).append(all(c.tcp is not None and c.failed is None for c in cs))
-    for c in cs:
-        c.close()
+    xs = [torch.full((64,), float(r + 1)) for r in range(2)]
+    ths = [threading.Thread(target=lambda r=r: sums.append(cs[r].allreduce(xs[r]))) for r in range(2)]
+    [t.start() for t in ths]
+    ths[0].join(10)
+    cs[0].close()            # as a rank moving on to the next data epoch does, the other one maybe not done yet
+    ths[1].join(10)
+    cs[1].close()
+    out.setdefault("tcp", []).append(all(c.tcp is not None for c in cs) and all(x.tolist() == [3.0] * 64 for x in xs))
 # 2. failed hand-offs: rank 1 never opens its communicator
 servers[1].pending_timeout = 0.2
 for e in range(100, 110):
@@ -68,7 +74,7 @@ for e in range(100, 110):
 deadline = time.monotonic() + 5.0
 while time.monotonic() < deadline and (threading.active_count() > base_th + 2 or fds() > base_fd + 2):
     time.sleep(0.05)
-out.update(roots=nccl.live_roots(), fd_growth=fds() - base_fd, thread_growth=threading.active_count() - base_th)
+out.update(sums=sums, roots=nccl.live_roots(), fd_growth=fds() - base_fd, thread_growth=threading.active_count() - base_th)
 for s in servers:
     s.close()
 print(json.dumps(out))
@@ -78,12 +84,15 @@ print(json.dumps(out))
 def test_no_bootstrap_root_left_by_fallbacks_and_failed_handoffs() -> None:
     """20 data epochs under auto on a shared device and 10 hand-offs that fail (rank 1 never
     comes) leave no bootstrap root, no thread and no fd behind: rank 0 makes the id only after
-    every rank acked and no device is shared. Before, each of the 30 left a root for good."""
+    every rank acked and no device is shared. Before, each of the 30 left a root for good.
+    Each fallback epoch sums once, and rank 0 closes as soon as its own sum returned: the id
+    links no longer carry that close to rank 1 (whose ring has its own failure detection), where
+    it aborted the sum rank 1 was still finishing."""
     out = subprocess.run([sys.executable, "-c", _LEAK], capture_output=True, text=True, timeout=120,
-                         env=_env({"P2PFT_FAKE_GPU": "0"}))
+                         env=_env({"P2PFT_FAKE_GPU": "0", "P2PFT_FAKE_COPY_DELAY_S": "0.02"}))
     assert out.returncode == 0, out.stderr[-3000:]
     res = json.loads(out.stdout.strip().splitlines()[-1])
-    assert all(res["tcp"]) and len(res["tcp"]) == 20, res
+    assert all(res["tcp"]) and len(res["tcp"]) == 20 and res["sums"] == [2] * 40, res
     assert res["failed"] == ["CommTimeout"] * 10, res
     assert res["roots"] == 0, res
     assert res["fd_growth"] <= 2 and res["thread_growth"] <= 2, res
