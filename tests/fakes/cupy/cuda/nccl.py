@@ -12,7 +12,7 @@ NCCL that p2pft's failure handling depends on:
   to a C char (``OverflowError`` out of range); CuPy 14's takes only ``bytes`` and a config.
 * ``NcclCommunicator(ndev, commId, rank)`` blocks until all ``ndev`` ranks reached the root
   (rendezvous); two ranks on one device fail all of them with ``ncclInvalidUsage`` ("Duplicate
-  GPU detected"). With ``NCCL_RUNTIME_CONNECT`` unset or 1 (NCCL >= 2.22) peers are connected
+  GPU detected"; unless ``$NCCL_HOSTID`` differs: NCCL then takes them for two hosts). With ``NCCL_RUNTIME_CONNECT`` unset or 1 (NCCL >= 2.22) peers are connected
   algorithm by algorithm (enqueue.cc): the first collective that uses an algorithm (the tree for
   allreduces under `RING_MIN_BYTES`, the ring for larger ones, allGather and bcast) connects it
   *inside the host call*, blocking until every peer has done the same; with 0, every algorithm
@@ -272,7 +272,9 @@ class NcclCommunicator:
         self._listener = socket.create_server(("127.0.0.1", 0))
         self._listener.settimeout(_SLICE)
         root_port = struct.unpack_from("<H", raw, len(_MAGIC))[0]
-        ident = fakedevice.DEVICE.identity()
+        # NCCL compares bus ids of ranks with the same host hash ($NCCL_HOSTID overrides it); the
+        # class's identity, not an instance's: a test that bypasses p2pft's check bypasses only that.
+        ident = f"{_param('NCCL_HOSTID', '')}/{fakedevice.FakeDevice.identity(fakedevice.DEVICE)}"
         me = f"127.0.0.1:{self._listener.getsockname()[1]}@{os.getpid()}"
         deadline = time.monotonic() + 600
         while True:   # the root may not listen yet? it does: it listens before the id exists
