@@ -18,6 +18,7 @@ Selected by p2pft through the ``P2PFT_DEVICE_MODULE`` attribute of the fake ``cu
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import queue
@@ -26,7 +27,7 @@ import socket
 import threading
 import time
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -174,6 +175,16 @@ class FakeDevice:
         """This thread trains on a side stream (None: the default one), as torch.cuda.set_stream
         would: then a wait on the current stream no longer blocks the host."""
         self._current.stream = stream
+
+    @contextlib.contextmanager
+    def use_stream(self, stream: FakeStream) -> Iterator[FakeStream]:
+        """This thread's current stream is `stream` inside the block (torch.cuda.stream's role)."""
+        before = getattr(self._current, "stream", None)
+        self._current.stream = stream
+        try:
+            yield stream
+        finally:
+            self._current.stream = before
 
     def new_stream(self, t: Any = None) -> FakeStream:
         return FakeStream()

@@ -86,3 +86,49 @@ def test_joiner_copies_wait_for_the_callers_event_not_the_default_stream() -> No
     stream (the default stream on a fetch thread), behind a collective stuck until that very
     joiner joins it. They now wait for the event the caller recorded where it last used them."""
     assert _run(_JOINER) == "OK"
+
+
+_SIDE = r"""
+import threading, time
+import torch
+import fakedevice
+from p2pft.transport import DataServer
+from p2pft.transport.device import SideStream, written_event
+
+dev = fakedevice.DEVICE
+ds = DataServer("127.0.0.1", 0)
+c = ds.communicator(1, 0, 0, [ds.addr], backend="nccl", timeout=5.0)
+c.wait_init(10)
+train = dev.new_stream()
+dev.set_current_stream(train)              # training runs on a side stream
+dev.slow_kernel(3.0, dev.default_stream()) # other work keeps the default stream busy
+buf = torch.zeros(4096)
+dev.slow_kernel(0.3, train)                # the pseudo-gradient is written late, on the training stream
+dev.copy_async(buf, torch.full((4096,), 2.0), train)
+ready = written_event(buf)
+side = SideStream(buf)
+took = []
+
+def sync() -> None:                        # DiLoCo's sync thread
+    t0 = time.monotonic()
+    with side.use(after=ready):
+        c.allreduce(buf)
+    took.append(time.monotonic() - t0)
+th = threading.Thread(target=sync)
+th.start()
+th.join(20)
+side.join(buf)                             # the training stream waits for the sum, the host does not
+train.synchronize()
+ok = took and took[0] < 1.5 and buf.tolist() == [2.0] * 4096
+c.close()
+ds.close()
+print("OK" if ok else f"took={took} values={sorted(set(buf.tolist()))}")
+"""
+
+
+def test_a_helper_threads_collective_on_a_side_stream_after_the_owners_event() -> None:
+    """DiLoCo's sync thread enqueued its allreduce on the default stream (a new thread's current
+    stream): behind unrelated work there, and not after the training stream's write of the
+    pseudo-gradient. `SideStream.use(after=...)` runs it on a stream of its own that starts after
+    the owner's event; `join` orders the owner's stream after it."""
+    assert _run(_SIDE) == "OK"
