@@ -132,3 +132,67 @@ def test_a_helper_threads_collective_on_a_side_stream_after_the_owners_event() -
     pseudo-gradient. `SideStream.use(after=...)` runs it on a stream of its own that starts after
     the owner's event; `join` orders the owner's stream after it."""
     assert _run(_SIDE) == "OK"
+
+
+_NOSTAR = r"""
+import sys, time
+import torch
+from p2pft.transport import CommError
+from p2pft.transport.nccl import NcclCommunicator, nccl_unique_id
+
+rank = int(sys.argv[1])
+if rank == 0:
+    uid = nccl_unique_id()
+    print(uid.hex(), flush=True)
+else:
+    uid = bytes.fromhex(sys.stdin.readline().strip())
+c = NcclCommunicator(1, 0, rank, 2, uid, timeout=2.0)   # a given id: no id links to see a death
+assert c.wait_init(30)
+print("inited", flush=True)
+if rank == 1:
+    time.sleep(60)
+sys.stdin.readline()                                    # the test killed rank 1
+t0 = time.monotonic()
+try:
+    c.allreduce(torch.ones(8))
+    print("none", 0.0, flush=True)
+except CommError as e:
+    print(type(e).__name__, round(time.monotonic() - t0, 2), flush=True)
+c.close()
+"""
+
+
+@pytest.mark.parametrize("link", ["p2p", "net"])
+def test_a_dead_peer_is_reported_by_nccl_only_over_the_network(link: str) -> None:
+    """Over P2P/NVLink or shared memory a kernel spinning on a dead peer reports nothing; only
+    the network proxy raises ncclRemoteError. The stand-in used to raise it at once everywhere,
+    which hid that p2pft must see deaths through its own links (or the timeout): here, with no
+    id links (a given id), a death over P2P is a CommTimeout after the 2 s timeout, over the
+    network an error at once."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(FAKES)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    if link == "net":
+        env.update(NCCL_P2P_DISABLE="1", NCCL_SHM_DISABLE="1")
+    procs = [subprocess.Popen([sys.executable, "-c", _NOSTAR, str(r)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env) for r in range(2)]
+    try:
+        assert procs[0].stdout is not None and procs[1].stdin is not None and procs[0].stdin is not None
+        procs[1].stdin.write(procs[0].stdout.readline())
+        procs[1].stdin.flush()
+        assert procs[0].stdout.readline().strip() == "inited"
+        assert procs[1].stdout is not None and procs[1].stdout.readline().strip() == "inited"
+        procs[1].kill()
+        procs[1].wait(10)
+        procs[0].stdin.write("go\n")
+        procs[0].stdin.flush()
+        err, secs = procs[0].stdout.readline().split()
+        procs[0].wait(20)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait(10)
+    if link == "p2p":
+        assert err == "CommTimeout" and 1.9 <= float(secs) < 4.0, (err, secs)
+    else:
+        assert err == "CommError" and float(secs) < 1.0, (err, secs)

@@ -18,8 +18,10 @@ NCCL that p2pft's failure handling depends on:
   *inside the host call*, blocking until every peer has done the same; with 0, every algorithm
   inside init. Like NCCL's parameters, the variable is read once per process, at the first init.
 * Collectives are kernels queued on the caller's stream (the stand-in's streams). A peer's death
-  sets the communicator's async error (``check_async_error`` raises it) and leaves the kernel
-  stuck, as a kernel spinning on a dead peer is, until ``abort()``. Mismatched element counts
+  leaves the kernel stuck, as a kernel spinning on a dead peer is, until ``abort()``; over the
+  network (``NCCL_P2P_DISABLE=1`` and ``NCCL_SHM_DISABLE=1``, or ``NCCL_HOSTID`` set) it also sets
+  the communicator's async error (``check_async_error`` raises it), over P2P/SHM (the default
+  between the stand-in's processes, all on one host) nothing reports it. Mismatched element counts
   across ranks hang the same way (NCCL does not check them).
 * ``abort()`` wakes stuck kernels and host calls and sets the handle to 0; later calls raise
   ``ncclInvalidArgument``. ``destroy()`` waits for the queued kernels first (it never returns
@@ -299,6 +301,11 @@ class NcclCommunicator:
             raise NcclError(ncclInvalidUsage, "Duplicate GPU detected")
         self._addrs = [a.split("@")[0] for a in table.split("|")]
         self._pids = [int(a.split("@")[1]) for a in table.split("|")]
+        # Ranks of one host talk over P2P/NVLink or shared memory unless both are disabled (or
+        # NCCL_HOSTID makes them two hosts): a dead peer then leaves the kernel spinning with no
+        # error at all; over the network the proxy reports ncclRemoteError.
+        self._net = (_param("NCCL_HOSTID", "") != "" or
+                     (_param("NCCL_P2P_DISABLE", "0") == "1" and _param("NCCL_SHM_DISABLE", "0") == "1"))
         if _param("NCCL_RUNTIME_CONNECT", "1") == "0":
             for algo in _ALGOS:
                 self._connect(algo)
@@ -408,7 +415,7 @@ class NcclCommunicator:
                     if not self._write(conns[j], head + payload):
                         return
                 except OSError:
-                    self._async_error = ncclRemoteError
+                    self._peer_lost()
                     return
         th = threading.Thread(target=send_all, daemon=True)
         th.start()
@@ -426,10 +433,14 @@ class NcclCommunicator:
                     return None
                 got[j] = body
             except (OSError, EOFError):
-                self._async_error = ncclRemoteError
+                self._peer_lost()
                 return None
         th.join()
         return got
+
+    def _peer_lost(self) -> None:
+        if self._net:
+            self._async_error = ncclRemoteError
 
     def _launch(self, stream: int, what: str, kernel: Any, algo: str) -> None:
         self._enter(what)
