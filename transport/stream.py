@@ -149,6 +149,8 @@ def serve_state_connection(sock: socket.socket, provider: Callable[[dict], State
     if pairs:
         logger.info("state stream staged device tensors through %d bytes of pinned memory",
                     sum(p.nbytes for p in pairs.values()))
+        for p in pairs.values():
+            p.release()
     logger.info("served state snapshot: %d tensors, %d bytes", len(bufs), sum(b.nbytes for b in bufs))
 
 
@@ -254,6 +256,7 @@ def fetch_state(addr: str, request: dict, *, secret: bytes | None = None, timeou
         if pairs:
             for pair in pairs.values():
                 pair.finish()  # every chunk is on the device before the snapshot is used
+                pair.release()
             meta["_staging_bytes"] = sum(p.nbytes for p in pairs.values())
         return StateSnapshot(meta=meta, tensors=tensors)
     except (socket.timeout, TimeoutError):

@@ -7,6 +7,9 @@
 * copies are a deferred copy engine: each waits a random 0-3 ms before it copies, and reads its
   source when it runs, not when it was queued, so a missing wait between streams corrupts data
   instead of passing by accident;
+* a pinned allocation that torch's caching host allocator cannot serve from freed blocks calls
+  cudaHostAlloc, which synchronizes implicitly: work issued after it, on any stream, runs only
+  after all work issued before it;
 * the default stream stands for the compute stream: torch ops run on the host at once, so a
   `wait(event)` on it blocks the host thread (the host is that stream) as well as queueing the
   wait for later kernels on it.
@@ -92,6 +95,14 @@ class FakeStream:
             pass
 
     def enqueue(self, fn: Callable[[], None]) -> None:
+        before = _barrier()
+        if before:   # issued after a pinned allocation: runs after everything issued before it
+            inner = fn
+
+            def fn() -> None:
+                for ev in before:
+                    ev.synchronize()
+                inner()
         with self._w.cv:
             self._w.pending += 1
         self._w.q.put(fn, timeout=60)
@@ -118,6 +129,32 @@ class FakeStream:
 
 STREAMS: "weakref.WeakValueDictionary[int, FakeStream]" = weakref.WeakValueDictionary()   # by NCCL handle
 ERRORS: list[BaseException] = []
+_BARRIER: list[FakeEvent] = []   # work issued before the last pinned allocation, not all finished yet
+_barrier_lock = threading.Lock()
+
+
+def _barrier() -> list[FakeEvent]:
+    with _barrier_lock:
+        _BARRIER[:] = [e for e in _BARRIER if not e.query()]
+        return list(_BARRIER)
+
+
+_free_pinned: dict[int, int] = {}   # size class -> freed pinned blocks torch's allocator would reuse
+
+
+def _pinned_freed(cls: int) -> None:
+    with _barrier_lock:
+        _free_pinned[cls] = _free_pinned.get(cls, 0) + 1
+
+
+def _implicit_sync() -> None:
+    """CUDA's implicit synchronization (programming guide): commands issued after a page-locked
+    host allocation do not run until every command issued before it, on any stream, finished."""
+    with _barrier_lock:
+        streams = list(STREAMS.values())
+    events = [s.record() for s in streams]
+    with _barrier_lock:
+        _BARRIER.extend(events)
 
 
 class FakeDevice:
@@ -190,7 +227,19 @@ class FakeDevice:
         return FakeStream()
 
     def pinned(self, nbytes: int) -> Any:
-        return torch.empty(nbytes, dtype=torch.uint8)
+        """A page-locked buffer, as torch's caching host allocator gives it: a freed block of the
+        same size class is reused; otherwise cudaHostAlloc runs, which synchronizes implicitly
+        (later work on any stream waits for all earlier work, a stuck collective included)."""
+        cls = 1 << max(0, (nbytes - 1).bit_length())
+        with _barrier_lock:
+            hit = _free_pinned.get(cls, 0) > 0
+            if hit:
+                _free_pinned[cls] -= 1
+        if not hit:
+            _implicit_sync()
+        t = torch.empty(nbytes, dtype=torch.uint8)
+        weakref.finalize(t, _pinned_freed, cls)
+        return t
 
     def copy_async(self, dst: Any, src: Any, stream: Any) -> None:
         delay = random.uniform(0, MAX_COPY_DELAY_S)

@@ -379,11 +379,11 @@ from p2pft.trainer.recent import RecentSteps
 dev = fakedevice.DEVICE
 recent = RecentSteps(keep=2)
 flat = torch.full((4096,), 3.0)          # step 5's reduced buffer, cloned on the training stream
-recent.append(Entry(5, flat, 2, [True, True], ready=written_event(flat)))
-dev.slow_kernel(20.0)                    # the next tag exchange, stuck until the fetching peer joins it
-s = DataServer("127.0.0.1", 0)
+s = DataServer("127.0.0.1", 0)           # as a replica's: serving from its start
 s.state_chunk_bytes = 4096
 s.serve_state(lambda req: recent.serve(5, 6))
+recent.append(Entry(5, flat, 2, [True, True], ready=written_event(flat)))
+dev.slow_kernel(20.0)                    # the next tag exchange, stuck until the fetching peer joins it
 t0 = time.monotonic()
 try:
     snap = fetch_state(s.addr, {}, timeout=3.0)
