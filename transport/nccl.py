@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 import time
 from typing import Any, Callable
@@ -95,6 +96,24 @@ def _nccl_mapped() -> bool:
 # Where NCCL was loaded before p2pft (torch's NCCL group first), the warm-up connects instead.
 NCCL_LOADED_BEFORE_P2PFT = _nccl_mapped()
 os.environ.setdefault("NCCL_RUNTIME_CONNECT", "0")
+
+
+def _eager_connect() -> bool:
+    """Whether NCCL connects every algorithm inside init in this process: the connect mode is 0
+    and was set before NCCL could have read its parameters."""
+    return os.environ.get("NCCL_RUNTIME_CONNECT") == "0" and not NCCL_LOADED_BEFORE_P2PFT
+
+
+def _other_nccl_in_process() -> bool:
+    """Whether torch.distributed runs an NCCL process group in this process (HSDP's FSDP group).
+    NCCL's docs call kernels of two communicators on one device unsafe unless ordered: a warm-up
+    collective of a communicator set up ahead would run beside that group's collectives."""
+    torch = sys.modules.get("torch")
+    try:
+        dist = torch.distributed  # type: ignore[union-attr]
+        return bool(dist.is_available() and dist.is_initialized() and "nccl" in str(dist.get_backend()).lower())
+    except Exception:  # noqa: BLE001 - no torch, no distributed: no other NCCL user we know of
+        return False
 
 
 def nccl_available() -> bool:
@@ -370,8 +389,8 @@ class NcclCommunicator(Communicator):
             nccl = api.nccl()
             comm = new_nccl_comm(nccl, self.world, uid, self.rank)
             t_init = time.monotonic()
-            if self.world > 1:
-                self._connect(api, comm)
+            if self.world > 1 and not (_eager_connect() and _other_nccl_in_process()):
+                self._connect(api, comm)   # else: connected by init, and no kernel beside another NCCL user
             with self._lock:
                 if self._failed is None:
                     with self._nccl_lock:

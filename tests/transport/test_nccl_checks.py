@@ -196,3 +196,53 @@ def test_a_dead_peer_is_reported_by_nccl_only_over_the_network(link: str) -> Non
         assert err == "CommTimeout" and 1.9 <= float(secs) < 4.0, (err, secs)
     else:
         assert err == "CommError" and float(secs) < 1.0, (err, secs)
+
+
+_WARM = r"""
+import sys
+import torch
+from p2pft.transport import nccl as nccl_mod
+from p2pft.transport.nccl import NcclCommunicator, nccl_unique_id
+
+rank, mode = int(sys.argv[1]), sys.argv[2]
+nccl_mod._other_nccl_in_process = lambda: True      # as with torch's NCCL group of an HSDP replica
+if mode == "lazy":
+    nccl_mod.NCCL_LOADED_BEFORE_P2PFT = True        # NCCL may have read its parameters first
+uid = nccl_unique_id() if rank == 0 else bytes.fromhex(sys.stdin.readline().strip())
+if rank == 0:
+    print(uid.hex(), flush=True)
+c = NcclCommunicator(1, 0, rank, 2, uid, timeout=10.0)
+assert c.wait_init(30)
+kernels = c._comm._seq                               # collectives the stand-in ran so far
+x = torch.full((8,), float(rank + 1))
+n = c.allreduce(x)
+print(kernels, n, x[0].item(), flush=True)
+c.close()
+"""
+
+
+@pytest.mark.parametrize("mode", ["eager", "lazy"])
+def test_no_warm_up_kernel_beside_another_nccl_user_when_init_connected(mode: str) -> None:
+    """A communicator set up ahead ran its warm-up collectives on its init thread, beside torch's
+    NCCL group on the same device (NCCL's docs call unordered kernels of two communicators
+    unsafe). Where NCCL connected everything inside init (the connect mode set before NCCL read
+    it) and another NCCL user is in the process, no warm-up kernel runs; where NCCL may connect
+    lazily, the warm-up still runs (connecting inside the bounded init matters more)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(FAKES)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    procs = [subprocess.Popen([sys.executable, "-c", _WARM, str(r), mode], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for r in range(2)]
+    try:
+        assert procs[0].stdout is not None and procs[1].stdin is not None
+        procs[1].stdin.write(procs[0].stdout.readline())
+        procs[1].stdin.flush()
+        outs = [p.communicate(timeout=60) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait(10)
+    for out, err in outs:
+        kernels, n, v = out.split()
+        assert int(n) == 2 and float(v) == 3.0, (out, err[-2000:])
+        assert int(kernels) == (0 if mode == "eager" else 4), (out, err[-2000:])
