@@ -370,8 +370,8 @@ def _pair_env(layout: str, rank: int) -> dict[str, str]:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     if layout == "one_gpu":
         # Two hosts to NCCL (it refuses one GPU twice on one host), talking over sockets.
-        env.update(P2PFT_FAKE_GPU="0", NCCL_HOSTID=f"p2pft-gpu-check-{rank}", NCCL_P2P_DISABLE="1", NCCL_SHM_DISABLE="1",
-                   NCCL_IB_DISABLE="1", NCCL_SOCKET_IFNAME=env.get("NCCL_SOCKET_IFNAME", "lo"))
+        env.update(P2PFT_FAKE_GPU="0", NCCL_HOSTID=f"p2pft-gpu-check-{rank}", NCCL_P2P_DISABLE="1",
+                   NCCL_SHM_DISABLE="1", NCCL_IB_DISABLE="1", NCCL_SOCKET_IFNAME=env.get("NCCL_SOCKET_IFNAME", "lo"))
     return env
 
 
