@@ -115,11 +115,13 @@ class ShardComms:
             return None
         return view.data_epoch, view.data_rank(node), view.shard_addrs(shard)
 
-    def _prepare(self, d: int, rank: int, peers: list[str]) -> None:
+    def _prepare(self, d: int, rank: int, peers: list[str]) -> Any:
+        """The communicator of data epoch `d`, built now; None when it could not be."""
         try:
-            self.get(d, rank, peers)
+            return self.get(d, rank, peers)
         except Exception as exc:  # noqa: BLE001 - the training thread builds it, and reports, itself
             log.debug("communicator of data epoch %d not prepared: %r", d, exc)
+            return None
 
     def prepare_frame(self, view: Any, node: str, world: int, shard: int) -> bytes:
         """Rank 0: what tells rank `shard` to build its communicator of `view`'s data epoch ahead
@@ -238,7 +240,15 @@ class ShardComms:
 
         def build() -> None:
             try:
-                self._prepare(d, rank, peers)
+                comm = self._prepare(d, rank, peers)
+                # The communicator sets itself up on threads of its own (id hand-off, init,
+                # warm-up): the slot is held until that ends, or the set-up failed, so that the
+                # slots bound set-ups in progress, not just the calls that start them.
+                bound = time.monotonic() + 2 * self.connect_timeout + self.comm_timeout
+                wait_init = getattr(comm, "wait_init", None)
+                while wait_init is not None and time.monotonic() < bound and not self._closed.is_set():
+                    if wait_init(0.05) or comm.failed is not None:
+                        break
             finally:
                 self._prepare_slots.release()
         threading.Thread(target=build, daemon=True, name=f"p2pft-prepare-e{d}").start()

@@ -15,15 +15,64 @@ seam's (the CPU, without the stand-in) does the same with plain memory and synch
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Iterator
 
 from .device import Event, Stream, device_api
 
-__all__ = ["DeviceSink", "DeviceSource", "PinnedPair", "is_device_tensor", "iter_chunks"]
+__all__ = ["DeviceSink", "DeviceSource", "PinnedPair", "give_pinned", "is_device_tensor", "iter_chunks",
+           "prime_pinned", "take_pinned"]
 
 
 def is_device_tensor(t: Any) -> bool:
     return device_api().is_device_tensor(t)
+
+
+#: pinned buffers kept per size for reuse; allocating one synchronizes the device implicitly
+POOL_CAP = 8
+_pool: dict[int, list[Any]] = {}
+_pool_lock = threading.Lock()
+
+
+def take_pinned(api: Any, nbytes: int) -> Any:
+    """A pinned host buffer of `nbytes`: one kept from earlier, else a new one."""
+    with _pool_lock:
+        free = _pool.get(nbytes)
+        if free:
+            return free.pop()
+    return api.pinned(nbytes)
+
+
+def give_pinned(buf: Any) -> None:
+    """Keep `buf` (no copy may still use it) for the next `take_pinned` of its size."""
+    with _pool_lock:
+        free = _pool.setdefault(int(buf.numel()), [])
+        if len(free) < POOL_CAP:
+            free.append(buf)
+
+
+def prime_pinned(nbytes: int, count: int) -> int:
+    """Allocate pinned buffers ahead, while nothing is queued that could be stuck.
+
+    A page-locked allocation synchronizes implicitly (CUDA programming guide, "Implicit
+    Synchronization"): commands issued after it, on any stream, wait for every command issued
+    before it. A donor that allocated its staging buffers while a collective was stuck on its
+    compute stream (waiting for the very joiner it serves) waited for that collective. Returns
+    the buffers of that size now kept; 0 where there is no device."""
+    try:
+        api = device_api()
+        if api.name == "cuda":
+            import torch
+            if not torch.cuda.is_available():
+                return 0
+        with _pool_lock:
+            have = len(_pool.get(nbytes, []))
+        for _ in range(max(0, min(count, POOL_CAP) - have)):
+            give_pinned(api.pinned(nbytes))
+    except Exception:  # noqa: BLE001 - no device backend here: nothing to prime
+        return 0
+    with _pool_lock:
+        return len(_pool.get(nbytes, []))
 
 
 class PinnedPair:
@@ -45,7 +94,7 @@ class PinnedPair:
         probe = torch.empty(0, device=self.device)
         self.api = api if api.is_device_tensor(probe) else None
         if self.api is not None:
-            self.slots = [self.api.pinned(chunk) for _ in range(2)]
+            self.slots = [take_pinned(self.api, chunk) for _ in range(2)]
             self.stream: Stream | None = self.api.new_stream(probe)
             self.stream.wait(after if after is not None else self.api.current_stream(probe).record())
         else:
@@ -74,6 +123,14 @@ class PinnedPair:
     def finish(self) -> None:
         if self.stream is not None:
             self.stream.synchronize()
+
+    def release(self) -> None:
+        """Give the slots back for reuse, if no copy still uses them (else they are dropped)."""
+        if self.api is None or self.stream is None or not self.slots or not self.stream.query():
+            return
+        for b in self.slots:
+            give_pinned(b)
+        self.slots = []
 
 
 class DeviceSource:

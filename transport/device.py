@@ -14,14 +14,15 @@ small surface to the transport; the NCCL module gets the raw stream handle (`Str
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import sys
 import threading
-from typing import Any, Protocol
+from typing import Any, Iterator, Protocol
 
-__all__ = ["ENV_DEVICE_MODULE", "CudaDevice", "DeviceApi", "Event", "Stream", "device_api", "reset_device_api",
-           "written_event"]
+__all__ = ["ENV_DEVICE_MODULE", "CudaDevice", "DeviceApi", "Event", "SideStream", "Stream", "device_api",
+           "reset_device_api", "written_event"]
 
 ENV_DEVICE_MODULE = "P2PFT_DEVICE_MODULE"
 
@@ -62,6 +63,7 @@ class DeviceApi(Protocol):
     def pinned(self, nbytes: int) -> Any: ...                # a uint8 host tensor the copy engine can read/write
     def copy_async(self, dst: Any, src: Any, stream: Stream) -> None: ...
     def zero_async(self, t: Any, stream: Stream) -> None: ...
+    def use_stream(self, stream: Stream) -> contextlib.AbstractContextManager[Any]: ...   # current stream of this thread
 
 
 class _CudaEvent:
@@ -198,6 +200,12 @@ class CudaDevice:
         with torch.cuda.stream(stream.raw):
             t.zero_()
 
+    def use_stream(self, stream: Stream) -> contextlib.AbstractContextManager[Any]:
+        import torch
+
+        assert isinstance(stream, _CudaStream)
+        return torch.cuda.stream(stream.raw)
+
 
 _lock = threading.Lock()
 _api: DeviceApi | None = None
@@ -238,3 +246,40 @@ def written_event(t: Any) -> Event | None:
     tensor."""
     api = device_api()
     return api.current_stream(t).record() if api.is_device_tensor(t) else None
+
+
+class SideStream:
+    """A stream of its own for device work a helper thread enqueues for its owner, e.g. DiLoCo's
+    sync thread reducing a pseudo-gradient while inner steps go on.
+
+    A new thread's current stream is the default one: collectives it enqueues there serialize
+    with training (the legacy default stream waits for every other stream) or, when training runs
+    on a side stream, do not wait for the kernels that wrote their input. Inside `use(after)` the
+    thread's current stream is this one, started after `after` (the event the owner recorded once
+    the input was written, `written_event`); `join(t)` makes the owner's stream of `t` wait for
+    what was enqueued inside `use`, without blocking the host. For a host tensor both do nothing.
+    """
+
+    def __init__(self, like: Any) -> None:
+        self.api = device_api()
+        self.stream: Stream | None = self.api.new_stream(like) if self.api.is_device_tensor(like) else None
+        self._done: Event | None = None
+
+    @contextlib.contextmanager
+    def use(self, after: Event | None = None) -> Iterator[Stream | None]:
+        if self.stream is None:
+            yield None
+            return
+        if after is not None:
+            self.stream.wait(after)
+        try:
+            with self.api.use_stream(self.stream):
+                yield self.stream
+        finally:
+            self._done = self.stream.record()
+
+    def join(self, t: Any) -> None:
+        """The current stream of `t` (the calling thread's) waits for the work done inside `use`."""
+        done = self._done
+        if done is not None and self.api.is_device_tensor(t):
+            self.api.current_stream(t).wait(done)

@@ -9,15 +9,17 @@ What NCCL and CuPy allow, and how this module keeps to it:
 
 * ncclCommInitRank blocks (CuPy offers no non-blocking init): the id hand-off and the init run
   on a helper thread, and the first operation waits at most `timeout`. Since NCCL 2.22 peers are
-  connected by the first collective (``NCCL_RUNTIME_CONNECT=1``), inside the host call, waiting
-  for every peer: so this module sets ``NCCL_RUNTIME_CONNECT=0`` (unless the user set it) and runs
-  a one-element allreduce on the helper thread before the communicator is handed out, so that
-  connecting happens within the bounded init and never on the training thread.
+  connected lazily (``NCCL_RUNTIME_CONNECT=1``), algorithm by algorithm, inside the first host
+  call that uses each, waiting for every peer: so this module sets ``NCCL_RUNTIME_CONNECT=0`` at
+  import (unless the user set it; NCCL reads it once per process, at its first init), and the
+  helper thread runs every kind of collective the communicator uses once before it is handed
+  out, which connects them within the bounded init where NCCL read its parameters earlier.
 * NCCL forbids concurrent calls on one communicator, and CuPy's ``abort()`` clears its handle only
-  after ncclCommAbort returned: every call into the communicator (enqueue, async-error check,
-  abort, destroy) holds one lock per communicator. Calls under it never block for long: the
-  connect happened at init, and destroy is used only when no collective is in flight.
-* ncclCommDestroy waits for queued work: `close()` aborts when a collective may be stuck.
+  after ncclCommAbort returned: every call into the communicator (enqueue, async-error check)
+  holds one lock per communicator, and the handle is cleared under it before abort or destroy.
+* ncclCommAbort and ncclCommDestroy join NCCL's proxy thread, which waits for the node's other
+  ranks (it hangs while one is stopped): they run on a thread of their own, watched
+  (`release_bounded`); destroy only when no collective may be stuck (it waits for queued work).
 * Collectives are enqueued on the caller's current stream (torch's, so they follow the kernels
   that produced the gradients and precede the optimizer's) and polled, so abort() and timeouts
   work. An event recorded just before the collective starts its clock: compute queued ahead of it
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 import time
 from typing import Any, Callable
@@ -57,6 +60,18 @@ _START_FACTOR = 10.0
 #: shard number of the TCP ring used instead when the ranks share a device (u32 on the wire)
 FALLBACK_SHARD = 1 << 31
 _META = 4   # tag, contribute, count, dtype: what every rank all-gathers before the sum
+_BCAST_TAG = -(1 << 62)   # first word of a broadcast's check row (an allreduce on another rank sees a tag mismatch)
+#: what a rank that closes its communicator tells the others (ncclid links), and how long an
+#: operation in flight then has to complete (it may be the last one the closing rank finished)
+_CLOSED_REASON = "closed its communicator"
+_CLOSE_GRACE_S = 2.0
+#: bytes of the warm-up's large allreduce: large enough for NCCL's ring algorithm, where small ones take the tree
+WARM_RING_BYTES = 4 << 20
+#: seconds ncclCommAbort/ncclCommDestroy may take before the process is taken down (see `release_bounded`)
+RELEASE_TIMEOUT_ENV = "P2PFT_NCCL_ABORT_TIMEOUT_S"
+DEFAULT_RELEASE_TIMEOUT_S = 60.0
+#: exit status of a process taken down because releasing an NCCL communicator hung
+EXIT_RELEASE_HUNG = 4
 
 # NCCL data type enum values (nccl.h; the same numbers as cupy.cuda.nccl.NCCL_*).
 _NCCL_DTYPES = {
@@ -64,6 +79,41 @@ _NCCL_DTYPES = {
     "float16": 6, "float32": 7, "float64": 8, "bfloat16": 9,
 }
 _NCCL_SUM = 0
+
+
+def _nccl_mapped() -> bool:
+    """Whether a libnccl is already loaded in this process (Linux: /proc/self/maps)."""
+    try:
+        with open("/proc/self/maps") as f:
+            return "libnccl" in f.read()
+    except OSError:
+        return False
+
+
+# NCCL reads its parameters once per process, at its first init (param.h), torch's or ours: set
+# the connect mode here, at import, so that it holds for every NCCL communicator of the process
+# (NCCL then connects peers inside ncclCommInitRank, which p2pft runs on a bounded helper thread).
+# Where NCCL was loaded before p2pft (torch's NCCL group first), the warm-up connects instead.
+NCCL_LOADED_BEFORE_P2PFT = _nccl_mapped()
+os.environ.setdefault("NCCL_RUNTIME_CONNECT", "0")
+
+
+def _eager_connect() -> bool:
+    """Whether NCCL connects every algorithm inside init in this process: the connect mode is 0
+    and was set before NCCL could have read its parameters."""
+    return os.environ.get("NCCL_RUNTIME_CONNECT") == "0" and not NCCL_LOADED_BEFORE_P2PFT
+
+
+def _other_nccl_in_process() -> bool:
+    """Whether torch.distributed runs an NCCL process group in this process (HSDP's FSDP group).
+    NCCL's docs call kernels of two communicators on one device unsafe unless ordered: a warm-up
+    collective of a communicator set up ahead would run beside that group's collectives."""
+    torch = sys.modules.get("torch")
+    try:
+        dist = torch.distributed  # type: ignore[union-attr]
+        return bool(dist.is_available() and dist.is_initialized() and "nccl" in str(dist.get_backend()).lower())
+    except Exception:  # noqa: BLE001 - no torch, no distributed: no other NCCL user we know of
+        return False
 
 
 def nccl_available() -> bool:
@@ -94,6 +144,67 @@ def new_nccl_comm(nccl: Any, world: int, uid: bytes, rank: int) -> Any:
         return nccl.NcclCommunicator(world, tuple(b - 256 if b > 127 else b for b in uid), rank)
     except OverflowError:   # unsigned char
         return nccl.NcclCommunicator(world, tuple(uid), rank)
+
+
+def release_timeout() -> float | None:
+    """`$P2PFT_NCCL_ABORT_TIMEOUT_S` (default 60; 0 or "off": never take the process down)."""
+    raw = os.environ.get(RELEASE_TIMEOUT_ENV, "").strip().lower()
+    if raw in ("", "default"):
+        return DEFAULT_RELEASE_TIMEOUT_S
+    if raw in ("0", "off", "none"):
+        return None
+    try:
+        v = float(raw)
+    except ValueError:
+        raise ValueError(f"${RELEASE_TIMEOUT_ENV} must be a number of seconds or 'off', got {raw!r}") from None
+    if not v > 0:
+        raise ValueError(f"${RELEASE_TIMEOUT_ENV} must be > 0 (or 'off'), got {raw!r}")
+    return v
+
+
+def _take_down(what: str, limit: float) -> None:
+    """The release of a communicator hung: this process cannot use its device any more (the
+    stuck kernels are still queued on its streams), so it exits and its replica restarts."""
+    logger.critical("%s has not returned after %g s (a peer process on this node stopped?): taking this "
+                    "process down (exit status %d) so that the replica restarts; set $%s to change the limit",
+                    what, limit, EXIT_RELEASE_HUNG, RELEASE_TIMEOUT_ENV)
+    for h in logging.getLogger().handlers + logger.handlers:
+        try:
+            h.flush()
+        except Exception:  # noqa: BLE001 - exiting anyway
+            pass
+    os._exit(EXIT_RELEASE_HUNG)
+
+
+def release_bounded(comm: Any, how: str, what: str, limit: float | None = None,
+                    on_hung: Callable[[str, float], None] = _take_down) -> threading.Thread:
+    """Run ``comm.abort()`` or ``comm.destroy()`` (`how`) on a thread of its own, watched.
+
+    Real ncclCommAbort and ncclCommDestroy synchronize NCCL's streams and join its proxy
+    thread, which waits for the other ranks on the node (NVIDIA/nccl#829, #863): with a peer
+    process stopped (SIGSTOP, a debugger) they do not return. Called on the training thread
+    they would block it, holding the communicator's lock. So nobody waits for them: the caller
+    has already cleared the handle (no other call can reach the communicator), and a watchdog,
+    like PyTorch's heartbeat monitor, takes the process down when the release is not done
+    within `limit` seconds (`release_timeout()` when None)."""
+    limit = release_timeout() if limit is None else limit
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            getattr(comm, how)()
+        except Exception:  # noqa: BLE001
+            logger.exception("%s failed", what)
+        finally:
+            done.set()
+    th = threading.Thread(target=run, daemon=True, name="p2pft-nccl-release")
+    th.start()
+    if limit is not None:
+        def watch() -> None:
+            if not done.wait(limit):
+                on_hung(what, limit)
+        threading.Thread(target=watch, daemon=True, name="p2pft-nccl-release-watchdog").start()
+    return th
 
 
 class _Buffer:
@@ -172,7 +283,7 @@ class NcclCommunicator(Communicator):
         self.unique_id: bytes | None = self._uid
         self.uid_known = threading.Event()
         self._star = (StarLinks(epoch=epoch, shard=shard, rank=rank, peers=list(peers), options=options or RingOptions(),
-                                on_error=self._fail) if uid is None and world > 1 and peers is not None else None)
+                                on_error=self._on_star_error) if uid is None and world > 1 and peers is not None else None)
         self._api: DeviceApi | None = None
         # NCCL binds the communicator to the calling thread's current CUDA device, which is
         # per thread: remember the caller's so the init thread can select it.
@@ -188,6 +299,9 @@ class NcclCommunicator(Communicator):
         # possibly stuck, after the host call returned. Only abort releases the communicator then.
         self._unfinished = False
         self._init_error: BaseException | None = None
+        self._released: threading.Thread | None = None   # the thread running abort/destroy, once started
+        self._peer_closed: CommError | None = None   # a peer closed: fail once the operations in flight ended
+        self._peer_closed_at = 0.0
         self._init_done = threading.Event()
         self._init_thread = threading.Thread(target=self._init, daemon=True,
                                              name=f"p2pft-nccl-init-e{epoch}s{shard}r{rank}")
@@ -218,23 +332,28 @@ class NcclCommunicator(Communicator):
 
     # ------------------------------------------------------------------ init thread
     def _obtain_uid(self, identity: str) -> tuple[bytes, bool]:
-        """The unique id, and whether rank 0 said to use the TCP ring instead (shared device)."""
+        """The unique id, and whether rank 0 said to use the TCP ring instead (shared device).
+        Rank 0 makes the id only once every rank answered (see ncclid): an id starts NCCL's
+        bootstrap root, which lives until every rank has reached it."""
         if self._uid is not None:
             return self._uid, False
         deadline = time.monotonic() + self.connect_timeout
-        use_tcp = False
-        if self.rank == 0:
-            uid = self._make_uid()
-            if len(uid) != UNIQUE_ID_BYTES:
-                raise CommError(f"NCCL unique id of {len(uid)} bytes, expected {UNIQUE_ID_BYTES}")
-            if self._star is not None:
-                use_tcp = self._star.push(uid, deadline, identity, fallback=self._fallback is not None)
+        got: bytes | None
+        if self._star is None:
+            got = self._make_uid()
+            if len(got) != UNIQUE_ID_BYTES:
+                raise CommError(f"NCCL unique id of {len(got)} bytes, expected {UNIQUE_ID_BYTES}")
+        elif self.rank == 0:
+            got = self._star.push(self._make_uid, deadline, identity, fallback=self._fallback is not None)
         else:
-            assert self._star is not None
-            uid, use_tcp = self._star.receive(deadline, deadline + self.connect_timeout, identity)
-        if self._star is not None:
+            got = self._star.receive(deadline, deadline + self.connect_timeout, identity)
+        if self._star is not None and got is None:
+            # The TCP ring carries failures from here (a rank closing its ring after its last
+            # allreduce must not abort a peer still finishing that allreduce).
+            self._star.close()
+        elif self._star is not None:
             self._star.watch()
-        return uid, use_tcp
+        return (got, False) if got is not None else (b"", True)
 
     def _init(self) -> None:
         t0 = time.monotonic()
@@ -265,13 +384,13 @@ class NcclCommunicator(Communicator):
         comm = None
         try:
             t_id = time.monotonic()
-            os.environ.setdefault("NCCL_RUNTIME_CONNECT", "0")   # connect inside init, not the first collective
+            os.environ.setdefault("NCCL_RUNTIME_CONNECT", "0")   # (set at import already, unless the user chose)
             api.use_device(self._device)
             nccl = api.nccl()
             comm = new_nccl_comm(nccl, self.world, uid, self.rank)
             t_init = time.monotonic()
-            if self.world > 1:
-                self._connect(api, comm)
+            if self.world > 1 and not (_eager_connect() and _other_nccl_in_process()):
+                self._connect(api, comm)   # else: connected by init, and no kernel beside another NCCL user
             with self._lock:
                 if self._failed is None:
                     with self._nccl_lock:
@@ -285,10 +404,7 @@ class NcclCommunicator(Communicator):
             self._init_error = e
         finally:
             if comm is not None:  # failed, aborted or closed while we were initialising: ours alone
-                try:
-                    comm.abort()
-                except Exception:  # noqa: BLE001
-                    logger.exception("ncclCommAbort failed")
+                self._released = release_bounded(comm, "abort", self._what("ncclCommAbort"))
             self._init_done.set()
 
     def _identity(self, api: DeviceApi) -> str:
@@ -299,16 +415,46 @@ class NcclCommunicator(Communicator):
             return ""
 
     def _connect(self, api: DeviceApi, comm: Any) -> None:
-        """A one-element allreduce, so that any lazy connect happens here, on the init thread,
-        before the communicator is published (the caller's wait for init bounds it)."""
+        """Run every kind of collective the communicator uses once, on a stream of its own, on the
+        init thread, before it is published (the caller's wait for init bounds this): with
+        ``NCCL_RUNTIME_CONNECT=0`` in effect NCCL connected everything at init and this only
+        checks the sum; where NCCL read its parameters before p2pft set it (torch's NCCL first
+        in the process, or the user's ``NCCL_RUNTIME_CONNECT=1``) NCCL connects each algorithm
+        inside the first host call that uses it, waiting for every peer with no timeout: here,
+        not on the training thread under the communicator's lock. The result is copied to the host
+        on that stream, not read with ``.item()`` on the default stream (which would wait behind
+        the caller's compute)."""
         import torch
 
         kind = api.accelerator_type
         dev = torch.device(kind, self._device) if kind != "cpu" and self._device is not None else torch.device(kind)
-        one = torch.empty(1, dtype=torch.int64, device=dev)   # no kernel: nothing to wait for on the caller's stream
+        # No kernel on the caller's stream: empty tensors, filled on the warm-up stream.
+        one = torch.empty(1, dtype=torch.int64, device=dev)
+        meta = torch.empty(_META, dtype=torch.int64, device=dev)
+        rows = torch.empty(_META * self.world, dtype=torch.int64, device=dev)
+        big = torch.empty(WARM_RING_BYTES, dtype=torch.uint8, device=dev)
         stream = api.new_stream(one)
-        api.copy_async(one, torch.ones(1, dtype=torch.int64), stream)   # not behind the caller's compute
-        comm.allReduce(one.data_ptr(), one.data_ptr(), 1, _NCCL_DTYPES["int64"], _NCCL_SUM, stream.handle)
+        api.copy_async(one, torch.ones(1, dtype=torch.int64), stream)
+        for t in (meta, big):
+            api.zero_async(t, stream)
+        i64, u8 = _NCCL_DTYPES["int64"], _NCCL_DTYPES["uint8"]
+        calls: list[Callable[[], None]] = [
+            lambda: comm.allGather(meta.data_ptr(), rows.data_ptr(), _META, i64, stream.handle),   # the tag exchange
+            lambda: comm.allReduce(big.data_ptr(), big.data_ptr(), WARM_RING_BYTES, u8, _NCCL_SUM, stream.handle),
+            lambda: comm.bcast(one.data_ptr(), 1, i64, 0, stream.handle),   # every rank holds 1
+            lambda: comm.allReduce(one.data_ptr(), one.data_ptr(), 1, i64, _NCCL_SUM, stream.handle),
+        ]
+        for call in calls:   # one at a time: each connect waits for every peer's matching call
+            call()
+            self._wait_stream(stream, comm)
+        host = torch.empty(1, dtype=torch.int64)   # pageable: a first pinned allocation may synchronize the device
+        api.copy_async(host, one, stream)
+        self._wait_stream(stream, comm)
+        got = int(host[0])
+        if got != self.world:
+            raise CommError(f"NCCL warm-up allreduce gave {got}, expected {self.world}")
+
+    def _wait_stream(self, stream: Stream, comm: Any) -> None:
         checked = time.monotonic()
         while not stream.query():
             if self._failed is not None:
@@ -317,8 +463,6 @@ class NcclCommunicator(Communicator):
                 checked = time.monotonic()
                 comm.check_async_error()
             time.sleep(_POLL_S * 4)
-        if int(one.item()) != self.world:
-            raise CommError(f"NCCL warm-up allreduce gave {int(one.item())}, expected {self.world}")
 
     def wait_init(self, timeout: float) -> bool:
         """Whether init (id hand-off, ncclCommInitRank, connect) finished within `timeout`."""
@@ -340,13 +484,10 @@ class NcclCommunicator(Communicator):
         if self._star is not None:  # tell the others first, then drop the links
             self._star.tell(err)
             self._star.close()
-        with self._nccl_lock:
+        with self._nccl_lock:   # once the handle is cleared no other call can reach the communicator
             comm, self._comm = self._comm, None
-            if comm is not None:
-                try:
-                    comm.abort()  # ncclCommAbort: unblocks kernels stuck on a dead peer
-                except Exception:  # noqa: BLE001
-                    logger.exception("ncclCommAbort failed")
+        if comm is not None:   # ncclCommAbort: unblocks kernels stuck on a dead peer
+            self._released = release_bounded(comm, "abort", self._what("ncclCommAbort"))
         level = logging.INFO if isinstance(err, CommAborted) else logging.WARNING
         logger.log(level, "nccl communicator epoch=%d shard=%d rank=%d failed: %s", self.epoch, self.shard,
                    self.rank, err)
@@ -354,12 +495,24 @@ class NcclCommunicator(Communicator):
             self._on_dead(self)
         return err
 
+    def _on_star_error(self, err: CommError) -> None:
+        """A verdict from the id links. A peer that closed its communicator has finished every
+        collective it entered: one this rank is still in may be that last one, and completes;
+        it is failed only once the operations in flight ended, or after a short grace."""
+        if isinstance(err, CommAborted) and err.peer_rank is not None and _CLOSED_REASON in err.reason:
+            with self._lock:
+                if self._inflight > 0 and self._failed is None:
+                    if self._peer_closed is None:
+                        self._peer_closed, self._peer_closed_at = err, time.monotonic()
+                    return
+        self._fail(err)
+
     def _call(self, what: str, fn: Callable[[Any], None]) -> None:
         """One call into the NCCL communicator, under its lock; a failure fails this communicator."""
         err: CommError | None = None
         with self._nccl_lock:
             comm = self._comm
-            if comm is None:
+            if comm is None or self._failed is not None:   # never enqueue onto a failed or closing one
                 err = self._failed or CommAborted("communicator closed")
             else:
                 try:
@@ -403,6 +556,9 @@ class NcclCommunicator(Communicator):
                 self._call(what, lambda c: c.check_async_error())
             if started is not None and now - started > timeout:
                 raise self._fail(CommTimeout(f"{what} made no progress within {timeout:g} s"))
+            closed = self._peer_closed
+            if closed is not None and now - self._peer_closed_at > min(timeout, _CLOSE_GRACE_S):
+                raise self._fail(closed)   # not the collective the peer finished before closing
             time.sleep(_POLL_S)
 
     def _collective(self, stream: Stream, timeout: float, what: str, fn: Callable[[Any], None]) -> None:
@@ -418,6 +574,7 @@ class NcclCommunicator(Communicator):
         collective is polled (abort, async errors and timeouts work)."""
         api = device_api()
         buf = _Buffer(api, tensor)  # TypeError for a host tensor before anything is enqueued
+        self._check_device(buf)
         tag = int(tag)
         if not -(1 << 63) <= tag < (1 << 63):
             raise ValueError(f"tag {tag} does not fit in 64 bits")
@@ -430,8 +587,7 @@ class NcclCommunicator(Communicator):
         stream = api.current_stream(tensor)
         meta = _int64([tag, 1 if contribute else 0, buf.count, buf.dtype], tensor)
         rows_t = _int64([0] * (_META * self.world), tensor)
-        with self._lock:
-            self._inflight += 1
+        self._begin()
         try:
             self._collective(stream, tmo, "the NCCL tag exchange", lambda c: c.allGather(
                 meta.data_ptr(), rows_t.data_ptr(), _META, _NCCL_DTYPES["int64"], stream.handle))
@@ -443,9 +599,36 @@ class NcclCommunicator(Communicator):
             self._collective(stream, tmo, "allreduce", lambda c: c.allReduce(
                 buf.ptr, buf.ptr, buf.count, buf.dtype, _NCCL_SUM, stream.handle))
         finally:
-            with self._lock:
-                self._inflight -= 1
+            self._end()
         return sum(r[1] for r in rows)
+
+    def _check_device(self, buf: _Buffer) -> None:
+        """NCCL reads the buffer through the communicator's device: memory of another device is
+        an illegal access (or silently another GPU's data over peer access)."""
+        if self._device is not None and buf.index is not None and buf.index != self._device:
+            raise ValueError(f"the tensor is on device {buf.index}, this NCCL communicator on device "
+                             f"{self._device} (build the communicator on the tensor's device)")
+
+    def _begin(self) -> None:
+        """Count an operation in flight, atomically with the check that the communicator is
+        neither failed nor closed: close() decides between destroy and abort from this count,
+        so an operation must not start enqueueing after it looked (destroy would then wait for
+        the kernel for ever)."""
+        with self._lock:
+            if self._failed is not None:
+                raise self._failed
+            closed = self._peer_closed
+            if closed is None:
+                self._inflight += 1
+        if closed is not None:
+            raise self._fail(closed)
+
+    def _end(self) -> None:
+        with self._lock:
+            self._inflight -= 1
+            closed = self._peer_closed if self._inflight == 0 else None
+        if closed is not None:
+            self._fail(closed)
 
     def _check_rows(self, rows: list[list[int]], tag: int, buf: _Buffer) -> None:
         for r, (t, _c, n, d) in enumerate(rows):
@@ -461,10 +644,13 @@ class NcclCommunicator(Communicator):
         return self._star.peers[r] if self._star is not None else None
 
     def broadcast(self, tensor: Any, root: int, *, timeout: float | None = None) -> None:
+        """All-gather (root, count, dtype) of every rank and check them (NCCL does not: a
+        mismatch hangs or writes out of bounds), then broadcast on the tensor's current stream."""
         if not 0 <= root < self.world:
             raise ValueError(f"root {root} out of range for world {self.world}")
         api = device_api()
         buf = _Buffer(api, tensor)
+        self._check_device(buf)
         tmo = self.timeout if timeout is None else float(timeout)
         if self._failed is not None:
             raise self._failed
@@ -472,17 +658,38 @@ class NcclCommunicator(Communicator):
         if self.tcp is not None:
             return self.tcp.broadcast(tensor, root, timeout=timeout)
         stream = api.current_stream(tensor)
-        with self._lock:
-            self._inflight += 1
+        meta = _int64([_BCAST_TAG, root, buf.count, buf.dtype], tensor)
+        rows_t = _int64([0] * (_META * self.world), tensor)
+        self._begin()
         try:
+            self._collective(stream, tmo, "the NCCL broadcast check", lambda c: c.allGather(
+                meta.data_ptr(), rows_t.data_ptr(), _META, _NCCL_DTYPES["int64"], stream.handle))
+            flat = rows_t.tolist()
+            for r in range(self.world):
+                t, rt, n, d = flat[_META * r:_META * r + _META]
+                if t != _BCAST_TAG or rt != root or (n, d) != (buf.count, buf.dtype):
+                    raise self._fail(ProtocolMismatch(
+                        f"broadcast mismatch: rank {r} has root {rt}, {n} elements of NCCL type {d} "
+                        f"(tag {t}); this rank root {root}, {buf.count} of type {buf.dtype}",
+                        peer_rank=r, peer_addr=self._peer_addr(r)))
             self._collective(stream, tmo, "broadcast", lambda c: c.bcast(
                 buf.ptr, buf.count, buf.dtype, root, stream.handle))
         finally:
-            with self._lock:
-                self._inflight -= 1
+            self._end()
 
     def abort(self, reason: str) -> None:
         self._fail(CommAborted(f"aborted: {reason}"))
+
+    def _what(self, call: str) -> str:
+        return f"{call} of the NCCL communicator epoch={self.epoch} shard={self.shard} rank={self.rank}"
+
+    def wait_released(self, timeout: float) -> bool:
+        """Whether the NCCL communicator's abort or destroy (if one was started) has returned."""
+        th = self._released
+        if th is None:
+            return True
+        th.join(timeout)
+        return not th.is_alive()
 
     def close(self) -> None:
         """Release the communicator: ncclCommDestroy when it never failed and every collective
@@ -502,17 +709,15 @@ class NcclCommunicator(Communicator):
             tcp.close()
         if self._star is not None:
             if first:
-                self._star.tell(CommAborted("closed its communicator"))
+                self._star.tell(CommAborted(_CLOSED_REASON))
             self._star.close()
         if self._on_dead is not None and first:
             self._on_dead(self)
         with self._nccl_lock:
             comm, self._comm = self._comm, None
-            if comm is not None:
-                try:
-                    comm.destroy() if idle else comm.abort()
-                except Exception:  # noqa: BLE001
-                    logger.exception("releasing the NCCL communicator failed")
+        if comm is not None:
+            how = "destroy" if idle else "abort"
+            self._released = release_bounded(comm, how, self._what(f"ncclComm{how.capitalize()}"))
         # The init thread may still be inside ncclCommInitRank (a peer never came): it is a
         # daemon thread and aborts the communicator itself if init ever returns.
         self._init_thread.join(0.1)

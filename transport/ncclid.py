@@ -1,16 +1,21 @@
 """The NCCL unique id of one (data epoch, shard): from rank 0 to the other ranks, and a liveness star.
 
-Rank 0 of an NCCL communicator makes the id and connects to every other rank's DataServer with
-a hello of kind ``KIND_NCCL_ID``: the ring's handshake (HMAC with the cluster secret, replay
-guard, pending table while the peer has not created its communicator yet). It then sends the
-128-byte id followed by HMAC(secret, hello || id), so the id itself is authenticated too.
+Rank 0 of an NCCL communicator connects to every other rank's DataServer with a hello of kind
+``KIND_NCCL_ID``: the ring's handshake (HMAC with the cluster secret, replay guard, pending table
+while the peer has not created its communicator yet). Each rank answers with an ack (one byte)
+carrying its device identity (PCI bus id or UUID). Only when every rank has answered does rank 0
+make the id and say go: one byte, then the 128-byte id and HMAC(secret, hello || id), so the id
+itself is authenticated too.
 
-Each rank acknowledges the id (one byte), and only when every rank has done so does rank 0 say
-go (one byte to each): ncclCommInitRank blocks until every rank has called it and cannot be
-cancelled, so no rank starts it before every other rank is known to hold the id and to be
-about to start it too; a rank that never takes the id is named instead. Each ack carries the rank's device identity (PCI
-bus id or UUID): NCCL refuses two ranks on one device, so rank 0 then says "use the TCP ring"
-instead of go (data plane ``auto``), or fails every rank with `SharedDevice` (explicit ``nccl``).
+Why the id comes last: ncclGetUniqueId starts NCCL's bootstrap root (a thread and a listening
+socket) in the calling process, and the root lives until every rank of that id has reached it,
+which never happens for an id whose init does not run. Made before the acks, every failed or
+superseded hand-off, and every communicator that ends up on the TCP ring, would leave one behind
+for the life of the process. ncclCommInitRank blocks until every rank has called it and cannot
+be cancelled, so no rank starts it before every other rank is known to be there and about to
+start it too; a rank that never answers is named instead. NCCL refuses two ranks on one device,
+so when two identities are equal rank 0 says "use the TCP ring" instead of go (data plane
+``auto``; no id is made), or fails every rank with `SharedDevice` (explicit ``nccl``).
 
 Why the data plane and not gossip: the id belongs to one (data epoch, shard), shard ranks other
 than 0 of an FSDP replica never see gossip, and the data server already authenticates peers.
@@ -51,8 +56,8 @@ KIND_NCCL_ID = 3          # hello kind: "here is the NCCL id of (epoch, shard)"
 UID_BYTES = 128
 _MAC_LEN = 32
 _WATCH_SLICE_S = 0.1
-ACK = b"\x01"   # rank r -> rank 0: I hold the id
-GO = b"\x02"    # rank 0 -> every rank: everybody holds it, start ncclCommInitRank
+ACK = b"\x01"   # rank r -> rank 0: I am here (then my device identity)
+GO = b"\x02"    # rank 0 -> every rank: everybody is here; the id follows, start ncclCommInitRank
 TCP = b"\x03"   # rank 0 -> every rank: two ranks share a device, use the TCP ring (data_plane auto)
 
 
@@ -91,9 +96,10 @@ class StarLinks:
         self.options = options
         self.on_error = on_error
         self.socks: dict[int, socket.socket] = {}
-        #: rank -> device identity, on rank 0 once every rank took the id
+        #: rank -> device identity, on rank 0 once every rank answered
         self.identities: dict[int, str] = {}
         self._hello_raw: bytes | None = None
+        self._sent: dict[int, bytes] = {}   # rank 0: the hello sent to each rank (the id's MAC covers it)
         self._cond = threading.Condition()
         self._closed = False
         self._thread: threading.Thread | None = None
@@ -118,13 +124,15 @@ class StarLinks:
         close_quietly(sock)
 
     # ------------------------------------------------------------------ rank 0
-    def push(self, uid: bytes, deadline: float, identity: str = "", fallback: bool = False) -> bool:
-        """Hand `uid` to every other rank, collect their acks (each with its device identity), say
-        go; raises CommError naming a rank that cannot be reached or does not take the id in
-        time, and `SharedDevice` when two ranks are on one device (NCCL refuses that at init) unless
-        `fallback`: then every rank is told to use the TCP ring instead, and the result is True."""
+    def push(self, make_uid: Callable[[], bytes], deadline: float, identity: str = "",
+             fallback: bool = False) -> bytes | None:
+        """Reach every other rank and collect its ack (with its device identity); then make the
+        id with `make_uid` and send go with it. Returns the id, or None when two ranks share a
+        device and `fallback` (every rank was told to use the TCP ring; no id was made). Raises
+        CommError naming a rank that cannot be reached or does not answer in time, and
+        `SharedDevice` for a shared device without `fallback` (NCCL refuses that at init)."""
         for r in range(1, self.world):
-            sock = self._connect(r, uid, deadline)
+            sock = self._connect(r, deadline)
             with self._cond:
                 if self._closed:
                     close_quietly(sock)
@@ -132,27 +140,34 @@ class StarLinks:
                 self.socks[r] = sock
         idents = {0: identity}
         for r in range(1, self.world):
-            self._expect(r, ACK, deadline, "take the NCCL id")
+            self._expect(r, ACK, deadline, "answer the NCCL id hand-off")
             idents[r] = self._read_identity(r, deadline)
         self.identities = idents
         shared = _shared(idents)
-        go = GO
-        if shared is not None and fallback:
-            go = TCP
-            logger.info("ranks %d and %d of epoch %d shard %d share device %s: this communicator uses the "
-                        "TCP ring", shared[0], shared[1], self.epoch, self.shard, idents[shared[0]])
-        elif shared is not None:
+        if shared is not None and not fallback:
             a, b = shared
             raise SharedDevice(f"ranks {a} and {b} of epoch {self.epoch} shard {self.shard} are on one device "
                                f"({idents[a]}): NCCL refuses two ranks on one GPU; use data_plane='tcp' "
                                "or one GPU per replica", peer_rank=b, peer_addr=self.peers[b])
+        uid: bytes | None = None
+        if shared is not None:
+            logger.info("ranks %d and %d of epoch %d shard %d share device %s: this communicator uses the "
+                        "TCP ring", shared[0], shared[1], self.epoch, self.shard, idents[shared[0]])
+        else:
+            with self._cond:
+                if self._closed:   # superseded while collecting acks: no id (no bootstrap root) for it
+                    raise CommAborted("communicator closed while handing out the NCCL id")
+            uid = make_uid()
+            if len(uid) != UID_BYTES:
+                raise CommError(f"NCCL unique id of {len(uid)} bytes, expected {UID_BYTES}")
         for r in range(1, self.world):
+            msg = TCP if uid is None else GO + uid + uid_mac(self.options.secret, self._sent[r], uid)
             try:
-                self.socks[r].sendall(go)
+                self.socks[r].sendall(msg)
             except OSError as e:
                 raise PeerFailed(f"rank {r} went away before NCCL init: {e!r}", peer_rank=r,
                                  peer_addr=self.peers[r]) from None
-        return go == TCP
+        return uid
 
     def _expect(self, peer: int, byte: bytes, deadline: float, what: str, also: bytes = b"") -> bytes:
         """Read one byte from `peer` (bounded): `byte` (or `also`), returned; anything else is its
@@ -191,7 +206,7 @@ class StarLinks:
                              peer_addr=self.peers[peer]) from None
         return raw.decode("utf-8", "replace")
 
-    def _connect(self, r: int, uid: bytes, deadline: float) -> socket.socket:
+    def _connect(self, r: int, deadline: float) -> socket.socket:
         opts = self.options
         addr = self.peers[r]
         host, port = split_addr(addr)
@@ -216,8 +231,8 @@ class StarLinks:
                 recv_exact(sock, memoryview(ack))
                 status = parse_ack(opts.secret, hello, bytes(ack))
                 if status in (ST_OK, ST_PENDING):
-                    sock.sendall(uid + uid_mac(opts.secret, hello, uid))
                     sock.settimeout(None)
+                    self._sent[r] = hello
                     return sock
                 close_quietly(sock)
                 sock = None
@@ -244,10 +259,11 @@ class StarLinks:
             backoff = min(backoff * 2, 0.2)
 
     # ------------------------------------------------------------------ ranks other than 0
-    def receive(self, deadline: float, go_deadline: float, identity: str = "") -> tuple[bytes, bool]:
-        """Wait (bounded) for rank 0's id, check its MAC, ack it and wait for go (until
-        `go_deadline`, later than rank 0's own wait, so that rank 0's verdict naming a rank that
-        never took the id arrives here first)."""
+    def receive(self, deadline: float, go_deadline: float, identity: str = "") -> bytes | None:
+        """Wait (bounded) for rank 0's connection, ack it with this rank's device identity, and
+        wait for go and the id (until `go_deadline`, later than rank 0's own wait, so that rank
+        0's verdict naming a rank that never answered arrives here first); check the id's MAC.
+        None when rank 0 said to use the TCP ring instead."""
         with self._cond:
             while 0 not in self.socks and not self._closed:
                 left = deadline - time.monotonic()
@@ -259,9 +275,16 @@ class StarLinks:
                 raise CommAborted("communicator closed while waiting for the NCCL id")
             sock, hello_raw = self.socks[0], self._hello_raw
         assert hello_raw is not None
+        try:
+            ident = identity.encode()[:255]
+            sock.sendall(ACK + bytes([len(ident)]) + ident)
+        except OSError as e:
+            raise PeerFailed(f"rank 0 went away: {e!r}", peer_rank=0, peer_addr=self.peers[0]) from None
+        if self._expect(0, GO, go_deadline, "say go for NCCL init", also=TCP) == TCP:
+            return None
         buf = bytearray(UID_BYTES + _MAC_LEN)
         try:
-            sock.settimeout(max(0.01, deadline - time.monotonic()))
+            sock.settimeout(max(0.01, go_deadline - time.monotonic()))
             recv_exact(sock, memoryview(buf))
             sock.settimeout(None)
         except (socket.timeout, TimeoutError):
@@ -273,13 +296,7 @@ class StarLinks:
         if not hmac.compare_digest(mac, uid_mac(self.options.secret, hello_raw, uid)):
             raise ProtocolMismatch("the NCCL id from rank 0 fails its MAC (cluster secret)", peer_rank=0,
                                    peer_addr=self.peers[0])
-        try:
-            ident = identity.encode()[:255]
-            sock.sendall(ACK + bytes([len(ident)]) + ident)
-        except OSError as e:
-            raise PeerFailed(f"rank 0 went away: {e!r}", peer_rank=0, peer_addr=self.peers[0]) from None
-        go = self._expect(0, GO, go_deadline, "say go for NCCL init", also=TCP)
-        return uid, go == TCP
+        return uid
 
     # ------------------------------------------------------------------ liveness, both sides
     def watch(self) -> None:

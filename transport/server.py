@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from .backend import Backend
 from .errors import CommTimeout, ProtocolMismatch
+from .devcopy import prime_pinned
 from .nccl import NcclCommunicator
 from .ncclid import KIND_NCCL_ID
 from .options import (DEFAULT_CHUNK_BYTES, DEFAULT_STATE_CHUNK_BYTES, RING_ACK_TIMEOUT_S, ChunkHook, DonorLimits,
@@ -217,8 +218,12 @@ class DataServer:
         return comm
 
     def serve_state(self, provider: Callable[[dict], "StateSnapshot | None"]) -> None:
-        """Register the donor callback: provider(request) -> snapshot (None: nothing to give)."""
+        """Register the donor callback: provider(request) -> snapshot (None: nothing to give).
+        Where there is a device, the pinned chunk buffers of a donor and of a joiner are
+        allocated now, before training: a pinned allocation synchronizes the device implicitly,
+        and made while serving it waited for a collective stuck on the very joiner served."""
         self._provider = provider
+        prime_pinned(self.state_chunk_bytes, 4)
 
     def close(self) -> None:
         """Stop accepting, close every communicator and state stream (idempotent)."""

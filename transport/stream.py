@@ -33,6 +33,8 @@ from .wire import (
 if TYPE_CHECKING:
     import torch
 
+    from .device import Event
+
 __all__ = ["StateSnapshot", "fetch_state", "serve_state_connection"]
 
 logger = logging.getLogger(__name__)
@@ -146,13 +148,16 @@ def serve_state_connection(sock: socket.socket, provider: Callable[[dict], State
     if pairs:
         logger.info("state stream staged device tensors through %d bytes of pinned memory",
                     sum(p.nbytes for p in pairs.values()))
+        for p in pairs.values():
+            p.release()
     logger.info("served state snapshot: %d tensors, %d bytes", len(bufs), sum(b.nbytes for b in bufs))
 
 
 # ---------------------------------------------------------------------------- joiner side
 def fetch_state(addr: str, request: dict, *, secret: bytes | None = None, timeout: float = 60.0,
                 rate_limit_bytes_per_s: float | None = None,
-                into: "Mapping[str, torch.Tensor] | None" = None, source_host: str | None = None) -> StateSnapshot:
+                into: "Mapping[str, torch.Tensor] | None" = None, source_host: str | None = None,
+                after: "Event | None" = None) -> StateSnapshot:
     """Pull a snapshot from the donor at `addr`; every chunk is crc32-checked.
 
     `timeout` bounds connecting and each wait for data (no progress). `into` optionally maps
@@ -162,6 +167,11 @@ def fetch_state(addr: str, request: dict, *, secret: bytes | None = None, timeou
     ``meta["_staging_bytes"]``), never through a full host copy.
     Raises PeerFailed if the donor goes away, CommTimeout if it stalls, ProtocolMismatch on
     corruption or a bad handshake, CommError if the donor has nothing to give.
+    Copies into CUDA `into` tensors run on a stream of their own that first waits for `after`,
+    an event the caller records (`device.written_event`) on the stream that last used those
+    tensors; without it, for the calling thread's current stream, which on a fetch thread is the
+    default stream: behind whatever is queued there (a collective stuck until this very joiner
+    joins it), and not after a side stream that training writes on.
     The connection's source IP is `source_host` (a replica passes its data server's, so that
     peers see the address they know it by; see wire.source_address for when it is used).
     """
@@ -209,8 +219,8 @@ def fetch_state(addr: str, request: dict, *, secret: bytes | None = None, timeou
             else:
                 t = host_empty(torch, dtype, shape)
                 fresh.append(True)
-            if t.device.type == "cuda":
-                pair = pairs.get(t.device) or pairs.setdefault(t.device, PinnedPair(chunk, t.device))
+            if not fresh[-1] and is_device_tensor(t):   # a fresh tensor is host memory (host_empty)
+                pair = pairs.get(t.device) or pairs.setdefault(t.device, PinnedPair(chunk, t.device, after))
                 b: Any = DeviceSink(t, pair)
             else:
                 b = as_flat_buffer(t, reducible=False)
@@ -245,6 +255,7 @@ def fetch_state(addr: str, request: dict, *, secret: bytes | None = None, timeou
         if pairs:
             for pair in pairs.values():
                 pair.finish()  # every chunk is on the device before the snapshot is used
+                pair.release()
             meta["_staging_bytes"] = sum(p.nbytes for p in pairs.values())
         return StateSnapshot(meta=meta, tensors=tensors)
     except (socket.timeout, TimeoutError):

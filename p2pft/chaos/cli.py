@@ -84,10 +84,12 @@ def cmd_chaos(args: argparse.Namespace) -> int:
 
 def _chaos(args: argparse.Namespace) -> int:
     """Run, then report. Ctrl-C, SIGTERM and SIGHUP stop the clusters and report what was
-    measured until then (exit status 128 + the signal's number)."""
+    measured until then (exit status 128 + the signal's number). A system that cannot train at
+    all (every replica exited before training, or no step committed while replicas crashed)
+    ends with the first replica's error line on stderr and exit status 1."""
     from .interrupt import Interrupt, Interrupted
     from .report import plot_timeline, print_table, write_json
-    from .run import run_chaos
+    from .run import CannotTrain, run_chaos
 
     cfg = ChaosConfig(replicas=args.replicas, duration=args.duration, kill_every=args.kill_every,
                       restart_after=args.restart_after, fault=args.fault, pause_for=args.pause_for,
@@ -127,6 +129,9 @@ def _chaos(args: argparse.Namespace) -> int:
         except Interrupted as exc:
             print(f"p2pft chaos: {exc}; every process stopped, no report", file=sys.stderr)
             return 128 + exc.signum
+        except CannotTrain as exc:
+            print(f"p2pft chaos: error: {exc}; every process stopped, no report", file=sys.stderr)
+            return 1
         finally:
             if live:
                 live.stop()
@@ -146,7 +151,11 @@ def _chaos(args: argparse.Namespace) -> int:
             console.print(f"wrote {out / 'chaos.json'}, {out / 'timeline.png'}")
         except OSError:
             pass  # the terminal went away (SIGHUP); the files hold the report
-    return 128 + interrupt.signum if interrupt.signum is not None else 0
+    if interrupt.signum is not None:
+        return 128 + interrupt.signum
+    for system, why in (report.get("cannot_train") or {}).items():
+        print(f"p2pft chaos: error: {system} committed no step: {why}", file=sys.stderr)
+    return 1 if report.get("cannot_train") else 0
 
 
 def _systems(text: str, algo: str = "ft") -> list[str]:

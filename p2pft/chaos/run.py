@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from .cluster import ChaosConfig, Cluster, Schedule
+from .cluster import ChaosConfig, Cluster, Proc, Schedule
 from .interrupt import Interrupt
 from .metrics import summarize
 from .records import read_stats
@@ -20,6 +20,38 @@ from .records import read_stats
 log = logging.getLogger(__name__)
 
 SYSTEMS = ("p2pft", "ddp", "failure_free")
+
+
+class CannotTrain(RuntimeError):
+    """A system whose every replica exited before training (a configuration that cannot work:
+    e.g. ``--data-plane nccl`` without CUDA): nothing to measure, and the replica says why."""
+
+
+def replica_error(p: Proc) -> str:
+    """The line of a replica's log that says why it exited: its last ERROR or CRITICAL line,
+    else its last line that is not part of a traceback."""
+    try:
+        lines = [ln.rstrip() for ln in p.stats.with_suffix(".log").read_text(errors="replace").splitlines()]
+    except OSError:
+        return "(no log)"
+    lines = [ln for ln in lines if ln.strip()]
+    severe = [ln for ln in lines if " ERROR " in ln or " CRITICAL " in ln]
+    if severe:
+        return severe[-1]
+    plain = [ln for ln in lines if not ln.startswith((" ", "\t", "Traceback"))]
+    return plain[-1] if plain else "(empty log)"
+
+
+def first_crash(c: Cluster) -> str | None:
+    """'replica rN exited with status S: <its line>' for the first replica of `c` that exited
+    without being killed, or None."""
+    crashed = sorted((p for p in c.finished if p.returncode is not None and not p.killed_by_us
+                      and p.kind in ("replica", "joiner")), key=lambda p: p.started)
+    if not crashed:
+        return None
+    p = crashed[0]
+    return (f"replica r{p.replica} exited with status {p.returncode}: {replica_error(p)} "
+            f"(log: {p.stats.with_suffix('.log')})")
 
 
 def run_chaos(cfg: ChaosConfig, workdir: Path, systems: tuple[str, ...] = SYSTEMS,
@@ -98,6 +130,11 @@ def run_chaos(cfg: ChaosConfig, workdir: Path, systems: tuple[str, ...] = SYSTEM
         c.cleanup()
     extra["t0"] = t0
     extra["t_end"] = t_end
+    # A system that committed no step and lost replicas it did not kill could not train at all.
+    dead = {r["system"]: first_crash(clusters[r["system"]]) for r in rows.values()
+            if not r.get("final_step") and r.get("survivor_crashes")}
+    if dead and not interrupt.requested:
+        extra["cannot_train"] = {k: v for k, v in dead.items() if v}
     return {"config": cfg.__dict__, "systems": list(rows.values()), **extra}
 
 
@@ -146,6 +183,9 @@ def _wait_started(clusters: dict[str, Cluster], timeout: float, interrupt: Inter
     deadline = time.time() + timeout
     while time.time() < deadline:
         interrupt.check()
+        for c in clusters.values():
+            if not c.procs and c.finished:   # every replica exited before training began
+                raise CannotTrain(f"{c.system} cannot train: {first_crash(c) or 'every replica exited'}")
         ready = all(any(r.get("kind") == "start" for r in read_stats(p.stats))
                     for c in clusters.values() for p in c.procs.values())
         if ready:

@@ -7,6 +7,9 @@
 * copies are a deferred copy engine: each waits a random 0-3 ms before it copies, and reads its
   source when it runs, not when it was queued, so a missing wait between streams corrupts data
   instead of passing by accident;
+* a pinned allocation that torch's caching host allocator cannot serve from freed blocks calls
+  cudaHostAlloc, which synchronizes implicitly: work issued after it, on any stream, runs only
+  after all work issued before it;
 * the default stream stands for the compute stream: torch ops run on the host at once, so a
   `wait(event)` on it blocks the host thread (the host is that stream) as well as queueing the
   wait for later kernels on it.
@@ -18,6 +21,7 @@ Selected by p2pft through the ``P2PFT_DEVICE_MODULE`` attribute of the fake ``cu
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import queue
@@ -26,7 +30,7 @@ import socket
 import threading
 import time
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -91,6 +95,14 @@ class FakeStream:
             pass
 
     def enqueue(self, fn: Callable[[], None]) -> None:
+        before = _barrier()
+        if before:   # issued after a pinned allocation: runs after everything issued before it
+            inner = fn
+
+            def fn() -> None:
+                for ev in before:
+                    ev.synchronize()
+                inner()
         with self._w.cv:
             self._w.pending += 1
         self._w.q.put(fn, timeout=60)
@@ -117,6 +129,32 @@ class FakeStream:
 
 STREAMS: "weakref.WeakValueDictionary[int, FakeStream]" = weakref.WeakValueDictionary()   # by NCCL handle
 ERRORS: list[BaseException] = []
+_BARRIER: list[FakeEvent] = []   # work issued before the last pinned allocation, not all finished yet
+_barrier_lock = threading.Lock()
+
+
+def _barrier() -> list[FakeEvent]:
+    with _barrier_lock:
+        _BARRIER[:] = [e for e in _BARRIER if not e.query()]
+        return list(_BARRIER)
+
+
+_free_pinned: dict[int, int] = {}   # size class -> freed pinned blocks torch's allocator would reuse
+
+
+def _pinned_freed(cls: int) -> None:
+    with _barrier_lock:
+        _free_pinned[cls] = _free_pinned.get(cls, 0) + 1
+
+
+def _implicit_sync() -> None:
+    """CUDA's implicit synchronization (programming guide): commands issued after a page-locked
+    host allocation do not run until every command issued before it, on any stream, finished."""
+    with _barrier_lock:
+        streams = list(STREAMS.values())
+    events = [s.record() for s in streams]
+    with _barrier_lock:
+        _BARRIER.extend(events)
 
 
 class FakeDevice:
@@ -127,7 +165,8 @@ class FakeDevice:
 
     def __init__(self) -> None:
         self._default: FakeStream | None = None
-        self._current = threading.local()   # like torch's: the current stream is per thread
+        self._current = threading.local()   # like torch's: the current stream and device are per thread
+        self._placed: dict[int, int] = {}      # data_ptr -> device index, for tensors `place`d elsewhere than 0
         self._lock = threading.Lock()
 
     def probe(self) -> tuple[bool, bool, int, str]:
@@ -142,13 +181,20 @@ class FakeDevice:
         return isinstance(t, torch.Tensor) and t.device.type == "cpu"
 
     def current_device(self) -> int | None:
-        return 0
+        return getattr(self._current, "device", 0)
 
     def use_device(self, index: int | None) -> None:
-        pass
+        """Per thread, like cudaSetDevice."""
+        if index is not None:
+            self._current.device = int(index)
 
     def device_index(self, t: Any) -> int | None:
-        return 0
+        return self._placed.get(int(t.data_ptr()), 0)
+
+    def place(self, t: Any, index: int) -> Any:
+        """Test hook: count tensor `t` as memory of device `index` (default: device 0)."""
+        self._placed[int(t.data_ptr())] = int(index)
+        return t
 
     def identity(self, index: int | None = None) -> str:
         return f"fake:{socket.gethostname()}:{os.environ.get('P2PFT_FAKE_GPU') or f'pid{os.getpid()}'}"
@@ -167,11 +213,33 @@ class FakeDevice:
         would: then a wait on the current stream no longer blocks the host."""
         self._current.stream = stream
 
+    @contextlib.contextmanager
+    def use_stream(self, stream: FakeStream) -> Iterator[FakeStream]:
+        """This thread's current stream is `stream` inside the block (torch.cuda.stream's role)."""
+        before = getattr(self._current, "stream", None)
+        self._current.stream = stream
+        try:
+            yield stream
+        finally:
+            self._current.stream = before
+
     def new_stream(self, t: Any = None) -> FakeStream:
         return FakeStream()
 
     def pinned(self, nbytes: int) -> Any:
-        return torch.empty(nbytes, dtype=torch.uint8)
+        """A page-locked buffer, as torch's caching host allocator gives it: a freed block of the
+        same size class is reused; otherwise cudaHostAlloc runs, which synchronizes implicitly
+        (later work on any stream waits for all earlier work, a stuck collective included)."""
+        cls = 1 << max(0, (nbytes - 1).bit_length())
+        with _barrier_lock:
+            hit = _free_pinned.get(cls, 0) > 0
+            if hit:
+                _free_pinned[cls] -= 1
+        if not hit:
+            _implicit_sync()
+        t = torch.empty(nbytes, dtype=torch.uint8)
+        weakref.finalize(t, _pinned_freed, cls)
+        return t
 
     def copy_async(self, dst: Any, src: Any, stream: Any) -> None:
         delay = random.uniform(0, MAX_COPY_DELAY_S)

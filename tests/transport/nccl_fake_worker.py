@@ -11,6 +11,7 @@ One process serves many scenarios, so the suite pays for starting Python and tor
 from __future__ import annotations
 
 import json
+import os
 import sys
 import threading
 import time
@@ -38,6 +39,15 @@ def wait_release(bound: float) -> None:
 
 def run(scenario: str, epoch: int, rank: int, ds: DataServer, peers: list[str]) -> None:
     backend = "nccl-auto" if scenario.endswith("_auto") else "nccl"
+    if os.environ.get("TEST_NCCL_FIRST") == "1":
+        # Another NCCL user (torch's process group) initialised NCCL in this process before
+        # p2pft set NCCL_RUNTIME_CONNECT=0: NCCL read its parameters then, and connects lazily.
+        from cupy.cuda import nccl as fake_nccl
+
+        mode = os.environ.pop("NCCL_RUNTIME_CONNECT", None)
+        fake_nccl._param("NCCL_RUNTIME_CONNECT", "1")
+        if mode is not None:
+            os.environ["NCCL_RUNTIME_CONNECT"] = mode
     comm = ds.communicator(epoch, 0, rank, peers, timeout=2.0, connect_timeout=5.0, backend=backend)
     t0 = time.monotonic()
     try:
@@ -101,6 +111,50 @@ def run(scenario: str, epoch: int, rank: int, ds: DataServer, peers: list[str]) 
                 threading.Thread(target=lambda: (comm.close(), done.set()), daemon=True).start()
                 return result(t0, ok=done.wait(5.0), err=type(e).__name__)
             return result(t0, ok=False, msg="the collective did not fail")
+        elif scenario == "close_race":
+            # close() decides between destroy and abort from the operations in flight. An
+            # allreduce that has passed its checks but not yet counted itself, and a close() slow
+            # between its decision and the release (its on_dead callback), interleave: the
+            # allreduce enqueues onto the closing communicator, and destroy waits for its kernel.
+            if rank == 1:
+                comm.wait_init(20)
+                wait_release(20)    # takes no part: a collective of rank 0 would be stuck
+                return result(t0, ok=True)
+            comm.wait_init(20)
+            from p2pft.transport import nccl as nccl_mod
+            in_window = threading.Event()
+            real_int64 = nccl_mod._int64
+
+            def slow_int64(values: Any, like: Any) -> Any:
+                in_window.set()
+                time.sleep(0.3)
+                return real_int64(values, like)
+            nccl_mod._int64 = slow_int64
+            on_dead = comm._on_dead
+
+            def slow_on_dead(c: Any) -> None:
+                time.sleep(0.6)
+                if on_dead is not None:
+                    on_dead(c)
+            comm._on_dead = slow_on_dead
+            errs: list[BaseException] = []
+
+            def op() -> None:
+                try:
+                    comm.allreduce(torch.ones(8), timeout=30.0)
+                except BaseException as e:  # noqa: BLE001 - reported
+                    errs.append(e)
+            th = threading.Thread(target=op)
+            th.start()
+            in_window.wait(5)
+            t0 = time.monotonic()
+            done = threading.Event()
+            threading.Thread(target=lambda: (comm.close(), done.set()), daemon=True).start()
+            closed = done.wait(5.0)
+            th.join(5)
+            nccl_mod._int64 = real_int64
+            return result(t0, ok=closed and not th.is_alive(), returned_s=round(time.monotonic() - t0, 3),
+                          released=comm.wait_released(5.0), err=type(errs[0]).__name__ if errs else None)
         elif scenario == "slow_first_step":
             fakedevice.DEVICE.slow_kernel(1.5)
             x = torch.full((16,), float(rank + 1))
@@ -108,6 +162,8 @@ def run(scenario: str, epoch: int, rank: int, ds: DataServer, peers: list[str]) 
             return result(t0, ok=True, n=n, x=x[0].item())
         elif scenario == "mismatch_count":
             comm.allreduce(torch.ones(10 + 2 * rank), timeout=2.0)
+        elif scenario == "bcast_mismatch":
+            comm.broadcast(torch.ones(10 + 2 * rank), 0, timeout=2.0)
         elif scenario in ("sum", "sum_auto"):
             x = torch.arange(16, dtype=torch.float32) * (rank + 1)
             n = comm.allreduce(x, tag=7)
@@ -125,8 +181,6 @@ def run(scenario: str, epoch: int, rank: int, ds: DataServer, peers: list[str]) 
 
 
 def main() -> None:
-    import os
-
     rank, world = int(sys.argv[1]), int(sys.argv[2])
     ds = DataServer("127.0.0.1", 0, secret=b"s")
     print(ds.addr, flush=True)

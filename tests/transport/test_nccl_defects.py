@@ -125,15 +125,24 @@ def test_sum_and_joiner_on_the_stand_in(ranks: Ranks) -> None:
         assert r["x"] == [3.0 * i for i in range(16)], r
 
 
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["kill", "stop"])
-def test_rank_lost_between_init_and_first_collective(sig: int, violations: Path) -> None:
+@pytest.mark.parametrize("sig,nccl_first", [(signal.SIGKILL, False), (signal.SIGSTOP, False),
+                                             (signal.SIGSTOP, True)], ids=["kill", "stop", "stop-nccl-first"])
+def test_rank_lost_between_init_and_first_collective(sig: int, nccl_first: bool, violations: Path) -> None:
     """Defect 1: with lazy connect the first collective connected inside the host call, blocking
     the caller with no timeout (a stopped peer: for ever; a killed one: until an abort from
     another thread freed the communicator under it). Now the connect happens inside the bounded
-    init and the survivor gets a CommError within its timeout, without a concurrent call."""
+    init and the survivor gets a CommError within its timeout, without a concurrent call.
+    nccl-first: NCCL read its parameters before p2pft set NCCL_RUNTIME_CONNECT=0 (torch's NCCL
+    first in the process), so it connects algorithm by algorithm; a warm-up of only a small
+    allreduce (the tree) left the tag exchange's allGather (the ring) to connect inside the
+    training thread's host call. The warm-up now runs every kind of collective the
+    communicator uses."""
     pair = Ranks()
     try:
-        pair.start("kill_after_init", {"FAKE_NCCL_VIOLATIONS": str(violations)})
+        env = {"FAKE_NCCL_VIOLATIONS": str(violations)}
+        if nccl_first:
+            env["TEST_NCCL_FIRST"] = "1"
+        pair.start("kill_after_init", env)
         for r in range(2):
             assert pair.line(r, 30) == "inited"
         pair.procs[1].send_signal(sig)
@@ -176,6 +185,43 @@ def test_close_after_a_failure_another_thread_has_not_aborted_yet(ranks: Ranks, 
     assert not violations.exists() or violations.read_text() == "", violations.read_text()
 
 
+def test_close_while_an_allreduce_is_about_to_enqueue(ranks: Ranks, violations: Path) -> None:
+    """close() decided "idle, destroy" before an allreduce that had passed its checks counted
+    itself in flight; the allreduce then enqueued onto the closing communicator, and destroy
+    (which flushes queued work) waited for that kernel for ever. Now an operation counts itself
+    atomically with the check that the communicator is open, and nothing is enqueued once it
+    failed or is closing: the allreduce raises CommAborted and close() returns."""
+    res = ranks.run_released("close_race", {"FAKE_NCCL_VIOLATIONS": str(violations)})[0]
+    assert res["ok"] and res["released"], res
+    assert res["err"] == "CommAborted" and res["returned_s"] < 2.0, res
+    assert not violations.exists() or violations.read_text() == "", violations.read_text()
+
+
+def test_abort_held_up_by_a_stopped_local_peer_is_bounded() -> None:
+    """Real ncclCommAbort waits for the other ranks' processes on the node (its proxy thread),
+    so with a SIGSTOPped peer it does not return; the stand-in's abort does the same. It ran on
+    the training thread, holding the communicator's lock: the survivor's collective never
+    reported its timeout. Now the abort runs on a thread of its own: the survivor gets its
+    CommTimeout within the timeout, and a watchdog (as PyTorch's heartbeat monitor) takes the
+    process down with one CRITICAL line and exit status 4 once the abort has not returned
+    within $P2PFT_NCCL_ABORT_TIMEOUT_S."""
+    pair = Ranks()
+    try:
+        pair.start("kill_after_init", {"P2PFT_NCCL_ABORT_TIMEOUT_S": "2"})
+        for r in range(2):
+            assert pair.line(r, 30) == "inited"
+        pair.procs[1].send_signal(signal.SIGSTOP)
+        res = pair.result(0, 10)
+        assert not res["ok"] and res["err"] == "CommTimeout" and res["s"] < 4.0, res
+        rc = pair.procs[0].wait(10)
+        err = pair.procs[0].stderr.read() if pair.procs[0].stderr else ""
+        pair.procs[1].send_signal(signal.SIGCONT)
+    finally:
+        pair.close()
+    assert rc == 4, (rc, err[-2000:])
+    assert "ncclCommAbort of the NCCL communicator" in err and "taking this process down" in err, err[-2000:]
+
+
 def test_two_ranks_on_one_device_is_one_clear_error(ranks: Ranks) -> None:
     """Defect 4: NCCL refuses two ranks on one GPU at init; the ranks now compare device
     identities during the id hand-off and fail with one error that says so and what to do."""
@@ -213,6 +259,14 @@ def test_mismatched_counts_are_a_protocol_mismatch(ranks: Ranks) -> None:
     exchange now carries count and dtype and fails both ranks with ProtocolMismatch."""
     for r in ranks.run("mismatch_count"):
         assert not r["ok"] and r["err"] == "ProtocolMismatch" and "size mismatch" in r["msg"], r
+        assert r["s"] < 1.5, r
+
+
+def test_mismatched_broadcast_counts_are_a_protocol_mismatch(ranks: Ranks) -> None:
+    """Broadcast counts were not checked either: the ranks hung until their timeout (or the
+    receivers wrote past their buffers). Broadcast now all-gathers (root, count, dtype) first."""
+    for r in ranks.run("bcast_mismatch"):
+        assert not r["ok"] and r["err"] == "ProtocolMismatch" and "broadcast mismatch" in r["msg"], r
         assert r["s"] < 1.5, r
 
 
@@ -326,11 +380,11 @@ from p2pft.trainer.recent import RecentSteps
 dev = fakedevice.DEVICE
 recent = RecentSteps(keep=2)
 flat = torch.full((4096,), 3.0)          # step 5's reduced buffer, cloned on the training stream
-recent.append(Entry(5, flat, 2, [True, True], ready=written_event(flat)))
-dev.slow_kernel(20.0)                    # the next tag exchange, stuck until the fetching peer joins it
-s = DataServer("127.0.0.1", 0)
+s = DataServer("127.0.0.1", 0)           # as a replica's: serving from its start
 s.state_chunk_bytes = 4096
 s.serve_state(lambda req: recent.serve(5, 6))
+recent.append(Entry(5, flat, 2, [True, True], ready=written_event(flat)))
+dev.slow_kernel(20.0)                    # the next tag exchange, stuck until the fetching peer joins it
 t0 = time.monotonic()
 try:
     snap = fetch_state(s.addr, {}, timeout=3.0)

@@ -109,3 +109,46 @@ def test_other_ranks_build_the_communicator_rank0_tells_them_of() -> None:
     out = subprocess.run([sys.executable, "-c", _RANKS], capture_output=True, text=True, timeout=60, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip() == "OK", out.stdout + out.stderr[-2000:]
+
+
+_SLOTS = r"""
+import socket, struct, time
+from p2pft.transport import DataServer
+from p2pft.transport.backend import Backend
+from p2pft.trainer.comms import PREPARE_THREADS, ShardComms, _PREPARE_HEAD
+import json
+
+ds0, ds1 = DataServer("127.0.0.1", 0, secret=b"s"), DataServer("127.0.0.1", 0, secret=b"s")
+rank1 = ShardComms(ds1, 1, 2.0, backend=Backend.NCCL)
+rank1.connect_timeout = 1.5
+side = rank1.listen("127.0.0.1")
+s = socket.create_connection(side, timeout=5)
+body = json.dumps({"d": 5, "rank": 1, "peers": [ds0.addr, ds1.addr]}).encode()   # rank 0 never hands the id
+s.sendall(struct.pack(">q", 5) + _PREPARE_HEAD.pack(-2, len(body)) + body)
+deadline = time.monotonic() + 10
+while 5 not in rank1._comms and time.monotonic() < deadline:
+    time.sleep(0.01)
+comm = rank1._comms[5]
+time.sleep(0.5)
+held = not comm.wait_init(0) and rank1._prepare_slots._value == PREPARE_THREADS - 1
+deadline = time.monotonic() + 10
+while comm.failed is None and time.monotonic() < deadline:
+    time.sleep(0.05)
+time.sleep(0.3)
+freed = rank1._prepare_slots._value == PREPARE_THREADS
+rank1.close()
+for d in (ds0, ds1):
+    d.close()
+print("OK" if held and freed else f"held={held} freed={freed} failed={comm.failed!r}")
+"""
+
+
+def test_a_prepare_slot_is_held_while_its_communicator_sets_itself_up() -> None:
+    """The slots that bound communicators built ahead were released as soon as the build call
+    returned, which is at once (the set-up runs on the communicator's own threads): they bounded
+    nothing. A slot is now held until the set-up ended or failed."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(FAKES)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    out = subprocess.run([sys.executable, "-c", _SLOTS], capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == "OK", out.stdout + out.stderr[-2000:]

@@ -3,24 +3,30 @@
 It keeps the API of CuPy's binding (``cupy_backends/cuda/libs/nccl.pyx``) and the behaviour of
 NCCL that p2pft's failure handling depends on:
 
-* ``get_unique_id()`` starts a bootstrap root in the calling process (as ncclGetUniqueId does)
-  and returns its address in 128 bytes: ``bytes`` as CuPy 14 does, or, with
+* ``get_unique_id()`` starts a bootstrap root in the calling process (as ncclGetUniqueId does),
+  a thread and a listening socket that stay until every rank of the id reached it (never, for an
+  id whose init does not run), and returns its address in 128 bytes: ``bytes`` as CuPy 14 does, or, with
   ``$FAKE_CUPY_VERSION=13``, a tuple of C ``char`` values whose signedness is the platform's
   (signed on x86_64, unsigned on aarch64; ``$FAKE_CHAR_SIGNED`` overrides). CuPy 13's
   ``NcclCommunicator`` takes only such a tuple (``TypeError`` for bytes) and converts each item
   to a C char (``OverflowError`` out of range); CuPy 14's takes only ``bytes`` and a config.
 * ``NcclCommunicator(ndev, commId, rank)`` blocks until all ``ndev`` ranks reached the root
   (rendezvous); two ranks on one device fail all of them with ``ncclInvalidUsage`` ("Duplicate
-  GPU detected"). With ``NCCL_RUNTIME_CONNECT`` unset or 1 (NCCL >= 2.22) peers are connected
-  by the first collective, *inside the host call*, which blocks until every peer has made its
-  first collective too; with 0, inside init.
+  GPU detected"; unless ``$NCCL_HOSTID`` differs: NCCL then takes them for two hosts). With
+  ``NCCL_RUNTIME_CONNECT`` unset or 1 (NCCL >= 2.22) peers are connected algorithm by algorithm
+  (enqueue.cc): the first collective that uses an algorithm (the tree for allreduces under
+  `RING_MIN_BYTES`, the ring for larger ones, allGather and bcast) connects it *inside the host
+  call*, blocking until every peer has done the same; with 0, every algorithm inside init. Like NCCL's parameters, the variable is read once per process, at the first init.
 * Collectives are kernels queued on the caller's stream (the stand-in's streams). A peer's death
-  sets the communicator's async error (``check_async_error`` raises it) and leaves the kernel
-  stuck, as a kernel spinning on a dead peer is, until ``abort()``. Mismatched element counts
+  leaves the kernel stuck, as a kernel spinning on a dead peer is, until ``abort()``; over the
+  network (``NCCL_P2P_DISABLE=1`` and ``NCCL_SHM_DISABLE=1``, or ``NCCL_HOSTID`` set) it also sets
+  the communicator's async error (``check_async_error`` raises it), over P2P/SHM (the default
+  between the stand-in's processes, all on one host) nothing reports it. Mismatched element counts
   across ranks hang the same way (NCCL does not check them).
 * ``abort()`` wakes stuck kernels and host calls and sets the handle to 0; later calls raise
   ``ncclInvalidArgument``. ``destroy()`` waits for the queued kernels first (it never returns
-  while one is stuck).
+  while one is stuck). Both then wait, as NCCL's proxy thread does, for every other rank's
+  process on this host that is stopped (SIGSTOP) to run again.
 * A guard records every call made while another call on the same communicator is in progress
   (``abort`` takes 50 ms and ``check_async_error`` 5 ms: race windows widened so that
   unsynchronised calls do overlap),
@@ -108,21 +114,26 @@ def _to_char(v: Any, signed: bool) -> int:
 
 # ---------------------------------------------------------------------------------- bootstrap root
 def _serve_root(listener: socket.socket) -> None:
-    """Collect every rank's (rank, nranks, device identity, data address); answer all at once."""
-    listener.settimeout(600)
+    """Collect every rank's (rank, nranks, device identity, data address); answer all at once.
+
+    Like NCCL's bootstrap root it never gives up: until every rank of the id has reached it, this
+    thread and its listening socket stay, for the life of the process (`live_roots()` counts them).
+    """
     conns: dict[int, tuple[socket.socket, str, str]] = {}
     nranks = None
     try:
         while nranks is None or len(conns) < nranks:
             c, _ = listener.accept()
-            c.settimeout(600)
+            c.settimeout(None)
             rank, n, ident, addr = _recv_obj(c).split("|")
             nranks = int(n)
             conns[int(rank)] = (c, ident, addr)
-    except OSError:
+    except (OSError, EOFError, ValueError):
         return
     finally:
         listener.close()
+        with _roots_lock:
+            _roots.discard(threading.current_thread())
     idents = [conns[r][1] for r in range(nranks)]
     dup = len(set(idents)) != len(idents)
     table = "DUP" if dup else "|".join(conns[r][2] for r in range(nranks))
@@ -132,6 +143,16 @@ def _serve_root(listener: socket.socket) -> None:
         except OSError:
             pass
         c.close()
+
+
+_roots: set[threading.Thread] = set()
+_roots_lock = threading.Lock()
+
+
+def live_roots() -> int:
+    """Bootstrap roots of this process still waiting for their ranks (a test hook)."""
+    with _roots_lock:
+        return len(_roots)
 
 
 def _send_obj(s: socket.socket, text: str) -> None:
@@ -154,10 +175,46 @@ def _recv_exact(s: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
+_params: dict[str, str] | None = None
+_params_lock = threading.Lock()
+
+
+def _param(name: str, default: str) -> str:
+    """NCCL reads its parameters (environment, nccl.conf) once per process, at the first init
+    (param.h): later changes to the environment do not count."""
+    global _params
+    with _params_lock:
+        if _params is None:
+            _params = {k: v for k, v in os.environ.items() if k.startswith("NCCL_")}
+        return _params.get(name, default)
+
+
+#: messages of at least this many bytes are summed with the ring algorithm, smaller ones with the
+#: tree (NCCL's tuning picks per size and topology; what matters is that both exist)
+RING_MIN_BYTES = 256 * 1024
+_ALGOS = ("tree", "ring")
+
+
+def _algorithm(op: int, nbytes: int) -> str:
+    return "tree" if op == _OP_AR and nbytes < RING_MIN_BYTES else "ring"
+
+
+def _stopped(pid: int) -> bool:
+    """Whether process `pid` (on this host) is stopped (SIGSTOP, a debugger)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
+
+
 def get_unique_id() -> Any:
     listener = socket.create_server(("127.0.0.1", 0))
     port = listener.getsockname()[1]
-    threading.Thread(target=_serve_root, args=(listener,), daemon=True, name="fake-nccl-root").start()
+    th = threading.Thread(target=_serve_root, args=(listener,), daemon=True, name="fake-nccl-root")
+    with _roots_lock:
+        _roots.add(th)
+    th.start()
     raw = _MAGIC + struct.pack("<H", port) + os.urandom(NCCL_UNIQUE_ID_BYTES - len(_MAGIC) - 2)
     if _major() >= 14:
         return raw
@@ -212,12 +269,15 @@ class NcclCommunicator:
         self._outstanding = 0
         self._out_cv = threading.Condition()
         self._seq = 0
-        self._peers: dict[int, socket.socket] = {}
+        self._peers: dict[str, dict[int, socket.socket]] = {}   # algorithm -> rank -> its connection
+        self._stash: dict[tuple[str, int], socket.socket] = {}   # accepted for an algorithm not connecting yet
         self._listener = socket.create_server(("127.0.0.1", 0))
         self._listener.settimeout(_SLICE)
         root_port = struct.unpack_from("<H", raw, len(_MAGIC))[0]
-        ident = fakedevice.DEVICE.identity()
-        me = f"127.0.0.1:{self._listener.getsockname()[1]}"
+        # NCCL compares bus ids of ranks with the same host hash ($NCCL_HOSTID overrides it); the
+        # class's identity, not an instance's: a test that bypasses p2pft's check bypasses only that.
+        ident = f"{_param('NCCL_HOSTID', '')}/{fakedevice.FakeDevice.identity(fakedevice.DEVICE)}"
+        me = f"127.0.0.1:{self._listener.getsockname()[1]}@{os.getpid()}"
         deadline = time.monotonic() + 600
         while True:   # the root may not listen yet? it does: it listens before the id exists
             try:
@@ -239,10 +299,16 @@ class NcclCommunicator:
             self._listener.close()
             self._comm = 0
             raise NcclError(ncclInvalidUsage, "Duplicate GPU detected")
-        self._addrs = table.split("|")
-        self._connected = False
-        if os.environ.get("NCCL_RUNTIME_CONNECT", "1") == "0":
-            self._connect()
+        self._addrs = [a.split("@")[0] for a in table.split("|")]
+        self._pids = [int(a.split("@")[1]) for a in table.split("|")]
+        # Ranks of one host talk over P2P/NVLink or shared memory unless both are disabled (or
+        # NCCL_HOSTID makes them two hosts): a dead peer then leaves the kernel spinning with no
+        # error at all; over the network the proxy reports ncclRemoteError.
+        self._net = (_param("NCCL_HOSTID", "") != "" or
+                     (_param("NCCL_P2P_DISABLE", "0") == "1" and _param("NCCL_SHM_DISABLE", "0") == "1"))
+        if _param("NCCL_RUNTIME_CONNECT", "1") == "0":
+            for algo in _ALGOS:
+                self._connect(algo)
 
     # ------------------------------------------------------------------ guard
     def _enter(self, what: str) -> None:
@@ -259,8 +325,11 @@ class NcclCommunicator:
             self._active.remove(what)
 
     # ------------------------------------------------------------------ connect
-    def _connect(self) -> None:
-        """Connect every pair (lower rank connects); blocks until every peer does the same."""
+    def _connect(self, algo: str) -> None:
+        """Connect every pair for one algorithm (the lower rank connects); blocks until every
+        peer connects that algorithm too (at init, or inside its first collective using it)."""
+        code = _ALGOS.index(algo)
+        peers: dict[int, socket.socket] = {}
         for j in range(self.rank + 1, self.ndev):
             host, port = self._addrs[j].rsplit(":", 1)
             while True:
@@ -268,17 +337,23 @@ class NcclCommunicator:
                     raise NcclError(ncclSystemError, "aborted while connecting")
                 try:
                     s = socket.create_connection((host, int(port)), timeout=_SLICE)
-                    s.sendall(struct.pack("<i", self.rank))
+                    s.sendall(struct.pack("<ii", self.rank, code))
                     got = self._read(s, 4)
                     if got is None:
                         raise NcclError(ncclSystemError, "aborted while connecting")
-                    self._peers[j] = s
+                    peers[j] = s
                     break
                 except (OSError, EOFError):
                     time.sleep(0.01)   # peer not there yet (or dead): NCCL retries
-        while len(self._peers) < self.ndev - 1:
+        while len(peers) < self.ndev - 1:
             if self._aborted.is_set():
                 raise NcclError(ncclSystemError, "aborted while connecting")
+            stashed = [k for k in self._stash if k[0] == algo]
+            if stashed:
+                s = self._stash.pop(stashed[0])
+                s.sendall(b"ok!!")
+                peers[stashed[0][1]] = s
+                continue
             try:
                 s, _ = self._listener.accept()
             except (socket.timeout, TimeoutError):
@@ -286,14 +361,14 @@ class NcclCommunicator:
             except OSError:
                 raise NcclError(ncclSystemError, "aborted while connecting") from None
             s.settimeout(_SLICE)
-            got = self._read(s, 4)
+            got = self._read(s, 8)
             if got is None:
                 raise NcclError(ncclSystemError, "aborted while connecting")
-            s.sendall(b"ok!!")
-            self._peers[struct.unpack("<i", got)[0]] = s
-        for s in self._peers.values():
+            r, c = struct.unpack("<ii", got)
+            self._stash[(_ALGOS[c], r)] = s   # answered when this rank connects that algorithm
+        for s in peers.values():
             s.settimeout(_SLICE)
-        self._connected = True
+        self._peers[algo] = peers
 
     def _read(self, s: socket.socket, n: int) -> bytes | None:
         """n bytes, or None once aborted; EOF raises."""
@@ -329,44 +404,49 @@ class NcclCommunicator:
         self._aborted.wait()
 
     def _exchange(self, op: int, seq: int, payload: bytes, count: int, arg: int, senders: list[int],
-                  receivers: list[int]) -> dict[int, bytes] | None:
+                  receivers: list[int], algo: str = "ring") -> dict[int, bytes] | None:
         """Send payload to `receivers`, read one message from each of `senders`; None when stuck."""
+        conns = self._peers[algo]
         head = _HDR.pack(b"FNCD", op, seq, count, arg, self.rank, len(payload))
 
         def send_all() -> None:
             for j in receivers:
                 try:
-                    if not self._write(self._peers[j], head + payload):
+                    if not self._write(conns[j], head + payload):
                         return
                 except OSError:
-                    self._async_error = ncclRemoteError
+                    self._peer_lost()
                     return
         th = threading.Thread(target=send_all, daemon=True)
         th.start()
         got: dict[int, bytes] = {}
         for j in senders:
             try:
-                h = self._read(self._peers[j], _HDR.size)
+                h = self._read(conns[j], _HDR.size)
                 if h is None:
                     return None
                 _m, op2, seq2, count2, arg2, _r, nbytes = _HDR.unpack(h)
                 if (op2, seq2, count2, arg2) != (op, seq, count, arg):
                     return None           # NCCL does not check: the ranks wait on each other
-                body = self._read(self._peers[j], nbytes)
+                body = self._read(conns[j], nbytes)
                 if body is None:
                     return None
                 got[j] = body
             except (OSError, EOFError):
-                self._async_error = ncclRemoteError
+                self._peer_lost()
                 return None
         th.join()
         return got
 
-    def _launch(self, stream: int, what: str, kernel: Any) -> None:
+    def _peer_lost(self) -> None:
+        if self._net:
+            self._async_error = ncclRemoteError
+
+    def _launch(self, stream: int, what: str, kernel: Any, algo: str) -> None:
         self._enter(what)
         try:
-            if not self._connected:
-                self._connect()       # runtime connect: inside the host call
+            if algo not in self._peers:
+                self._connect(algo)   # runtime connect: inside the host call, per algorithm
             self._seq += 1
             seq = self._seq
             with self._out_cv:
@@ -399,10 +479,12 @@ class NcclCommunicator:
         if op != NCCL_SUM:
             raise NcclError(ncclInvalidArgument, "the stand-in sums only")
 
+        algo = _algorithm(_OP_AR, count * torch.empty(0, dtype=_TORCH[datatype]).element_size())
+        others = [j for j in range(self.ndev) if j != self.rank]
+
         def kernel(seq: int) -> bool:
             mine = self._view(sendbuf, count, datatype).clone()
-            others = list(self._peers)
-            got = self._exchange(_OP_AR, seq, _raw(mine), count, datatype, others, others)
+            got = self._exchange(_OP_AR, seq, _raw(mine), count, datatype, others, others, algo)
             if got is None:
                 return False
             total = torch.zeros(count, dtype=mine.dtype)
@@ -412,14 +494,14 @@ class NcclCommunicator:
                 total += part
             self._view(recvbuf, count, datatype).copy_(total)
             return True
-        self._launch(stream, "allReduce", kernel)
+        self._launch(stream, "allReduce", kernel, algo)
 
     def allGather(self, sendbuf: int, recvbuf: int, count: int, datatype: int, stream: int) -> None:  # noqa: N802
+        others = [j for j in range(self.ndev) if j != self.rank]
+
         def kernel(seq: int) -> bool:
             mine = self._view(sendbuf, count, datatype).clone()
-            others = list(self._peers)
-            got = self._exchange(_OP_AG, seq, _raw(mine), count, datatype, others,
-                                 others)
+            got = self._exchange(_OP_AG, seq, _raw(mine), count, datatype, others, others, "ring")
             if got is None:
                 return False
             out = self._view(recvbuf, count * self.ndev, datatype)
@@ -428,22 +510,23 @@ class NcclCommunicator:
                                                                        count=count)
                 out[r * count:(r + 1) * count].copy_(part)
             return True
-        self._launch(stream, "allGather", kernel)
+        self._launch(stream, "allGather", kernel, "ring")
 
     def bcast(self, buff: int, count: int, datatype: int, root: int, stream: int) -> None:
         def kernel(seq: int) -> bool:
             buf = self._view(buff, count, datatype)
             data = _raw(buf.clone())
             if self.rank == root:
-                got = self._exchange(_OP_BC, seq, data, count, datatype, [], list(self._peers))
+                others = [j for j in range(self.ndev) if j != self.rank]
+                got = self._exchange(_OP_BC, seq, data, count, datatype, [], others, "ring")
                 return got is not None
-            got = self._exchange(_OP_BC, seq, b"", count, datatype, [root], [])
+            got = self._exchange(_OP_BC, seq, b"", count, datatype, [root], [], "ring")
             if got is None:
                 return False
             if got[root]:
                 buf.view(torch.uint8).copy_(torch.frombuffer(bytearray(got[root]), dtype=torch.uint8))
             return True
-        self._launch(stream, "bcast", kernel)
+        self._launch(stream, "bcast", kernel, "ring")
 
     def check_async_error(self) -> None:
         self._enter("check_async_error")
@@ -459,9 +542,10 @@ class NcclCommunicator:
             return
         self._enter("abort")
         try:
-            self._aborted.set()
+            self._aborted.set()   # NCCL's abort flag: kernels spinning on a peer give up first
             self._close_sockets()
             time.sleep(ABORT_S)   # ncclCommAbort tears down proxies and frees memory: it takes a while
+            self._wait_local_peers()
         finally:
             self._leave("abort")
             self._comm = 0
@@ -475,12 +559,21 @@ class NcclCommunicator:
                 while self._outstanding:
                     self._out_cv.wait(_SLICE)
             self._close_sockets()
+            self._wait_local_peers()
         finally:
             self._leave("destroy")
             self._comm = 0
 
+    def _wait_local_peers(self) -> None:
+        """Abort and destroy join NCCL's proxy thread, which waits for the other ranks on the node
+        (NVIDIA/nccl#829, #863): while a peer process here is stopped (SIGSTOP), they do not
+        return. A dead peer (gone from /proc) holds nothing up."""
+        while any(_stopped(pid) for r, pid in enumerate(getattr(self, "_pids", [])) if r != self.rank):
+            time.sleep(_SLICE)
+
     def _close_sockets(self) -> None:
-        for s in list(self._peers.values()) + [self._listener]:
+        socks = [s for conns in self._peers.values() for s in conns.values()] + list(self._stash.values())
+        for s in socks + [self._listener]:
             try:
                 s.close()
             except OSError:
