@@ -25,6 +25,7 @@ import torch
 
 from ..core.view import Role
 from ..runtime import Runtime
+from ..transport.device import SideStream, written_event
 from .attempt import Entry, StepResult
 from .engine import StepEngine, data_server_of
 from .errors import StepTimeout, Stopped
@@ -140,6 +141,7 @@ class DiLoCo(StepEngine):
         self.bufs = self._fragment_buffers(max_slots)
         self.buf = self.bufs[0]
         self.codecs = [PseudoGradCodec(self.codec_kind, b.grad_numel, b.flat.device) for b in self.bufs]
+        self._side = SideStream(self.bufs[0].flat)   # the overlapped sync's stream (a no-op on CPU)
         self._k = 0                  # inner steps run in the current span
         self._base = 0               # engine step at the start of the current span
         self._span_idx: list[int] = []
@@ -271,11 +273,13 @@ class DiLoCo(StepEngine):
         """Take the pseudo-gradient now and reduce it on a thread while inner steps go on."""
         self._load_pseudo_gradient(self.schedule.fragment(self.step))
         self.buf = self.bufs[self.schedule.fragment(self.step)]
+        ready = written_event(self.buf.flat)   # the pseudo-gradient, as this thread's stream wrote it
         out: list[Any] = []
 
         def run() -> None:
-            try:
-                out.append(self.commit_step())
+            try:   # on a stream of its own: neither serialized with training nor racing its writes
+                with self._side.use(after=ready):
+                    out.append(self.commit_step())
             except BaseException as exc:  # handed to the training thread at the span's end
                 out.append(exc)
         self._inflight_out = out
@@ -289,6 +293,7 @@ class DiLoCo(StepEngine):
         if t.is_alive():
             raise StepTimeout(f"the sync of step {self.step} did not end within {self.step_timeout} s")
         self._inflight = None
+        self._side.join(self.buf.flat)   # the training stream waits for the sync's device work
         got = self._inflight_out[0]
         if isinstance(got, BaseException):
             raise got

@@ -63,7 +63,8 @@ class DeviceApi(Protocol):
     def pinned(self, nbytes: int) -> Any: ...                # a uint8 host tensor the copy engine can read/write
     def copy_async(self, dst: Any, src: Any, stream: Stream) -> None: ...
     def zero_async(self, t: Any, stream: Stream) -> None: ...
-    def use_stream(self, stream: Stream) -> contextlib.AbstractContextManager[Any]: ...   # current stream of this thread
+    # the current stream of this thread
+    def use_stream(self, stream: Stream) -> contextlib.AbstractContextManager[Any]: ...
 
 
 class _CudaEvent:

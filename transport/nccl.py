@@ -282,8 +282,9 @@ class NcclCommunicator(Communicator):
         #: the unique id once known (set by the init thread before ncclCommInitRank)
         self.unique_id: bytes | None = self._uid
         self.uid_known = threading.Event()
-        self._star = (StarLinks(epoch=epoch, shard=shard, rank=rank, peers=list(peers), options=options or RingOptions(),
-                                on_error=self._on_star_error) if uid is None and world > 1 and peers is not None else None)
+        star = uid is None and world > 1 and peers is not None
+        self._star = (StarLinks(epoch=epoch, shard=shard, rank=rank, peers=list(peers or ()),
+                                options=options or RingOptions(), on_error=self._on_star_error) if star else None)
         self._api: DeviceApi | None = None
         # NCCL binds the communicator to the calling thread's current CUDA device, which is
         # per thread: remember the caller's so the init thread can select it.

@@ -74,7 +74,8 @@ for e in range(100, 110):
 deadline = time.monotonic() + 5.0
 while time.monotonic() < deadline and (threading.active_count() > base_th + 2 or fds() > base_fd + 2):
     time.sleep(0.05)
-out.update(sums=sums, roots=nccl.live_roots(), fd_growth=fds() - base_fd, thread_growth=threading.active_count() - base_th)
+out.update(sums=sums, roots=nccl.live_roots(), fd_growth=fds() - base_fd,
+           thread_growth=threading.active_count() - base_th)
 for s in servers:
     s.close()
 print(json.dumps(out))

@@ -16,7 +16,8 @@ NCCL that p2pft's failure handling depends on:
   ``NCCL_RUNTIME_CONNECT`` unset or 1 (NCCL >= 2.22) peers are connected algorithm by algorithm
   (enqueue.cc): the first collective that uses an algorithm (the tree for allreduces under
   `RING_MIN_BYTES`, the ring for larger ones, allGather and bcast) connects it *inside the host
-  call*, blocking until every peer has done the same; with 0, every algorithm inside init. Like NCCL's parameters, the variable is read once per process, at the first init.
+  call*, blocking until every peer has done the same; with 0, every algorithm inside init. Like NCCL's
+  parameters, the variable is read once per process, at the first init.
 * Collectives are kernels queued on the caller's stream (the stand-in's streams). A peer's death
   leaves the kernel stuck, as a kernel spinning on a dead peer is, until ``abort()``; over the
   network (``NCCL_P2P_DISABLE=1`` and ``NCCL_SHM_DISABLE=1``, or ``NCCL_HOSTID`` set) it also sets
