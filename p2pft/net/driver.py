@@ -36,7 +36,7 @@ from ..core import codec
 from ..core.config import DEFAULT, Profile
 from ..core.meta import NodeSpec
 from ..core.node import Node
-from ..core.view import View
+from ..core.view import Role, View
 from ..ops.log import set_context
 from ..ops.observe import Observer
 from ..transport.addr import is_wildcard, join_hostport, parse_hostport, reachable_host
@@ -466,9 +466,14 @@ class NodeServer:
         return members_report(self.node, self.view_wall_time)
 
 
+#: one letter per role in a view's log line ("paused" must not read as a participant's "p")
+ROLE_LETTER = {Role.PARTICIPANT: "p", Role.JOINER: "j", Role.WITNESS: "w", Role.PAUSED: "z"}
+
+
 def _describe(view: View) -> str:
     voters = set(view.voters)
-    return " ".join(f"{m.replica_id}({m.role.value[0]}{'*' if m.voter_id in voters else ''})" for m in view.members)
+    return " ".join(f"{m.replica_id}({ROLE_LETTER.get(m.role, '?')}{'*' if m.voter_id in voters else ''})"
+                    for m in view.members)
 
 
 def _fmt_peer(peer: Any) -> str:
