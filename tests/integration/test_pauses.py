@@ -185,3 +185,21 @@ def test_one_leader_per_step_over_many_leader_pauses(tmp_path: Path) -> None:
     assert not double, f"steps with two leaders: {double}"
     ends = {n: [r for r in records(rs.stats[n]) if r.get("kind") == "exit"][-1] for n in ("r0", "r1", "r2")}
     assert len({e.get("digest") for e in ends.values()}) == 1, ends
+
+
+def test_a_lone_participant_pausing_at_the_last_step_finishes(tmp_path: Path) -> None:
+    """The only participant evaluates in a pause every 10 steps, the last one at the job's last
+    step: it comes back as the participant, the end barrier counts it, and it exits 0 at the
+    job's end (before, it came back as a joiner and finish() ran into its timeout)."""
+    base = ["--steps", "20", "--leader-eval-every", "10", "--leader-eval-s", "1", "--initial-state", "check", *FAST]
+    rs = Replicas(tmp_path, 1, base, witnesses=1)
+    rs.spawn_witness(0)
+    rs.spawn(0, "r0")
+    try:
+        rs.wait(lambda: rs.procs["r0"].poll() is not None, 60, "the job to finish", allow_exit=("r0",))
+    finally:
+        rcs = rs.stop_all()
+    assert rcs["r0"] == 0, (tmp_path / "r0.log").read_text()[-2000:]
+    evals = [r["step"] for r in records(rs.stats["r0"]) if r.get("event") == "leader_eval"]
+    assert evals == [10, 20], evals
+    assert [r for r in records(rs.stats["r0"]) if r.get("event") == "finished"][0]["step"] == 20
