@@ -99,7 +99,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--amp", choices=["bf16", "fp16", "off"], default="bf16")
     p.add_argument("--workers", type=int, default=2, help="DataLoader worker processes")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
-    p.add_argument("--data-dir", default=None, help="where the token file is written once (default: the cache)")
+    p.add_argument("--token-dir", default=None,
+                   help="where the token file is written once (default: the cache; --data-dir is the node's state)")
     p.add_argument("--stats", default=None, help="JSON-lines file for per-step records")
     p.add_argument("--loss-every", type=int, default=1, help="write the training loss every N steps")
     p.add_argument("--final-weights", default=None, help="torch.save the parameters here at exit")
@@ -472,7 +473,7 @@ def ft_options(args: argparse.Namespace) -> dict[str, Any]:
 # ---------------------------------------------------------------------- the two loops
 def train_plain(args: argparse.Namespace, r: Recipe, mon: Monitor) -> None:
     import torch
-    model, opt, sched, scaler, data = build(r, args.data_dir)
+    model, opt, sched, scaler, data = build(r, args.token_dir)
     # (A map-style dataset: the DataLoader needs __len__/__getitem__, not the Dataset class.)
     dataset = cast("torch.utils.data.Dataset[torch.Tensor]", data)
     batches = iter(torch.utils.data.DataLoader(dataset, batch_size=r.batch, sampler=Endless(len(data)),
@@ -501,7 +502,7 @@ def train_plain(args: argparse.Namespace, r: Recipe, mon: Monitor) -> None:
 def train_ft(args: argparse.Namespace, r: Recipe, mon: Monitor) -> None:
     from p2pft.trainer import FaultTolerant, Stopped
     from p2pft.trainer.loader import StepLoader
-    model, opt, sched, scaler, data = build(r, args.data_dir)
+    model, opt, sched, scaler, data = build(r, args.token_dir)
     rt = start_runtime(args)
     ft = FaultTolerant(rt, model, opt, batch_per_replica=r.batch, nominal_replicas=r.replicas, lr_policy=r.lr_policy,
                        lr_scheduler=sched, grad_scaler=scaler, grad_hook=lambda: clip(model, r), **ft_options(args))
