@@ -63,6 +63,9 @@ class ShardComms:
         self._side_slots = threading.BoundedSemaphore(SIDE_CONNECTIONS)
         self._prepare_slots = threading.BoundedSemaphore(PREPARE_THREADS)
         self._closed = threading.Event()
+        # The first refusal no retry can fix, kept after its communicator is replaced: a job
+        # whose peer went away after the refusal must still hear of it (``unusable``).
+        self._refused: SharedDevice | None = None
 
     # ------------------------------------------------------------------ communicators
     def get(self, d: int, rank: int, peers: list[str]) -> Any:
@@ -79,6 +82,7 @@ class ShardComms:
                 old = [self._comms.pop(k) for k in [k for k in self._comms if k <= d]]
                 for k in [k for k in self._keys if k <= d]:
                     del self._keys[k]
+                self._keep_refusal(old)
             for c in old:
                 c.abort(f"replaced by data epoch {d}")
                 c.close()
@@ -137,8 +141,13 @@ class ShardComms:
         """A communicator's failure that no retry can fix (two ranks on one device under an
         explicit 'nccl'), seen by a prepared communicator before any attempt asked for one."""
         with self._lock:
-            comms = list(self._comms.values())
-        return next((c.failed for c in comms if isinstance(c.failed, SharedDevice)), None)
+            self._keep_refusal(self._comms.values())
+            return self._refused
+
+    def _keep_refusal(self, comms: Any) -> None:
+        """Under the lock: remember the first SharedDevice refusal among `comms`."""
+        if self._refused is None:
+            self._refused = next((c.failed for c in comms if isinstance(c.failed, SharedDevice)), None)
 
     def abort_below(self, d: int) -> None:
         with self._lock:

@@ -247,7 +247,17 @@ class JobLife:
                             o.start_timeout, len(view.participants))
         if self.port.step == 0 and not view.high_water and not view.participants:
             log.info("no replica holds any state of this job: starting a new job at step 0")
+        self._raise_if_unusable()   # e.g. a refusal seen while the group formed, by a peer since gone
         return self._initial_plan()
+
+    def _raise_if_unusable(self) -> None:
+        """Rank 0: the data plane can never work for this job (one of its communicators was
+        refused for good, say explicit NCCL with two replicas on one device): say so, stop."""
+        broken = self.port.comms.unusable()
+        if broken is not None:
+            err = DataPlaneError(f"the data plane cannot work for this job: {type(broken).__name__}: {broken}")
+            log.error("%s", err)
+            raise err
 
     def _wait(self, pred: Callable[[View], bool], deadline: float, what: str, fail: bool = True) -> View:
         rt = self.rt
@@ -387,11 +397,7 @@ class JobLife:
         rt, p = self.rt, self.port
         if p.stopping:
             raise Stopped("stop requested")
-        broken = p.comms.unusable()
-        if broken is not None:   # the data plane can never work here: say so, do not wait for the lead
-            err = DataPlaneError(f"the data plane cannot work for this job: {type(broken).__name__}: {broken}")
-            log.error("%s", err)
-            raise err
+        self._raise_if_unusable()   # the data plane can never work here: do not wait for the lead
         if any(unreachable for unreachable, _ in errors):
             # Evidence like a failed ring connect: a lead whose data port we cannot reach is
             # probed and, past the bound, left out, and the next view names another.
