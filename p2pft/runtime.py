@@ -227,7 +227,7 @@ class Runtime:
 
     def _on_view(self, view: View) -> None:
         """Loop thread: publish the view. The communicators it supersedes are the trainer's to
-        retire (trainer/comms.py follows the views and aborts them)."""
+        retire (trainer/kernel/comms.py follows the views and aborts them)."""
         self._view = view
         d = view.data_epoch
         self.view_log.append((time.time(), view.epoch, d))

@@ -10,7 +10,7 @@ import sys
 import time
 from typing import Any, TextIO
 
-from .attempt import StepResult
+from .kernel.attempt import StepResult
 
 EVENTS = {"catchup_start": "catching up from a snapshot", "catchup_fetch": "pulling a snapshot",
           "catchup_done": "caught up", "fast_forward": "fast-forwarded", "excluded": "left out of a view",

@@ -9,7 +9,7 @@ commit; a ``begin`` line written before the commit stands in for a contributor t
 between applying the step and writing its line). It then trains from the same initial weights
 (same seed): for each step, each contributor's batch in slot order, with the same micro-batching,
 gives a gradient; their sum over the contributor count is the mean gradient; then, written here
-in plain PyTorch rather than imported, what ``trainer/optstep.py`` does: ``GradScaler`` unscale,
+in plain PyTorch rather than imported, what ``trainer/kernel/optstep.py`` does: ``GradScaler`` unscale,
 clipping, the scheduler's lr times the contributor factor for that step only, AdamW, the
 scheduler's step. The learning rate is recomputed from the schedule, never read from the stats
 (which are compared with it instead). The result is compared with the final weights a surviving
@@ -110,7 +110,7 @@ def replay(history: History, targets: dict[str, tuple[int, dict[str, Any]]],
     import torch
 
     from ..trainer.examples.gpt import Recipe, build, clip, forward_backward
-    from ..trainer.stepbuf import StepBuffer
+    from ..trainer.kernel.stepbuf import StepBuffer
     t0 = time.monotonic()
     r = Recipe.from_dict(history.recipe)
     last = max((s for s, _ in targets.values()), default=0)
@@ -153,7 +153,7 @@ def replay(history: History, targets: dict[str, tuple[int, dict[str, Any]]],
 
 
 def _optimizer_step(opt: Any, sched: Any, scaler: Any, hook: Any, r: Any, count: int, peak: int) -> float:
-    """One step as trainer/optstep.py defines it; returns the lr of param group 0 it ran with."""
+    """One step as trainer/kernel/optstep.py defines it; returns the lr of param group 0 it ran with."""
     factor = lr_factor(r.lr_policy, count, r.replicas if r.replicas else max(peak, count))
     if scaler is not None:
         scaler.unscale_(opt)

@@ -40,8 +40,8 @@ def replay_diloco(history: History, targets: dict[str, tuple[int, dict[str, Any]
     import torch
 
     from ..trainer.examples.gpt import Recipe, build, clip, forward_backward, optimizer
-    from ..trainer.outer import outer_sgd
-    from ..trainer.stepbuf import StepBuffer
+    from ..trainer.algorithms.outer import outer_sgd
+    from ..trainer.kernel.stepbuf import StepBuffer
     t0 = time.monotonic()
     r = Recipe.from_dict(history.recipe)
     h = r.sync_every
@@ -102,7 +102,7 @@ def replay_diloco(history: History, targets: dict[str, tuple[int, dict[str, Any]
 
 def _span(inner: _Inner, glob: Any, first: int, c: Contribution, h: int, r: Any, data: Any,
           clip: Any, forward_backward: Any) -> None:
-    """One process's span from the global weights: H inner steps as trainer/optstep.py takes
+    """One process's span from the global weights: H inner steps as trainer/kernel/optstep.py takes
     them (unscale, clip, AdamW, the schedule's step), written out here."""
     import torch
     with torch.no_grad():

@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from p2pft.trainer.data import TextDataset
     from p2pft.trainer.model import model_config_for
-    from p2pft.trainer.state import state_digest
+    from p2pft.trainer.state.whole import state_digest
 
     torch.set_num_threads(args.threads)
     stats = Stats(args.stats)

@@ -113,7 +113,7 @@ class JobPlanner:
         only after a grace period for one to come back: from the best checkpoint, loudly, and
         from step 0 (a new model: every step of the job lost) only when a trainer was started
         with ``allow_restart_from_scratch``. The high water then starts again from there.
-        Otherwise nobody trains, and the trainers refuse, naming the step (trainer/job.py)."""
+        Otherwise nobody trains, and the trainers refuse, naming the step (trainer/job/life.py)."""
         if self._headless_since is None:
             self._headless_since = now
         # A paused trainer holds the committed state of its step, so it counts here; one whose

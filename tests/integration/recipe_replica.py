@@ -22,7 +22,7 @@ from p2pft import Runtime
 from p2pft.ops.log import setup_logging
 from p2pft.trainer import FaultTolerant, Stopped
 from p2pft.trainer.examples.signals import StopOnSignal
-from p2pft.trainer.loader import StepLoader
+from p2pft.trainer.data.loader import StepLoader
 
 WIDTH = 16
 BASE_LR = 0.05

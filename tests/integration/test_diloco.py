@@ -86,7 +86,7 @@ def _oracle(rs: DiLoCoReplicas, final: tuple[str, ...], h: int, batch: int = 4) 
     sys.path.insert(0, str(HERE))
     from diloco_replica import LR, build, sample
 
-    from p2pft.trainer.outer import outer_sgd
+    from p2pft.trainer.algorithms.outer import outer_sgd
     by_sync: dict[int, list[tuple[str, list[tuple[int, int]]]]] = {}
     for name in rs.stats:
         for r in rs.syncs(name):

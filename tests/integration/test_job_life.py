@@ -1,4 +1,4 @@
-"""A job's start and end with real replica processes of the example job (trainer/job.py):
+"""A job's start and end with real replica processes of the example job (trainer/job/life.py):
 different seeds at step 0 and a restart after the job finished (one job), a late joiner with another
 seed, every replica dead with
 no checkpoint, the side-work leader across a kill, and the end barrier with a replica that joined late."""
@@ -234,7 +234,7 @@ def test_sigterm_while_forming_and_while_training_exits_0(tmp_path: Path) -> Non
 LOOP_LAST_STEP_FAILS = """
 import logging, runpy
 from p2pft.ops.log import setup_logging
-from p2pft.trainer.engine import StepEngine
+from p2pft.trainer.kernel.engine import StepEngine
 from p2pft.transport import PeerFailed
 setup_logging('INFO')
 _reduce, fired = StepEngine._reduce, []

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 from replica_harness import ProcessSet, ports, records
 
-from p2pft.trainer.checkpoints import checkpoint_steps
+from p2pft.trainer.state.checkpoints import checkpoint_steps
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -157,7 +157,7 @@ def _plain_load_digest(path: Path) -> str:
     code = (
         "import sys, torch, torch.distributed.checkpoint as dcp\n"
         "from p2pft.trainer.model import model_config_for\n"
-        "from p2pft.trainer.state import params_digest\n"
+        "from p2pft.trainer.state.whole import params_digest\n"
         "model = model_config_for('tiny').build()\n"
         "sd = {'model': model.state_dict()}\n"
         "dcp.load(sd, checkpoint_id=sys.argv[1], no_dist=True)\n"

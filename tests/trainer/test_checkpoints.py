@@ -13,8 +13,8 @@ import torch.distributed.checkpoint as dcp
 
 from p2pft import Runtime
 from p2pft.trainer import FaultTolerant
-from p2pft.trainer.checkpoints import checkpoint_steps
-from p2pft.trainer.state import params_digest
+from p2pft.trainer.state.checkpoints import checkpoint_steps
+from p2pft.trainer.state.whole import params_digest
 
 
 class Counter:

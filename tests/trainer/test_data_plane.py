@@ -53,7 +53,7 @@ def test_state_requests_round_trip_and_malformed_ones_are_refused() -> None:
     """The requests replicas send each other are typed on both sides of the wire edge."""
     import pytest as _pytest
 
-    from p2pft.trainer.requests import RequestKind, StateRequest
+    from p2pft.trainer.kernel.requests import RequestKind, StateRequest
     for req in (StateRequest.snapshot(7, 1), StateRequest.grads(3, 5, 0), StateRequest.signature(9),
                 StateRequest.initial(True), StateRequest.initial(False)):
         assert StateRequest.from_wire(req.to_wire()) == req

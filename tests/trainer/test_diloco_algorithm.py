@@ -18,7 +18,7 @@ import torch
 from p2pft import Runtime
 from p2pft.deploy.ports import free_ports
 from p2pft.trainer import DiLoCo
-from p2pft.trainer.outer import outer_sgd
+from p2pft.trainer.algorithms.outer import outer_sgd
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
 B = 2
@@ -92,7 +92,7 @@ def reference(trained: list[list[list[tuple[int, int]]]], h: int, fragments: int
     glob = net()
     params = list(glob.parameters())
     outer = outer_sgd(params)
-    from p2pft.trainer.outer import split_fragments
+    from p2pft.trainer.algorithms.outer import split_fragments
     groups = split_fragments(params, fragments)
     span = h // fragments
     local = [copy.deepcopy(glob) for _ in trained]

@@ -12,8 +12,8 @@ from torch.distributed.fsdp import fully_shard
 
 from p2pft.deploy.ports import free_ports
 from p2pft.trainer.model import ModelConfig
-from p2pft.trainer.shardstate import capture_shard, restore_shard, shard_digest
-from p2pft.trainer.stepbuf import StepBuffer, local
+from p2pft.trainer.state.shard import capture_shard, restore_shard, shard_digest
+from p2pft.trainer.kernel.stepbuf import StepBuffer, local
 
 CFG = ModelConfig(vocab_size=32, d_model=16, n_layers=1, n_heads=2, seq_len=8)
 

@@ -85,7 +85,7 @@ def test_bad_job_options_are_one_clear_error(kw: dict) -> None:
                                      ({"nominal_replicas": 0}, "nominal_replicas"),
                                      ({"lr_policy": "cube"}, "lr_policy|cube")])
 def test_bad_engine_options_name_the_option(kw: dict, name: str) -> None:
-    """The grouped options (trainer/options.py) still name the keyword the user wrote."""
+    """The grouped options (trainer/kernel/options.py) still name the keyword the user wrote."""
     rt = Runtime(replica_id="r0", data_plane="tcp", comm_timeout=10.0).start()
     try:
         model, opt = _model()

@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from p2pft.trainer.lr import LRPolicy, lr_scale
+from p2pft.trainer.kernel.lr import LRPolicy, lr_scale
 
 
 @pytest.mark.parametrize(

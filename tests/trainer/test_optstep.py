@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from p2pft.trainer.optstep import OptimizerStep
-from p2pft.trainer.userstate import UserState
+from p2pft.trainer.kernel.optstep import OptimizerStep
+from p2pft.trainer.state.user import UserState
 
 
 def _setup(lr: float | torch.Tensor = 0.1):

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from p2pft.trainer.outer import FragmentSchedule, merge, outer_sgd, pseudo_gradient, split_fragments
+from p2pft.trainer.algorithms.outer import FragmentSchedule, merge, outer_sgd, pseudo_gradient, split_fragments
 
 
 def test_outer_sgd_is_nesterov_on_the_pseudo_gradient() -> None:

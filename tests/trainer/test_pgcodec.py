@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from p2pft.trainer.pgcodec import (INT8_BLOCK, Compression, block_absmax, decode_digits, dequantize_blocks,
+from p2pft.trainer.algorithms.pgcodec import (INT8_BLOCK, Compression, block_absmax, decode_digits, dequantize_blocks,
                                    digit_range, encode_digits, quantize_blocks, shared_scales)
 
 

@@ -10,7 +10,7 @@ from torch import nn
 
 from p2pft.trainer.data import TextDataset
 from p2pft.trainer.model import TinyLM
-from p2pft.trainer.state import capture, restore, state_digest
+from p2pft.trainer.state.whole import capture, restore, state_digest
 
 
 SEQ = 16

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from p2pft.trainer.stepbuf import MAX_EXACT_STEP, SlotCollisionError, StepBuffer
+from p2pft.trainer.kernel.stepbuf import MAX_EXACT_STEP, SlotCollisionError, StepBuffer
 from p2pft.trainer.model import TinyLM
 
 

@@ -12,8 +12,8 @@ import copy
 import pytest
 import torch
 
-from p2pft.trainer.stepbuf import StepBuffer
-from p2pft.trainer.state import state_digest
+from p2pft.trainer.kernel.stepbuf import StepBuffer
+from p2pft.trainer.state.whole import state_digest
 
 
 def _model(seed: int = 0) -> torch.nn.Module:

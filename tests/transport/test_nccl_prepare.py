@@ -21,7 +21,7 @@ _SCRIPT = r"""
 import torch
 from p2pft.transport import DataServer
 from p2pft.transport.backend import Backend
-from p2pft.trainer.comms import ShardComms
+from p2pft.trainer.kernel.comms import ShardComms
 from p2pft.core.view import Member, Role, View
 
 ds = DataServer("127.0.0.1", 0, secret=b"s")
@@ -66,7 +66,7 @@ _RANKS = r"""
 import socket, struct, time
 from p2pft.transport import DataServer
 from p2pft.transport.backend import Backend
-from p2pft.trainer.comms import ShardComms, _PREPARE_HEAD
+from p2pft.trainer.kernel.comms import ShardComms, _PREPARE_HEAD
 from p2pft.core.view import Member, Role, View
 
 ds0, ds1 = DataServer("127.0.0.1", 0, secret=b"s"), DataServer("127.0.0.1", 0, secret=b"s")
@@ -115,7 +115,7 @@ _SLOTS = r"""
 import socket, struct, time
 from p2pft.transport import DataServer
 from p2pft.transport.backend import Backend
-from p2pft.trainer.comms import PREPARE_THREADS, ShardComms, _PREPARE_HEAD
+from p2pft.trainer.kernel.comms import PREPARE_THREADS, ShardComms, _PREPARE_HEAD
 import json
 
 ds0, ds1 = DataServer("127.0.0.1", 0, secret=b"s"), DataServer("127.0.0.1", 0, secret=b"s")

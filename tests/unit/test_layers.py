@@ -111,7 +111,7 @@ def test_the_checker_sees_a_cycle_and_a_wrong_direction(tmp_path: Path) -> None:
     known = {"p2pft.a", "p2pft.b"}
     assert _imports("p2pft.a", tmp_path / "a.py", known) == {"p2pft.b"}
     assert _imports("p2pft.b", tmp_path / "b.py", known) == {"p2pft.a"}
-    assert RANK[_layer("p2pft.trainer.ft")] > RANK[_layer("p2pft.runtime")] > RANK[_layer("p2pft.transport.tcp")]
+    assert RANK[_layer("p2pft.trainer.kernel")] > RANK[_layer("p2pft.runtime")] > RANK[_layer("p2pft.transport.tcp")]
 
 
 def _foreign_imports(path: Path) -> set[str]:

@@ -12,7 +12,7 @@ from p2pft.ops.metrics import parse_metrics_addr
 from p2pft.trainer.metrics import StepMetrics, state_bytes
 from p2pft.ops.observe import family, rejected_counts
 from p2pft.ops.top import build_frame, render_plain
-from p2pft.trainer.ft import StepResult
+from p2pft.trainer.algorithms.ft import StepResult
 from p2pft.core.view import View
 
 

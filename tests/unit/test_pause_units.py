@@ -10,9 +10,9 @@ import time
 import pytest
 
 from p2pft.core.step import IDLE_BACKOFF_MAX_S, IDLE_PAUSE_S, idle_backoff
-from p2pft.trainer.donor import SnapshotRequests
-from p2pft.trainer.recent import RecentSteps, step_signature
-from p2pft.trainer.recovery import LogLimiter
+from p2pft.trainer.recovery.donor import SnapshotRequests
+from p2pft.trainer.recovery.recent import RecentSteps, step_signature
+from p2pft.trainer.kernel.retry import LogLimiter
 from p2pft.transport.stream import StateSnapshot
 
 
@@ -138,7 +138,7 @@ def test_back_from_a_pause_compares_its_last_step_with_a_peer_over_the_data_port
     of the step: the first that knows it decides; nobody knowing it is no divergence."""
     from types import SimpleNamespace
 
-    from p2pft.trainer.pause import last_step_agreed
+    from p2pft.trainer.job.pause import last_step_agreed
     from p2pft.transport import DataServer
     from p2pft.core.view import Member, Role, View
 

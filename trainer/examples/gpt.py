@@ -43,9 +43,9 @@ if TYPE_CHECKING:  # imported where used: the arguments parse before torch loads
     import torch
 
     from p2pft.runtime import Runtime
-    from p2pft.trainer.attempt import StepResult
+    from p2pft.trainer.kernel.attempt import StepResult
     from p2pft.trainer.model import TinyLM
-    from p2pft.trainer.tokens import TokenFile
+    from p2pft.trainer.data.tokens import TokenFile
 
 T_START = time.time()
 CORPUS_VERSION = 1
@@ -151,7 +151,7 @@ def token_file(data_dir: str | None = None) -> Path:
     replicas starting together never see a half-written file)."""
     import numpy as np
 
-    from p2pft.trainer.tokens import write_tokens
+    from p2pft.trainer.data.tokens import write_tokens
     root = Path(data_dir or os.environ.get("P2PFT_CACHE") or Path.home() / ".cache" / "p2pft")
     path = root / f"pydoc-topics-v{CORPUS_VERSION}.u16"
     data = corpus_text().encode("utf-8")
@@ -196,7 +196,7 @@ def build(r: Recipe, data_dir: str | None = None) -> tuple[TinyLM, torch.optim.A
     import torch
 
     from p2pft.trainer.model import ModelConfig
-    from p2pft.trainer.tokens import TokenFile
+    from p2pft.trainer.data.tokens import TokenFile
     torch.manual_seed(r.seed)
     model = ModelConfig(256, r.d_model, r.n_layers, r.n_heads, r.seq_len).build()
     opt, sched = optimizer(model, r)
@@ -501,7 +501,7 @@ def train_plain(args: argparse.Namespace, r: Recipe, mon: Monitor) -> None:
 
 def train_ft(args: argparse.Namespace, r: Recipe, mon: Monitor) -> None:
     from p2pft.trainer import FaultTolerant, Stopped
-    from p2pft.trainer.loader import StepLoader
+    from p2pft.trainer.data.loader import StepLoader
     model, opt, sched, scaler, data = build(r, args.token_dir)
     rt = start_runtime(args)
     ft = FaultTolerant(rt, model, opt, batch_per_replica=r.batch, nominal_replicas=r.replicas, lr_policy=r.lr_policy,

@@ -21,7 +21,7 @@ def train_diloco(args: argparse.Namespace, r: Any, mon: Any, recipe: SimpleNames
     import torch
 
     from p2pft.trainer import DiLoCo, Stopped
-    from p2pft.trainer.outer import outer_sgd
+    from p2pft.trainer.algorithms.outer import outer_sgd
     model, opt, sched, scaler, data = recipe.build(r, args.token_dir)
     rt = recipe.start_runtime(args)
     dl = DiLoCo(rt, model, opt, sync_every=r.sync_every, batch_per_replica=r.batch,

@@ -113,8 +113,8 @@ def worker(args: argparse.Namespace) -> int:
     from p2pft.ops.log import setup_logging
     from p2pft.trainer.metrics import StepMetrics
     from p2pft.trainer.data import TextDataset
-    from p2pft.trainer.errors import JobError, Stopped
-    from p2pft.trainer.hsdp import HSDP
+    from p2pft.trainer.kernel.errors import JobError, Stopped
+    from p2pft.trainer.algorithms.hsdp import HSDP
     from p2pft.trainer.progress import Progress
     from p2pft.trainer.model import model_config_for
     from p2pft.net.wire import load_secret

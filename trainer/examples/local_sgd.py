@@ -18,12 +18,12 @@ from typing import Any
 import torch
 
 from p2pft.runtime import Runtime
-from p2pft.trainer.attempt import StepResult
-from p2pft.trainer.engine import StepEngine, data_server_of
-from p2pft.trainer.ft import WHOLE_STATE
-from p2pft.trainer.group import LocalGroup
-from p2pft.trainer.job import JobOptions
-from p2pft.trainer.options import CheckpointOptions, DataPlaneOptions, EngineOptions, Timeouts
+from p2pft.trainer.kernel.attempt import StepResult
+from p2pft.trainer.kernel.engine import StepEngine, data_server_of
+from p2pft.trainer.algorithms.ft import WHOLE_STATE
+from p2pft.trainer.kernel.group import LocalGroup
+from p2pft.trainer.job.life import JobOptions
+from p2pft.trainer.kernel.options import CheckpointOptions, DataPlaneOptions, EngineOptions, Timeouts
 
 
 class AverageWeights(torch.optim.Optimizer):
@@ -89,7 +89,7 @@ def main() -> int:
 
     from p2pft.deploy.job_args import add_job_args, job_kwargs
     from p2pft.ops.log import setup_logging
-    from p2pft.trainer.errors import JobError
+    from p2pft.trainer.kernel.errors import JobError
 
     p = argparse.ArgumentParser(description="a local-SGD replica of a small regression job")
     for flag, default in (("--replica-id", None), ("--listen", None), ("--seeds", ""), ("--stats", None)):

@@ -127,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     from p2pft.ops.log import setup_logging
     from p2pft.trainer.metrics import StepMetrics
     from p2pft.trainer import FaultTolerant
-    from p2pft.trainer.ft import InitialStateMismatch, JobConfigError, MissingStateError, StepTimeout, Stopped
+    from p2pft.trainer.algorithms.ft import (InitialStateMismatch, JobConfigError, MissingStateError, StepTimeout,
+                                             Stopped)
     from p2pft.trainer.progress import Progress
     from p2pft.trainer.data import TextDataset
     from p2pft.trainer.model import build_mlp_for_params, model_config_for

@@ -21,9 +21,9 @@ import queue
 import threading
 from typing import Any, Callable
 
-from ..transport.stream import StateSnapshot
-from .ports import DonorPort
-from .requests import RequestKind, StateRequest
+from ...transport.stream import StateSnapshot
+from ..kernel.ports import DonorPort
+from ..kernel.requests import RequestKind, StateRequest
 
 CATCHUP_NICE = 10  # weight ~1/10 of a normal thread: catch-up still progresses on a busy host
 # The donor's stream runs at the lowest priority (weight 15 against a training thread's 1024,

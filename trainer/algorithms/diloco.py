@@ -23,22 +23,22 @@ from typing import Any, Callable
 
 import torch
 
-from ..core.view import Role
-from ..runtime import Runtime
-from ..transport.device import SideStream, written_event
-from .attempt import Entry, StepResult
-from .engine import StepEngine, data_server_of
-from .errors import StepTimeout, Stopped
+from ...core.view import Role
+from ...runtime import Runtime
+from ...transport.device import SideStream, written_event
+from ..kernel.attempt import Entry, StepResult
+from ..kernel.engine import StepEngine, data_server_of
+from ..kernel.errors import StepTimeout, Stopped
 from .ft import WHOLE_STATE
-from .group import LocalGroup
-from .job import JobOptions
-from .options import (DILOCO_LOOP_TIMEOUT_S, Capacity, CheckpointOptions, DataPlaneOptions, EngineOptions, Timeouts,
-                      UpdateRule)
-from .optstep import GradHook, OptimizerStep
+from ..kernel.group import LocalGroup
+from ..job.life import JobOptions
+from ..kernel.options import (DILOCO_LOOP_TIMEOUT_S, Capacity, CheckpointOptions, DataPlaneOptions, EngineOptions,
+                              Timeouts, UpdateRule)
+from ..kernel.optstep import GradHook, OptimizerStep
 from .outer import FragmentSchedule, merge, outer_sgd, pseudo_gradient, split_fragments
 from .pgcodec import Compression, PseudoGradCodec
-from .stepbuf import StepBuffer
-from .userstate import Stateful
+from ..kernel.stepbuf import StepBuffer
+from ..state.user import Stateful
 
 log = logging.getLogger(__name__)
 

@@ -25,9 +25,9 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.dataloader import default_collate
 
-from ..deploy.procs import die_with_parent
+from ...deploy.procs import die_with_parent
 from .cursor import DataCursor
-from .engine import StepEngine
+from ..kernel.engine import StepEngine
 
 Key = tuple[int, int, int]   # (prediction generation, step, sample index)
 

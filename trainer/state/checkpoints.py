@@ -34,8 +34,8 @@ from typing import Any, Iterator, Protocol
 import msgpack
 import torch
 
-from .options import CheckpointOptions
-from .ports import ReplicaState
+from ..kernel.options import CheckpointOptions
+from ..kernel.ports import ReplicaState
 
 log = logging.getLogger(__name__)
 

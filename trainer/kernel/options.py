@@ -13,10 +13,10 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
-from ..runtime import COMM_TIMEOUT_S
-from .job import JobOptions
+from ...runtime import COMM_TIMEOUT_S
+from ..job.life import JobOptions
 from .optstep import GradHook
-from .userstate import Stateful
+from ..state.user import Stateful
 
 RANK_TIMEOUT_S = 10.0       # a rank silent for this long takes its replica down
 # DiLoCo's loop may sit in one sync up to its (longer) communicator timeout: a longer default.
@@ -127,7 +127,7 @@ class EngineOptions:
     data: DataPlaneOptions = field(default_factory=DataPlaneOptions)
     state: Mapping[str, Stateful] = field(default_factory=dict)   # registered user state, by name
     on_rank_lost: Callable[[int, float], None] = exit_replica
-    job: JobOptions = field(default_factory=JobOptions)     # the job's life (``job.py``)
+    job: JobOptions = field(default_factory=JobOptions)     # the job's life (``job/life.py``)
     checkpoint: CheckpointOptions | None = None
 
 

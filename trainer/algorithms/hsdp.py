@@ -15,19 +15,20 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from ..runtime import Runtime
-from ..transport import DataServer
-from ..transport.addr import advertised, data_bind_host
-from .attempt import StepResult
-from .engine import StepEngine
-from .errors import StepTimeout, Stopped
-from .group import DistGroup
-from .job import JobOptions
-from .options import Capacity, CheckpointOptions, DataPlaneOptions, EngineOptions, Timeouts, UpdateRule, exit_replica
-from .state_io import StateIO
-from .optstep import GradHook
-from .shardstate import capture_shard, restore_shard, shard_digest
-from .userstate import Stateful
+from ...runtime import Runtime
+from ...transport import DataServer
+from ...transport.addr import advertised, data_bind_host
+from ..kernel.attempt import StepResult
+from ..kernel.engine import StepEngine
+from ..kernel.errors import StepTimeout, Stopped
+from ..kernel.group import DistGroup
+from ..job.life import JobOptions
+from ..kernel.options import (Capacity, CheckpointOptions, DataPlaneOptions, EngineOptions, Timeouts, UpdateRule,
+                              exit_replica)
+from ..kernel.state_io import StateIO
+from ..kernel.optstep import GradHook
+from ..state.shard import capture_shard, restore_shard, shard_digest
+from ..state.user import Stateful
 
 __all__ = ["HSDP", "StepResult", "StepTimeout", "Stopped", "agree"]
 
@@ -108,8 +109,8 @@ class HSDP(StepEngine):
     def full_digest(self) -> str:
         """Collective: the digest of the whole (unsharded) parameters, as a plain PyTorch
         process that loads this replica's checkpoint into an unsharded model computes it
-        (``p2pft.trainer.state.params_digest``)."""
-        from .state import params_digest
+        (``p2pft.trainer.state.whole.params_digest``)."""
+        from ..state.whole import params_digest
         full = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p.detach())
                 for n, p in self.model.named_parameters()}
         return params_digest(full)

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ..core.view import JobTarget, shard_addr
+from ...core.view import JobTarget, shard_addr
 from .errors import StepTimeout, Stopped
 
 

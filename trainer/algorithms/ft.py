@@ -13,17 +13,18 @@ from typing import Any
 
 import torch
 
-from ..runtime import Runtime
-from .attempt import StepResult
-from .engine import StepEngine, data_server_of
-from .errors import InitialStateMismatch, JobConfigError, JobError, JobFinished, MissingStateError, StepTimeout, Stopped
-from .group import LocalGroup
-from .job import JobOptions
-from .options import Capacity, CheckpointOptions, DataPlaneOptions, EngineOptions, Timeouts, UpdateRule
-from .optstep import GradHook
-from .state import capture, restore, state_digest
-from .state_io import StateIO
-from .userstate import Stateful
+from ...runtime import Runtime
+from ..kernel.attempt import StepResult
+from ..kernel.engine import StepEngine, data_server_of
+from ..kernel.errors import (InitialStateMismatch, JobConfigError, JobError, JobFinished, MissingStateError,
+                             StepTimeout, Stopped)
+from ..kernel.group import LocalGroup
+from ..job.life import JobOptions
+from ..kernel.options import Capacity, CheckpointOptions, DataPlaneOptions, EngineOptions, Timeouts, UpdateRule
+from ..kernel.optstep import GradHook
+from ..state.whole import capture, restore, state_digest
+from ..kernel.state_io import StateIO
+from ..state.user import Stateful
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +49,7 @@ WHOLE_STATE = StateIO(capture=capture, restore=restore, digest=state_digest, rec
 class FaultTolerant(StepEngine):
     """Wraps a model and optimizer of one replica (``p2pft.trainer.FaultTolerant``).
 
-    The job's life around the loop (``trainer/job.py``, the same on every algorithm): the first
+    The job's life around the loop (``trainer/job/life.py``, the same on every algorithm): the first
     ``begin()`` joins the group (``min_replicas``, the same initial state everywhere, a job that
     already finished or lost its progress is refused), ``done`` says the target is reached,
     ``finish()`` is the end barrier, ``is_leader`` picks one participant for side work."""

@@ -16,7 +16,7 @@ import msgpack
 import torch
 from torch import nn
 
-from ..transport.buffers import dtype_name, host_empty
+from ...transport.buffers import dtype_name, host_empty
 
 FORMAT_VERSION = 1
 _GROUP_SKIP = ("params", "param_names")

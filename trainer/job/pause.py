@@ -27,15 +27,15 @@ import threading
 import time
 from typing import Iterator
 
-from ..core.meta import Status
-from ..runtime import Runtime
-from ..transport import CommError
-from ..transport.stream import fetch_state
-from ..core.view import Role
-from .ports import PausePort
-from .requests import StateRequest
+from ...core.meta import Status
+from ...runtime import Runtime
+from ...transport import CommError
+from ...transport.stream import fetch_state
+from ...core.view import Role
+from ..kernel.ports import PausePort
+from ..kernel.requests import StateRequest
 
-log = logging.getLogger("p2pft.trainer.engine")
+log = logging.getLogger("p2pft.trainer.kernel.engine")
 
 SIG_TIMEOUT_S = 2.0     # one peer's answer to "your signature of step s"
 SIG_PEERS = 4           # peers asked at most, in view order, until one knows the step

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..core.view import JobTarget
+from ...core.view import JobTarget
 
 #: exit codes of the example replicas and of the README loop (docs/runtime.md lists them)
 EXIT_OK = 0

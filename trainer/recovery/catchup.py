@@ -20,16 +20,16 @@ import time
 from typing import Any
 
 
-from ..core.meta import Status
-from ..core.step import ReplayLog
-from ..core.view import shard_addr
-from ..transport import CommError
-from ..transport.stream import StateSnapshot, fetch_state
-from .attempt import Entry
+from ...core.meta import Status
+from ...core.step import ReplayLog
+from ...core.view import shard_addr
+from ...transport import CommError
+from ...transport.stream import StateSnapshot, fetch_state
+from ..kernel.attempt import Entry
 from .donor import lower_thread_priority
-from .ports import CatchupPort
-from .recovery import LogLimiter
-from .requests import StateRequest
+from ..kernel.ports import CatchupPort
+from ..kernel.retry import LogLimiter
+from ..kernel.requests import StateRequest
 
 log = logging.getLogger(__name__)
 

@@ -21,16 +21,17 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ..core.meta import Status
-from ..core.view import JobTarget, Role, TargetKind, View, shard_addr
-from ..runtime import Runtime
-from ..transport import CommTimeout, PeerFailed
-from ..transport.backend import DataPlaneError
-from ..transport.stream import StateSnapshot, fetch_state
-from .attempt import Attempt, Plan
-from .errors import InitialStateMismatch, JobConfigError, JobError, JobFinished, MissingStateError, StepTimeout, Stopped
-from .ports import LifePort
-from .requests import RequestKind, StateRequest
+from ...core.meta import Status
+from ...core.view import JobTarget, Role, TargetKind, View, shard_addr
+from ...runtime import Runtime
+from ...transport import CommTimeout, PeerFailed
+from ...transport.backend import DataPlaneError
+from ...transport.stream import StateSnapshot, fetch_state
+from ..kernel.attempt import Attempt, Plan
+from ..kernel.errors import (InitialStateMismatch, JobConfigError, JobError, JobFinished, MissingStateError,
+                             StepTimeout, Stopped)
+from ..kernel.ports import LifePort
+from ..kernel.requests import RequestKind, StateRequest
 
 log = logging.getLogger(__name__)
 

@@ -14,13 +14,13 @@ from collections import OrderedDict, deque
 
 import torch
 
-from ..core.view import shard_addr
-from ..transport import CommError
-from ..transport.device import written_event
-from ..transport.stream import StateSnapshot, fetch_state
-from .attempt import Attempt, Entry
-from .ports import FastForwardPort
-from .requests import StateRequest
+from ...core.view import shard_addr
+from ...transport import CommError
+from ...transport.device import written_event
+from ...transport.stream import StateSnapshot, fetch_state
+from ..kernel.attempt import Attempt, Entry
+from ..kernel.ports import FastForwardPort
+from ..kernel.requests import StateRequest
 
 log = logging.getLogger(__name__)
 

@@ -15,12 +15,12 @@ import time
 from collections import deque
 from typing import Any, Callable
 
-from ..runtime import Runtime
-from ..core.step import FRESH_EPOCH_WAIT_S, NEXT_VIEW_WAIT_S
-from ..transport.backend import DataPlaneError
+from ...runtime import Runtime
+from ...core.step import FRESH_EPOCH_WAIT_S, NEXT_VIEW_WAIT_S
+from ...transport.backend import DataPlaneError
 from .attempt import Verdict
 
-log = logging.getLogger("p2pft.trainer.engine")
+log = logging.getLogger("p2pft.trainer.kernel.engine")
 
 REPEAT_LOG_S = 10.0   # the same kind of line at most once per this many seconds
 

@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING, Callable, Protocol, Union
 import torch
 
 if TYPE_CHECKING:
-    from ..runtime import Runtime
-    from ..transport import DataServer
-    from ..transport.stream import StateSnapshot
+    from ...runtime import Runtime
+    from ...transport import DataServer
+    from ...transport.stream import StateSnapshot
     from .attempt import Entry
-    from .cursor import DataCursor
+    from ..data.cursor import DataCursor
     from .group import ReplicaGroup
     from .requests import RequestKind, StateRequest
     from .state_io import StateIO

@@ -25,10 +25,10 @@ import threading
 import time
 from typing import Any, Callable
 
-from ..core.view import Role
-from ..runtime import Runtime
-from ..transport import DataServer, SharedDevice
-from ..transport.backend import Backend
+from ...core.view import Role
+from ...runtime import Runtime
+from ...transport import DataServer, SharedDevice
+from ...transport.backend import Backend
 
 log = logging.getLogger(__name__)
 

@@ -23,33 +23,33 @@ from typing import Any, Iterator
 
 import torch
 
-from ..core.meta import Status
-from ..core.step import RETRY_PAUSE_S, Action, Reduced, decide, idle_backoff
-from ..core.view import Role, TargetKind
-from ..ops.log import set_context
-from ..runtime import Runtime
-from ..transport import CommAborted, CommError, DataServer, SharedDevice
-from ..transport.addr import parse_hostport
-from ..transport.backend import choose_backend, data_plane_from
-from ..transport.device import written_event
-from ..transport.stream import StateSnapshot
+from ...core.meta import Status
+from ...core.step import RETRY_PAUSE_S, Action, Reduced, decide, idle_backoff
+from ...core.view import Role, TargetKind
+from ...ops.log import set_context
+from ...runtime import Runtime
+from ...transport import CommAborted, CommError, DataServer, SharedDevice
+from ...transport.addr import parse_hostport
+from ...transport.backend import choose_backend, data_plane_from
+from ...transport.device import written_event
+from ...transport.stream import StateSnapshot
 from .attempt import Attempt, Entry, Plan, StepResult, Verdict
-from .catchup import Catchup
+from ..recovery.catchup import Catchup
 from .comms import ShardComms
-from .cursor import DataCursor
-from .donor import Donor
+from ..data.cursor import DataCursor
+from ..recovery.donor import Donor
 from .group import ReplicaGroup
 from .options import EngineOptions, exit_replica
 from .optstep import OptimizerStep
-from .pause import Pauses
-from .recent import RecentSteps, fast_forward
-from .recovery import LogLimiter, check_usable, recover
+from ..job.pause import Pauses
+from ..recovery.recent import RecentSteps, fast_forward
+from .retry import LogLimiter, check_usable, recover
 from .errors import StepTimeout, Stopped
-from .job import JobLife
-from .checkpoints import Checkpoints
+from ..job.life import JobLife
+from ..state.checkpoints import Checkpoints
 from .state_io import StateIO
 from .stepbuf import StepBuffer
-from .userstate import UserState
+from ..state.user import UserState
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ def data_server_of(runtime: Runtime) -> DataServer:
 
 class StepEngine:
     """One rank's step protocol; its options come grouped in one ``EngineOptions``
-    (``trainer/options.py``), built by the adapter from its documented keywords."""
+    (``trainer/kernel/options.py``), built by the adapter from its documented keywords."""
 
     #: a restarted replica pulls its snapshot before the first reduced step (``Catchup.eager``)
     eager_catchup = False

@@ -3,7 +3,7 @@
 Under FSDP2 (``fully_shard``) every parameter, gradient and optimizer moment is a ``DTensor``
 whose local tensor is this rank's shard. Across replicas, rank i allreduces only its own
 shards with rank i of the others, so everything here works on ``_local`` tensors (the step
-buffer, ``trainer/stepbuf.py``, packs local gradient shards too): a catch-up snapshot holds the
+buffer, ``trainer/kernel/stepbuf.py``, packs local gradient shards too): a catch-up snapshot holds the
 local parameter and optimizer shards, and the digest hashes exactly those bytes (rank i of two replicas at the
 same step must hash equal). AdamW is elementwise, so shard i's state depends only on shard i's
 mean gradients: each rank can restore and replay its own shard independently.
@@ -15,8 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .state import _cpu_copy, _group_names, _msgpack_check, _plain, _tuples, state_digest
-from .stepbuf import local
+from .whole import _cpu_copy, _group_names, _msgpack_check, _plain, _tuples, state_digest
+from ..kernel.stepbuf import local
 
 FORMAT = "p2pft-shard-1"
 _GROUP_SKIP = ("params", "param_names")
