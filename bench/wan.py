@@ -12,7 +12,8 @@ the k-th kill hits r1, r2, r1, ... at its next ``mid`` (half a span done) or ``s
 starting) phase, alternating. torchft 0.2.0's DiLoCo runs where torchft is installed, on
 namespace links only, its lighthouse on a host of its own, healing restarted replicas through
 its PG transport, with the quorum timeout its Manager's docs ask for DiLoCo (an hour) and the
-lighthouse's join and heartbeat timeouts at 1 s (docs/diloco.md says why).
+lighthouse as torchft's DiLoCo example starts it (join timeout 10 s; heartbeat timeout 5 s, its
+default; a majority minimum): docs/diloco.md says why.
 
 Reported per system and failure setting: wall time to the target validation loss on a fixed
 held-out set (the loss synchronous training reaches without failures at the end of its run, so
@@ -53,8 +54,12 @@ from p2pft.deploy.ports import free_ports  # noqa: E402
 WORKER = Path(__file__).resolve().parent / "wan_worker.py"
 # torchft's Manager docstring: "For LocalSGD/DiLoCo this may need to be set to ~1h or longer
 # depending on how frequently the syncs occur" (a replica at its sync waits in the quorum for the
-# others still in their span). The lighthouse's timeouts are torchft_system's (1 s): see docs/diloco.md.
+# others still in their span). The lighthouse's join and heartbeat timeouts are torchft's own for
+# DiLoCo (its DiLoCo example's --join_timeout_ms 10000, the default heartbeat timeout): with 1 s
+# ones, a replica whose span ended a second after the others' was left out and had to heal.
 TORCHFT_QUORUM_TIMEOUT_S = 3600.0
+TFT_JOIN_TIMEOUT_MS = 10000
+TFT_HEARTBEAT_TIMEOUT_MS = 5000
 RECOVERY_ERROR = "got exception in recovery"
 
 
@@ -95,11 +100,14 @@ def run_one(system: str, kill: bool, a: argparse.Namespace, tmp: Path) -> tuple[
     if tft:   # torchft's coordinator, on a host of its own (host n), never a kill target
         from p2pft.chaos.torchft_system import lighthouse_command
         lh = f"{links.ip(n)}:{free_ports(1)[0]}"
-        lighthouse = links.spawn(n, lighthouse_command(lh, min_replicas=2), stdout=subprocess.DEVNULL,
+        lighthouse = links.spawn(n, lighthouse_command(lh, min_replicas=n // 2 + 1, join_timeout_ms=a.tft_join_timeout_ms,
+                                                       heartbeat_timeout_ms=a.tft_heartbeat_timeout_ms),
+                                 stdout=subprocess.DEVNULL,
                                  stderr=open(tmp / f"{tag}-lighthouse.log", "wb"))
     until = time.time() + a.startup + a.duration   # the workers' own limit; the run ends earlier
     deadline = until
     procs: dict[str, tuple[int, subprocess.Popen[bytes]]] = {}
+    spawned: dict[str, float] = {}
     sysargs = {"sync": [], "diloco": ["--sync-every", str(a.sync_every)],
                "streaming": ["--sync-every", str(a.sync_every), "--fragments", str(a.fragments), "--overlap", "1",
                              "--alpha", "0.5", "--compression", a.compression],
@@ -120,6 +128,7 @@ def run_one(system: str, kill: bool, a: argparse.Namespace, tmp: Path) -> tuple[
             cmd += ["--lighthouse", f"http://{lh}"]
             env["GLOO_SOCKET_IFNAME"] = links.ifname(i)   # type: ignore[union-attr]
         log = open(tmp / f"{name}.log", "wb")
+        spawned[name] = time.time()
         procs[name] = (i, links.spawn(i, cmd, stdout=subprocess.DEVNULL, stderr=log, env=env))
         log.close()
         return name
@@ -209,7 +218,7 @@ def run_one(system: str, kill: bool, a: argparse.Namespace, tmp: Path) -> tuple[
     print(f"  start-up {(t_first or t_stop) - t_spawn:.1f} s, stop {time.time() - t_stop:.1f} s, exit statuses "
           f"{ {k.rsplit('-', 2)[-2] + '-' + k.rsplit('-', 1)[-1]: v for k, v in rcs.items()} }", flush=True)
     info = {"kills": kills, "crashes": crashes, "killed": sorted(killed), "links": links.kind, "kill_log": kill_log,
-            "procs": sorted(procs), "tag": tag, "tmp": str(tmp),
+            "procs": sorted(procs), "spawned": spawned, "tag": tag, "tmp": str(tmp),
             "bytes_per_replica": carried // n, "t_first": t_first, "batch": a.batch,
             "t_end": min(t_stop, deadline) if t_first is not None else None}
     return recs, info
@@ -271,16 +280,15 @@ def recovery_check(system: str, recs: list[dict[str, Any]], info: dict[str, Any]
                    r0_commits: list[float]) -> tuple[int, int, str]:
     """Did every restarted replica come back? (contributing, due, verdict).
 
-    A restart is due to contribute when it started at least three syncs (r0's median gap) and
-    10 s before the end; it contributed when one of its syncs committed with its own work. For
+    A restart is due to contribute when its process started at least three syncs (r0's median
+    gap) and 10 s before the end; it contributed when one of its syncs committed with its own work. For
     torchft, its own logs are read too: any "got exception in recovery" flags the row, as does a
     due restart that never contributed (for every system)."""
     restarted = [p for p in info["procs"] if not p.endswith("-0")]
     t_end = info.get("t_end") or 0.0
     gaps = [b - a for a, b in zip(r0_commits, r0_commits[1:])]
     margin = 3 * median(gaps) + 10.0 if gaps else 10.0
-    started = {r["proc"]: r["t"] for r in recs if r.get("kind") == "start"}
-    due = [p for p in restarted if p in started and started[p] < t_end - margin]
+    due = [p for p in restarted if info["spawned"][p] < t_end - margin]
     contributing = [p for p in due if any(r.get("kind") is None and r.get("c") and r.get("kept", 0) > 0
                                           and r["proc"] == p for r in recs)]
     problems = []
@@ -368,6 +376,10 @@ def main() -> int:
                         "half a span done; sync: its sync starting), phases taken in turn; empty: a random "
                         "replica at the scheduled time")
     p.add_argument("--step-delay", type=float, default=0.0, help="emulated accelerator seconds per (inner) step")
+    p.add_argument("--tft-join-timeout-ms", type=int, default=TFT_JOIN_TIMEOUT_MS,
+                   help="torchft's lighthouse --join_timeout_ms (docs/diloco.md says why the default)")
+    p.add_argument("--tft-heartbeat-timeout-ms", type=int, default=TFT_HEARTBEAT_TIMEOUT_MS,
+                   help="torchft's lighthouse --heartbeat_timeout_ms")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workdir", default=None, help="keep the replicas' records and logs here")
     p.add_argument("--json", default=None)
@@ -420,7 +432,8 @@ def main() -> int:
                 "lr": a.lr, "batch": a.batch, "comm_timeout": a.comm_timeout, "outer_lr": a.outer_lr,
                 "outer_momentum": a.outer_momentum, "step_delay": a.step_delay, "kill_every": a.kill_every,
                 "kill_phases": a.kill_phases, "restart_after": a.restart_after,
-                "torchft_quorum_timeout_s": TORCHFT_QUORUM_TIMEOUT_S}
+                "torchft_quorum_timeout_s": TORCHFT_QUORUM_TIMEOUT_S, "torchft_join_timeout_ms": a.tft_join_timeout_ms,
+                "torchft_heartbeat_timeout_ms": a.tft_heartbeat_timeout_ms}
         Path(a.json).write_text(json.dumps({"config": meta, "rows": [asdict(r) for r in rows]}, indent=1))
     if a.plot:
         plot(rows, a.plot)

@@ -119,7 +119,8 @@ def main() -> int:
     evaluator = a.replica_id == "r0"
     last_eval = 0.0
     ran = 0
-    h = a.sync_every
+    # A sync every H inner steps (Streaming DiLoCo: one fragment's every H / fragments).
+    h = a.sync_every // max(1, a.fragments) if a.system == "streaming" else a.sync_every
     while not stop.flag and time.time() < a.until:
         try:
             idx = eng.begin()
