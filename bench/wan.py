@@ -319,7 +319,7 @@ def table(rows: list[Row]) -> str:
             "restarts contributing | crashes | divergent | recovery |")
     lines = [head, "|" + "---|" * 14]
     for r in rows:
-        lines.append(f"| {r.system} | {r.failures} ({r.kills} kills) | {fmt(r.time_to_target_s, '.1f')} s | "
+        lines.append(f"| {r.system} | {r.failures} ({r.kills} kills) | {fmt(r.time_to_target_s, '.1f') + (' s' if r.time_to_target_s is not None else '')} | "
                      f"{fmt(r.val_loss_equal_samples, '.3f')} | {fmt(r.val_loss_final, '.4f')} | {r.samples} | "
                      f"{r.samples_in_syncs} | {r.bytes_sent_per_replica / 1e6:.1f} | "
                      f"{fmt(r.survivor_work_kept and 100 * r.survivor_work_kept, '.1f')}% | {r.stall_max_s:.2f} s | "
