@@ -7,15 +7,25 @@ tokens), three replicas whose links are rate-limited (``bench/wanlink.py``: name
 tbf`` where they exist, else a token-bucket proxy on loopback; the JSON says which). Every DiLoCo
 system uses the same H (20) and outer SGD (lr 0.7, Nesterov momentum 0.5). Each system runs for
 the same wall time, without failures and with a SIGKILL of a random replica (never r0, which
-evaluates) every ``--kill-every`` seconds, restarted 2 s later. torchft 0.2.0's DiLoCo runs
-where torchft is installed, on namespace links only, its lighthouse on a host of its own.
+evaluates) every ``--kill-every`` seconds, restarted 2 s later; with ``--kill-phases mid,sync``
+the k-th kill hits r1, r2, r1, ... at its next ``mid`` (half a span done) or ``sync`` (its sync
+starting) phase, alternating. torchft 0.2.0's DiLoCo runs where torchft is installed, on
+namespace links only, its lighthouse on a host of its own, healing restarted replicas through
+its PG transport, with the quorum timeout its Manager's docs ask for DiLoCo (an hour) and the
+lighthouse as torchft's DiLoCo example starts it (join timeout 10 s; heartbeat timeout 5 s, its
+default; a majority minimum): docs/diloco.md says why.
 
 Reported per system and failure setting: wall time to the target validation loss on a fixed
 held-out set (the loss synchronous training reaches without failures at the end of its run, so
 synchronous training's time to target is its duration), the validation loss at the samples
-synchronous training trained, samples trained, bytes through the links per replica, the longest
-stall, survivors' work kept (inner steps, or steps, that ended in a committed mean over the ones
-they computed), crashes and divergent steps.
+synchronous training trained, samples trained (and the samples of every replica's own work in
+committed syncs), bytes through the links per replica, the longest time r0 went without a commit
+(from the start of training to its end), survivors' work kept (inner steps, or steps, that
+ended in a committed mean with the replica's own work, over the ones they computed: a torchft
+round in which the replica healed is not kept, its weights were the donor's), restarted replicas
+that contributed their own work again, crashes and divergent steps. torchft rows are checked
+against torchft's own logs: a recovery error there, or a restarted replica that never contributed
+while there was time, flags the row (``recovery`` column).
 
     python bench/wan.py --quick --json results/wan.json --plot results/wan.png
 """
@@ -42,6 +52,15 @@ from p2pft.chaos.records import read_stats  # noqa: E402
 from p2pft.deploy.ports import free_ports  # noqa: E402
 
 WORKER = Path(__file__).resolve().parent / "wan_worker.py"
+# torchft's Manager docstring: "For LocalSGD/DiLoCo this may need to be set to ~1h or longer
+# depending on how frequently the syncs occur" (a replica at its sync waits in the quorum for the
+# others still in their span). The lighthouse's join and heartbeat timeouts are torchft's own for
+# DiLoCo (its DiLoCo example's --join_timeout_ms 10000, the default heartbeat timeout): with 1 s
+# ones, a replica whose span ended a second after the others' was left out and had to heal.
+TORCHFT_QUORUM_TIMEOUT_S = 3600.0
+TFT_JOIN_TIMEOUT_MS = 10000
+TFT_HEARTBEAT_TIMEOUT_MS = 5000
+RECOVERY_ERROR = "got exception in recovery"
 
 
 @dataclass
@@ -55,6 +74,9 @@ class Row:
     target: float | None
     bytes_sent_per_replica: int
     survivor_work_kept: float | None
+    samples_in_syncs: int                  # every process's own kept work, in samples
+    restarts_contributing: str             # "k/m": restarted replicas due to contribute that did
+    recovery: str                          # ok | the reason the row is flagged
     survivor_crashes: int
     divergent_steps: int
     stall_max_s: float
@@ -78,15 +100,19 @@ def run_one(system: str, kill: bool, a: argparse.Namespace, tmp: Path) -> tuple[
     if tft:   # torchft's coordinator, on a host of its own (host n), never a kill target
         from p2pft.chaos.torchft_system import lighthouse_command
         lh = f"{links.ip(n)}:{free_ports(1)[0]}"
-        lighthouse = links.spawn(n, lighthouse_command(lh, min_replicas=2), stdout=subprocess.DEVNULL,
+        lighthouse = links.spawn(n, lighthouse_command(lh, min_replicas=n // 2 + 1, join_timeout_ms=a.tft_join_timeout_ms,
+                                                       heartbeat_timeout_ms=a.tft_heartbeat_timeout_ms),
+                                 stdout=subprocess.DEVNULL,
                                  stderr=open(tmp / f"{tag}-lighthouse.log", "wb"))
     until = time.time() + a.startup + a.duration   # the workers' own limit; the run ends earlier
     deadline = until
     procs: dict[str, tuple[int, subprocess.Popen[bytes]]] = {}
+    spawned: dict[str, float] = {}
     sysargs = {"sync": [], "diloco": ["--sync-every", str(a.sync_every)],
                "streaming": ["--sync-every", str(a.sync_every), "--fragments", str(a.fragments), "--overlap", "1",
                              "--alpha", "0.5", "--compression", a.compression],
-               "torchft": ["--sync-every", str(a.sync_every), "--go-file", str(go)]}[system]
+               "torchft": ["--sync-every", str(a.sync_every), "--go-file", str(go),
+                           "--quorum-timeout", str(TORCHFT_QUORUM_TIMEOUT_S)]}[system]
 
     def spawn(i: int, inc: int) -> str:
         name = f"{tag}-r{i}-{inc}"
@@ -95,12 +121,14 @@ def run_one(system: str, kill: bool, a: argparse.Namespace, tmp: Path) -> tuple[
                "--advertise-data", links.advertise[i], "--stats", str(tmp / f"{name}.jsonl"), "--until", str(until),
                "--min-replicas", str(n), "--d-model", str(a.d_model), "--layers", str(a.layers), "--lr", str(a.lr),
                "--batch", str(a.batch), "--eval-every", str(a.eval_every), "--outer-lr", str(a.outer_lr),
-               "--outer-momentum", str(a.outer_momentum), "--comm-timeout", str(a.comm_timeout), *sysargs]
+               "--outer-momentum", str(a.outer_momentum), "--comm-timeout", str(a.comm_timeout),
+               "--step-delay", str(a.step_delay), *sysargs]
         env = dict(os.environ, OMP_NUM_THREADS="1")
         if tft:
             cmd += ["--lighthouse", f"http://{lh}"]
             env["GLOO_SOCKET_IFNAME"] = links.ifname(i)   # type: ignore[union-attr]
         log = open(tmp / f"{name}.log", "wb")
+        spawned[name] = time.time()
         procs[name] = (i, links.spawn(i, cmd, stdout=subprocess.DEVNULL, stderr=log, env=env))
         log.close()
         return name
@@ -109,13 +137,18 @@ def run_one(system: str, kill: bool, a: argparse.Namespace, tmp: Path) -> tuple[
     for i in range(n):
         spawn(i, 0)
     rng = random.Random(a.seed)
+    kill_log: list[dict[str, Any]] = []
     killed: set[str] = set()
     kills = 0
     inc = {i: 0 for i in range(n)}
     t_first = None
+    # Synchronous training has no spans: its kills come at the scheduled times.
+    phases = [ph for ph in a.kill_phases.split(",") if ph] if system != "sync" else []
+    pending: tuple[str, str, float] | None = None   # (victim, phase, give-up time) of a kill waiting for its phase
     try:
         while time.time() < deadline:
-            time.sleep(0.2)
+            if pending is None:
+                time.sleep(0.2)
             if tft and not go.exists() and all(read_stats(tmp / f"{tag}-r{i}-0.jsonl") for i in range(n)):
                 go.touch()   # torchft's replicas start their inner steps together, as p2pft's wait for the view
             if t_first is None:
@@ -128,14 +161,31 @@ def run_one(system: str, kill: bool, a: argparse.Namespace, tmp: Path) -> tuple[
                     deadline = t_first + a.duration   # equal training time for every system
                     next_kill = t_first + a.kill_every
                 continue
-            if kill and time.time() >= next_kill and time.time() < deadline - 4:
-                i = rng.randrange(1, n)
+            if kill and pending is None and time.time() >= next_kill and time.time() < deadline - 4:
+                i = 1 + kills % (n - 1) if phases else rng.randrange(1, n)
                 name = next(k for k, (j, p) in procs.items() if j == i and p.poll() is None)
+                if phases:   # wait for the victim's next phase record
+                    pending = (name, phases[kills % len(phases)], time.time() + 4 * a.sync_every * (a.step_delay + 0.2) + 10)
+                    seen = len(read_stats(tmp / f"{name}.jsonl"))
+                    continue
+                pending = (name, "", 0.0)
+            if pending is not None:
+                name, phase, give_up = pending
+                if phase:
+                    new = read_stats(tmp / f"{name}.jsonl")[seen:]
+                    if not any(r.get("kind") == "phase" and r.get("phase") == phase for r in new):
+                        if time.time() < give_up:
+                            time.sleep(0.01)
+                            continue
+                        print(f"  no {phase} phase of {name} in time: killed anyway", flush=True)
+                pending = None
                 procs[name][1].send_signal(signal.SIGKILL)
                 procs[name][1].wait(timeout=10)
                 killed.add(name)
                 kills += 1
+                kill_log.append({"t": time.time(), "proc": name, "phase": phase})
                 time.sleep(a.restart_after)
+                i = procs[name][0]
                 inc[i] += 1
                 spawn(i, inc[i])
                 next_kill = time.time() + a.kill_every
@@ -167,8 +217,9 @@ def run_one(system: str, kill: bool, a: argparse.Namespace, tmp: Path) -> tuple[
     crashes = sum(1 for k, rc in rcs.items() if k not in killed and rc not in (0, -signal.SIGTERM))
     print(f"  start-up {(t_first or t_stop) - t_spawn:.1f} s, stop {time.time() - t_stop:.1f} s, exit statuses "
           f"{ {k.rsplit('-', 2)[-2] + '-' + k.rsplit('-', 1)[-1]: v for k, v in rcs.items()} }", flush=True)
-    info = {"kills": kills, "crashes": crashes, "killed": sorted(killed), "links": links.kind,
-            "bytes_per_replica": carried // n, "t_first": t_first,
+    info = {"kills": kills, "crashes": crashes, "killed": sorted(killed), "links": links.kind, "kill_log": kill_log,
+            "procs": sorted(procs), "spawned": spawned, "tag": tag, "tmp": str(tmp),
+            "bytes_per_replica": carried // n, "t_first": t_first, "batch": a.batch,
             "t_end": min(t_stop, deadline) if t_first is not None else None}
     return recs, info
 
@@ -176,20 +227,31 @@ def run_one(system: str, kill: bool, a: argparse.Namespace, tmp: Path) -> tuple[
 def summarize(system: str, kill: bool, recs: list[dict[str, Any]], info: dict[str, Any],
               ref: Row | None) -> Row:
     t0 = info["t_first"] or 0.0
-    evals = sorted((r["t"] - t0, r["samples"], r["val"]) for r in recs if r.get("kind") == "eval")
     commits = [r for r in recs if r.get("kind") is None]
+    batch = info.get("batch", 0)
+    if system == "torchft":
+        # r0's count is participants x H x B per committed round, which counts a healed replica's
+        # copy of its donor's pseudo-gradient as new samples: count every process's own kept work.
+        own = sorted((r["step"], r["kept"] * batch) for r in commits if r["c"])
+        evals = sorted((r["t"] - t0, sum(k for st, k in own if st <= r["step"]), r["val"])
+                       for r in recs if r.get("kind") == "eval")
+    else:
+        evals = sorted((r["t"] - t0, r["samples"], r["val"]) for r in recs if r.get("kind") == "eval")
     survivors = [r for r in commits if r["proc"] not in info["killed"]]
     ran = sum(r["ran"] for r in survivors)
     kept = sum(r["kept"] for r in survivors)
+    in_syncs = sum(r["kept"] for r in commits if r["c"]) * batch
     digests: dict[int, set[str]] = {}
     for r in commits:
         if "digest" in r:
             digests.setdefault(r["step"], set()).add(r["digest"])
+    # The longest time r0 (never killed) went without a commit, from the start of training to its
+    # end: the wait after its last commit is a stall too (a group that stopped).
     r0 = sorted(r["t"] for r in commits if r["proc"].endswith("-r0-0") and r["c"])
-    if r0 and info.get("t_end"):   # the wait after r0's last commit is a stall too (a group that stopped)
-        r0.append(max(r0[-1], info["t_end"]))
-    gaps = [b - a for a, b in zip(r0, r0[1:])]
-    stall = max(gaps) - median(gaps) if len(gaps) > 1 else 0.0
+    marks = ([t0] if info["t_first"] else []) + r0 + ([info["t_end"]] if info.get("t_end") else [])
+    marks.sort()
+    stall = max((b - a for a, b in zip(marks, marks[1:])), default=0.0)
+    contributing, due, recovery = recovery_check(system, recs, info, r0)
     target = ref.val_loss_final if ref is not None else (evals[-1][2] if evals else None)
     ttt = next((t for t, _, v in evals if target is not None and v <= target), None)
     at_samples = None
@@ -208,9 +270,43 @@ def summarize(system: str, kill: bool, recs: list[dict[str, Any]], info: dict[st
                val_loss_equal_samples=at_samples, val_loss_final=evals[-1][2] if evals else None,
                samples=evals[-1][1] if evals else 0, target=target,
                bytes_sent_per_replica=int(info["bytes_per_replica"]),
-               survivor_work_kept=kept / ran if ran else None, survivor_crashes=info["crashes"],
+               survivor_work_kept=kept / ran if ran else None, samples_in_syncs=in_syncs,
+               restarts_contributing=f"{contributing}/{due}", recovery=recovery, survivor_crashes=info["crashes"],
                divergent_steps=sum(1 for d in digests.values() if len(d) > 1), stall_max_s=round(stall, 2),
                kills=info["kills"], links=info["links"], curve=evals)
+
+
+def recovery_check(system: str, recs: list[dict[str, Any]], info: dict[str, Any],
+                   r0_commits: list[float]) -> tuple[int, int, str]:
+    """Did every restarted replica come back? (contributing, due, verdict).
+
+    A restart is due to contribute when its process started at least three syncs (r0's median
+    gap) and 10 s before the end; it contributed when one of its syncs committed with its own work. For
+    torchft, its own logs are read too: any "got exception in recovery" flags the row, as does a
+    due restart that never contributed (for every system)."""
+    restarted = [p for p in info["procs"] if not p.endswith("-0")]
+    t_end = info.get("t_end") or 0.0
+    gaps = [b - a for a, b in zip(r0_commits, r0_commits[1:])]
+    margin = 3 * median(gaps) + 10.0 if gaps else 10.0
+    due = [p for p in restarted if info["spawned"][p] < t_end - margin]
+    contributing = [p for p in due if any(r.get("kind") is None and r.get("c") and r.get("kept", 0) > 0
+                                          and r["proc"] == p for r in recs)]
+    problems = []
+    if system == "torchft":
+        errors, unhealed = 0, 0
+        for p in info["procs"]:
+            log = Path(info["tmp"]) / f"{p}.log"
+            text = log.read_text(errors="replace") if log.exists() else ""
+            errors += text.count(RECOVERY_ERROR)
+            # A restart at step 0 among replicas past it must heal before it can commit.
+            unhealed += p in due and "Loaded state dict" not in text
+        if errors:
+            problems.append(f"{errors} recovery errors in torchft's logs")
+        if unhealed:
+            problems.append(f"{unhealed} restarted replicas never loaded a state dict")
+    if len(contributing) < len(due):
+        problems.append(f"{len(due) - len(contributing)} restarted replicas never contributed")
+    return len(contributing), len(due), "; ".join(problems) or "ok"
 
 
 def fmt(v: Any, spec: str = "") -> str:
@@ -218,14 +314,17 @@ def fmt(v: Any, spec: str = "") -> str:
 
 
 def table(rows: list[Row]) -> str:
-    head = ("| system | failures | time to target | val loss at sync's samples | samples | MB/replica | "
-            "survivor work kept | stall max | crashes | divergent |")
-    lines = [head, "|" + "---|" * 10]
+    head = ("| system | failures | time to target | val loss at sync's samples | final val loss | samples | "
+            "own samples in syncs | MB/replica | survivor work kept | longest gap without a commit | "
+            "restarts contributing | crashes | divergent | recovery |")
+    lines = [head, "|" + "---|" * 14]
     for r in rows:
-        lines.append(f"| {r.system} | {r.failures} ({r.kills} kills) | {fmt(r.time_to_target_s, '.1f')} s | "
-                     f"{fmt(r.val_loss_equal_samples, '.3f')} | {r.samples} | {r.bytes_sent_per_replica / 1e6:.1f} | "
+        lines.append(f"| {r.system} | {r.failures} ({r.kills} kills) | {fmt(r.time_to_target_s, '.1f') + (' s' if r.time_to_target_s is not None else '')} | "
+                     f"{fmt(r.val_loss_equal_samples, '.3f')} | {fmt(r.val_loss_final, '.4f')} | {r.samples} | "
+                     f"{r.samples_in_syncs} | {r.bytes_sent_per_replica / 1e6:.1f} | "
                      f"{fmt(r.survivor_work_kept and 100 * r.survivor_work_kept, '.1f')}% | {r.stall_max_s:.2f} s | "
-                     f"{r.survivor_crashes} | {r.divergent_steps} |")
+                     f"{r.restarts_contributing} | {r.survivor_crashes} | {r.divergent_steps} | "
+                     f"{r.recovery if r.recovery == 'ok' else '**' + r.recovery + '**'} |")
     return "\n".join(lines)
 
 
@@ -272,6 +371,15 @@ def main() -> int:
     p.add_argument("--compression", default="bf16", choices=["none", "bf16", "int8"])
     p.add_argument("--kill-every", type=float, default=None)
     p.add_argument("--restart-after", type=float, default=2.0)
+    p.add_argument("--kill-phases", default="",
+                   help="comma list of mid,sync: the k-th kill hits r1, r2, r1, ... at its next such phase (mid: "
+                        "half a span done; sync: its sync starting), phases taken in turn; empty: a random "
+                        "replica at the scheduled time")
+    p.add_argument("--step-delay", type=float, default=0.0, help="emulated accelerator seconds per (inner) step")
+    p.add_argument("--tft-join-timeout-ms", type=int, default=TFT_JOIN_TIMEOUT_MS,
+                   help="torchft's lighthouse --join_timeout_ms (docs/diloco.md says why the default)")
+    p.add_argument("--tft-heartbeat-timeout-ms", type=int, default=TFT_HEARTBEAT_TIMEOUT_MS,
+                   help="torchft's lighthouse --heartbeat_timeout_ms")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workdir", default=None, help="keep the replicas' records and logs here")
     p.add_argument("--json", default=None)
@@ -282,6 +390,9 @@ def main() -> int:
     a.sync_every = a.sync_every or 20
     a.kill_every = a.kill_every or (a.duration / 3 if a.quick else 20.0)   # full: 5 kills, some during syncs
     a.startup = 90.0
+    bad = [ph for ph in a.kill_phases.split(",") if ph and ph not in ("mid", "sync")]
+    if bad:
+        p.error(f"--kill-phases takes mid and sync, not {', '.join(bad)}")
     systems = [s for s in a.systems.split(",") if s]
     if "torchft" in systems:
         try:
@@ -311,11 +422,18 @@ def main() -> int:
                 print(f"{system:9s} {'kill' if kill else 'none':4s}: {row.samples} samples, val "
                       f"{fmt(row.val_loss_final, '.3f')}, {time.time() - t:.0f} s", flush=True)
     print(table(rows))
+    for r in rows:
+        if r.recovery != "ok":
+            print(f"FLAGGED: {r.system} {r.failures}: {r.recovery}")
     if a.json:
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
         meta = {"replicas": a.replicas, "rate_mbit": a.rate_mbit, "duration_s": a.duration, "sync_every": a.sync_every,
                 "fragments": a.fragments, "compression": a.compression, "d_model": a.d_model, "layers": a.layers,
-                "lr": a.lr, "batch": a.batch, "comm_timeout": a.comm_timeout, "outer_lr": a.outer_lr, "outer_momentum": a.outer_momentum}
+                "lr": a.lr, "batch": a.batch, "comm_timeout": a.comm_timeout, "outer_lr": a.outer_lr,
+                "outer_momentum": a.outer_momentum, "step_delay": a.step_delay, "kill_every": a.kill_every,
+                "kill_phases": a.kill_phases, "restart_after": a.restart_after,
+                "torchft_quorum_timeout_s": TORCHFT_QUORUM_TIMEOUT_S, "torchft_join_timeout_ms": a.tft_join_timeout_ms,
+                "torchft_heartbeat_timeout_ms": a.tft_heartbeat_timeout_ms}
         Path(a.json).write_text(json.dumps({"config": meta, "rows": [asdict(r) for r in rows]}, indent=1))
     if a.plot:
         plot(rows, a.plot)

@@ -10,6 +10,15 @@ SGD and H around a lighthouse on a host of its own; replica r's k-th inner step 
 (torchft's committed step count) trains samples
 ``[((s H + k) R + r) B, +B)``, the slot p2pft's cursor would hand it, so a discarded round's
 samples are trained again. A round counts as committed when torchft's step count advanced.
+torchft heals a restarted replica through its PG transport (the checkpoint goes over the Gloo
+group, which reaches every namespace host; the default HTTP transport advertises the machine's
+hostname, which no namespace resolves). A round in which this replica healed is recorded with
+``healed``: its weights were replaced by the donor's before the sync, so its pseudo-gradient is
+a copy of the donor's and its own inner steps are not kept.
+
+Every system writes ``phase`` records (``mid``: half of a span done; ``sync``: the span's last
+inner step is done and its sync starts), so the benchmark can kill a replica mid-span or during
+a sync. ``--step-delay`` emulates accelerator time per inner (or synchronous) step.
 """
 from __future__ import annotations
 
@@ -53,6 +62,9 @@ def main() -> int:
     p.add_argument("--outer-momentum", type=float, default=0.9, help="Nesterov momentum of the outer SGD (0: none)")
     p.add_argument("--lighthouse", default=None, help="torchft: the lighthouse's URL")
     p.add_argument("--go-file", default=None, help="torchft: start training once this file exists")
+    p.add_argument("--quorum-timeout", type=float, default=3600.0,
+                   help="torchft: the Manager's quorum timeout (its docs: ~1 h or longer for DiLoCo)")
+    p.add_argument("--step-delay", type=float, default=0.0, help="emulated accelerator seconds per (inner) step")
     a = p.parse_args()
     if a.system == "torchft":
         return torchft_main(a)
@@ -107,13 +119,19 @@ def main() -> int:
     evaluator = a.replica_id == "r0"
     last_eval = 0.0
     ran = 0
+    # A sync every H inner steps (Streaming DiLoCo: one fragment's every H / fragments).
+    h = a.sync_every // max(1, a.fragments) if a.system == "streaming" else a.sync_every
     while not stop.flag and time.time() < a.until:
         try:
             idx = eng.begin()
             eng.zero_grad()
             if idx:
                 model.loss(data.batch(idx)).backward()
+                if a.step_delay:
+                    time.sleep(a.step_delay)
                 ran += 1
+                if a.system != "sync" and ran in (h // 2, h):
+                    write({"kind": "phase", "phase": "mid" if ran < h else "sync", "t": time.time()})
             res = eng.commit()
         except Stopped:
             break
@@ -147,17 +165,22 @@ def outer_sgd(params: Iterable[torch.nn.Parameter], a: argparse.Namespace) -> to
 def torchft_main(a: argparse.Namespace) -> int:
     """torchft 0.2.0's DiLoCo: one replica group of one rank, its store on this host."""
     import hashlib
+    import threading
     from datetime import timedelta
     from pathlib import Path
 
     from torch.distributed import TCPStore
     from torchft import Manager, ProcessGroupGloo
+    from torchft.checkpointing.pg_transport import PGTransport
     from torchft.local_sgd import DiLoCo as TorchftDiLoCo
 
     from p2pft.trainer.data import TextDataset
     from p2pft.trainer.model import ModelConfig
 
-    logging.basicConfig(level=logging.WARNING)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    # torchft's own account of quorums, healing and commits: the benchmark reads it back
+    # (``recovery_check`` in bench/wan.py) to tell whether a restarted replica really healed.
+    logging.getLogger("torchft.manager").setLevel(logging.INFO)
     torch.set_num_threads(1)
     torch.manual_seed(0)   # identical initial weights on every replica (init_sync=False)
     cfg = ModelConfig(vocab_size=256, d_model=a.d_model, n_layers=a.layers, n_heads=4, seq_len=64)
@@ -168,22 +191,41 @@ def torchft_main(a: argparse.Namespace) -> int:
     outer = outer_sgd(model.parameters(), a)
     host = a.listen.rsplit(":", 1)[0]
     store = TCPStore(host, 0, is_master=True, wait_for_workers=False)
+    healed = {"round": False}
 
+    # The model and the inner AdamW; torchft's DiLoCo registers the global weights and the outer
+    # optimizer itself (its fragment's state dict), as its DiLoCo example relies on.
     def load(sd: dict) -> None:
         model.load_state_dict(sd["model"])
         inner.load_state_dict(sd["inner"])
-        outer.load_state_dict(sd["outer"])
+        healed["round"] = True
 
     timeout = timedelta(seconds=a.comm_timeout)
-    manager = Manager(pg=ProcessGroupGloo(timeout=timeout), load_state_dict=load,
-                      state_dict=lambda: {"model": model.state_dict(), "inner": inner.state_dict(),
-                                          "outer": outer.state_dict()},
-                      min_replica_size=1, timeout=timeout, quorum_timeout=timedelta(seconds=60), rank=0,
-                      world_size=1, store_addr=host, store_port=store.port, lighthouse_addr=a.lighthouse,
+    pg = ProcessGroupGloo(timeout=timeout)
+    manager = Manager(pg=pg, load_state_dict=load,
+                      state_dict=lambda: {"model": model.state_dict(), "inner": inner.state_dict()},
+                      min_replica_size=1, timeout=timeout, quorum_timeout=timedelta(seconds=a.quorum_timeout),
+                      rank=0, world_size=1, store_addr=host, store_port=store.port, lighthouse_addr=a.lighthouse,
                       replica_id=f"wan_{a.replica_id}", hostname=host, init_sync=False,
+                      checkpoint_transport=PGTransport(pg, timeout=timeout, device=torch.device("cpu")),
                       use_async_quorum=False)   # torchft's DiLoCo requires it
+    # The sync's verdict, as torchft's DiLoCo hook got it (the step count alone misleads after a
+    # heal: healing sets it to the donor's, whether or not the round then commits).
+    verdict = {"commit": None}
+    should_commit = manager.should_commit
+
+    def recorded_should_commit(*args: object, **kw: object) -> bool:
+        verdict["commit"] = should_commit(*args, **kw)
+        return verdict["commit"]
+    manager.should_commit = recorded_should_commit   # type: ignore[method-assign]
     stop = {"flag": False}
-    signal.signal(signal.SIGTERM, lambda *_: stop.update(flag=True))
+
+    def on_term(*_: object) -> None:
+        # A replica may sit in a quorum for up to --quorum-timeout: the records are flushed per
+        # line, so end the process if the loop has not ended 3 s after the signal.
+        stop["flag"] = True
+        threading.Timer(3.0, lambda: os._exit(0)).start()
+    signal.signal(signal.SIGTERM, on_term)
     out = open(a.stats, "a", buffering=1)
 
     def write(rec: dict) -> None:
@@ -212,18 +254,24 @@ def torchft_main(a: argparse.Namespace) -> int:
             first = ((s * h + k) * n + r) * b
             inner.zero_grad()
             model.loss(data.batch(list(range(first, first + b)))).backward()
+            if a.step_delay:
+                time.sleep(a.step_delay)
             ran += 1
-            inner.step()   # torchft's hook syncs after every H-th
             k += 1
+            if k in (h // 2, h):
+                write({"kind": "phase", "phase": "mid" if k < h else "sync", "t": time.time()})
+            healed["round"], verdict["commit"] = False, None
+            inner.step()   # torchft's hook syncs after every H-th (its quorum may heal this replica)
             if k < h:
                 continue
             k = 0
             after = manager.current_step()
-            ok = after > s
+            ok = bool(verdict["commit"])
             parts = manager.num_participants() if ok else 0
             committed += parts * h * b
+            own = ok and not healed["round"]
             rec = {"t": time.time(), "step": after, "c": int(ok), "n": parts, "r": 0, "role": "torchft",
-                   "ran": ran, "kept": ran if ok else 0, "samples": committed}
+                   "ran": ran, "kept": ran if own else 0, "healed": int(healed["round"]), "samples": committed}
             ran = 0
             if ok:   # after a committed round (alpha 0) the local weights are the global ones
                 rec["digest"] = hashlib.sha256(b"".join(p.detach().numpy().tobytes()

@@ -51,7 +51,8 @@ def register(sub: Any) -> None:
     p.add_argument("--algo", choices=ALGOS, default="ft",
                    help="ft: FaultTolerant, an allreduce every step; diloco: the GPT recipe with DiLoCo (inner AdamW, "
                    "an outer Nesterov SGD on the mean pseudo-gradient every --sync-every inner steps), for the "
-                   "systems p2pft and failure_free; a step is then a sync, and the oracle replays the syncs")
+                   "systems p2pft and failure_free (and torchft 0.2.0's DiLoCo on the same recipe when it is "
+                   "installed); a step is then a sync, and the oracle replays p2pft's syncs")
     p.add_argument("--sync-every", type=int, default=5, help="with --algo diloco: inner steps between syncs (H)")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--checkpoint-every", type=int, default=20,
@@ -162,9 +163,13 @@ def _systems(text: str, algo: str = "ft") -> list[str]:
     known = ("p2pft", "ddp", "sync", "failure_free", "torchft")
     if algo == "diloco":
         out = list(DILOCO_SYSTEMS) if text == "auto" else [s.strip() for s in text.split(",") if s.strip()]
+        if text == "auto" and importlib.util.find_spec("torchft") is None:
+            out.remove("torchft")   # torchft's DiLoCo beside p2pft's when it is installed
         bad = [s for s in out if s not in DILOCO_SYSTEMS]
         if bad:
             raise UsageError(f"--algo diloco runs on {', '.join(DILOCO_SYSTEMS)} only, not {', '.join(bad)}")
+        if "torchft" in out and importlib.util.find_spec("torchft") is None:
+            raise UsageError("torchft is not installed (pip install 'p2pft[compare]')")
         return out if "failure_free" in out else [*out, "failure_free"]
     if text == "auto":
         out = ["p2pft", "ddp", "failure_free"]

@@ -33,7 +33,8 @@ SPARE_SYSTEMS = ("p2pft", "torchft")  # the systems that run --spares extra repl
 REPLICA_PORT, WITNESS_PORT = 7100, 7000      # on a host of its own every process can use the same port
 WORKLOADS = {"example": "p2pft.trainer.examples.replica", "gpt": "p2pft.trainer.examples.gpt"}
 ALGOS = ("ft", "diloco")                     # FaultTolerant (an allreduce per step) | DiLoCo (gpt.py --sync-every)
-DILOCO_SYSTEMS = ("p2pft", "failure_free")   # the systems that run DiLoCo (the others have no DiLoCo)
+# the systems that run DiLoCo (the others have no DiLoCo): torchft's is torchft.local_sgd.DiLoCo
+DILOCO_SYSTEMS = ("p2pft", "failure_free", "torchft")
 
 
 @dataclass

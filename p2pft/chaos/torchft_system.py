@@ -14,6 +14,11 @@ With ``--spares N`` torchft gets what p2pft gets: N more replicas, run in torchf
 ``WorldSizeMode.FIXED_WITH_SPARES`` with ``min_replica_size`` = the planned replica count, so the
 replicas beyond it allreduce zeros and stay current, and one of them takes a lost participant's
 rank in the next quorum.
+
+With ``--algo diloco`` the replicas are torchft's DiLoCo on the GPT recipe
+(``torchft_diloco_worker.py``: ``torchft.local_sgd.DiLoCo``, healing through its PG transport,
+the hour-long quorum timeout its Manager's docs ask for DiLoCo), under the same lighthouse
+settings: the row beside p2pft's DiLoCo on the same schedule.
 """
 from __future__ import annotations
 
@@ -40,6 +45,12 @@ LIGHTHOUSE_MIN_REPLICAS = 1   # lighthouse_command's default, as torchft's READM
 LIGHTHOUSE_QUORUM_TICK_MS = 100
 LIGHTHOUSE_JOIN_TIMEOUT_MS = 1000
 LIGHTHOUSE_HEARTBEAT_TIMEOUT_MS = 1000
+# torchft's DiLoCo: the lighthouse as torchft's DiLoCo example starts it (--join_timeout_ms 10000)
+# with the default heartbeat timeout. A sync's quorum then waits for every replica still
+# heartbeating to end its span; with 1 s timeouts a replica whose span ended a second after the
+# others' was left out, and had to heal (its span lost) at the next sync (docs/diloco.md).
+DILOCO_JOIN_TIMEOUT_MS = 10000
+DILOCO_HEARTBEAT_TIMEOUT_MS = 5000
 
 GRAD_MODES = ("manual", "ddp")
 CRASH_RESTART_DELAY = 1.0   # seconds; an in-place launcher restart, quicker than replacing a host
@@ -98,6 +109,19 @@ def worker_command(cfg: ChaosConfig, i: int, stats: Path, lighthouse_url: str, g
     return cmd
 
 
+def diloco_worker_command(cfg: ChaosConfig, i: int, stats: Path, lighthouse_url: str, go_file: Path,
+                          host: str | None = None) -> list[str]:
+    """The command line of torchft DiLoCo replica ``i`` on the GPT recipe (``--algo diloco``)."""
+    cmd = [sys.executable, "-m", "p2pft.chaos.torchft_diloco_worker", "--replica", str(i),
+           "--replicas", str(cfg.replicas), "--lighthouse", lighthouse_url, "--model", cfg.model,
+           "--batch", str(cfg.batch), "--sync-every", str(cfg.sync_every), "--step-delay", str(cfg.step_delay),
+           "--stats", str(stats), "--digest-every", str(cfg.digest_every), "--seed", str(cfg.seed),
+           "--go-file", str(go_file), *cfg.extra_args]
+    if host is not None:
+        cmd += ["--host", host]
+    return cmd
+
+
 def loopback_ifname() -> str | None:
     """Name of the loopback interface, so Gloo's data plane stays on 127.0.0.1."""
     try:
@@ -130,6 +154,8 @@ class TorchftCluster(Cluster):
             raise ValueError(f"P2PFT_TORCHFT_GRADS must be one of {', '.join(GRAD_MODES)}, got {self.grads!r}")
         if self.max_restarts < 0:
             raise ValueError("P2PFT_TORCHFT_MAX_RESTARTS must be >= 0")
+        if self.cfg.algo == "diloco" and self.spares:
+            raise ValueError("torchft's DiLoCo row runs without spares")
         if self.min_replicas is not None and not 1 <= self.min_replicas <= self.size:
             raise ValueError(f"P2PFT_TORCHFT_MIN_REPLICAS must be in [1, {self.size}], got {self.min_replicas}")
         # --hosts netns: the lighthouse on a host of its own, after the replicas' hosts.
@@ -144,6 +170,9 @@ class TorchftCluster(Cluster):
         hosts they trained apart; with spares none could commit, and they never merged)."""
         chosen = self.min_replicas if self.min_replicas is not None else lighthouse_min_replicas(self.cfg.replicas,
                                                                                                  self.spares)
+        if self.cfg.algo == "diloco":
+            return lighthouse_command(self.lighthouse_addr, min_replicas=chosen, join_timeout_ms=DILOCO_JOIN_TIMEOUT_MS,
+                                      heartbeat_timeout_ms=DILOCO_HEARTBEAT_TIMEOUT_MS)
         return lighthouse_command(self.lighthouse_addr, min_replicas=chosen)
 
     @property
@@ -187,8 +216,12 @@ class TorchftCluster(Cluster):
         inc = self.incarnations[i]
         self.incarnations[i] += 1
         stats = self.workdir / f"r{i}-{inc}.jsonl"
-        cmd = worker_command(cfg, i, stats, self.lighthouse_url, self.go_file, self.grads, spares=self.spares,
-                             host=self.net[i].ip if self.net is not None else None, worker_args=self.worker_args)
+        host = self.net[i].ip if self.net is not None else None
+        if cfg.algo == "diloco":
+            cmd = diloco_worker_command(cfg, i, stats, self.lighthouse_url, self.go_file, host=host)
+        else:
+            cmd = worker_command(cfg, i, stats, self.lighthouse_url, self.go_file, self.grads, spares=self.spares,
+                                 host=host, worker_args=self.worker_args)
         env: dict[str, Any] = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
                                    TORCHFT_LIGHTHOUSE=self.lighthouse_url, REPLICA_GROUP_ID=str(i),
                                    NUM_REPLICA_GROUPS=str(cfg.replicas))

@@ -63,7 +63,7 @@ def test_chaos_rejects_a_config_that_cannot_work(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "-m", "p2pft.cli", "chaos", "--systems", "p2pft,nonsense",
                            "--out", str(tmp_path)], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "unknown system" in proc.stderr
-    for extra, message in ((["--algo", "diloco", "--systems", "p2pft,ddp"], "p2pft, failure_free only"),
+    for extra, message in ((["--algo", "diloco", "--systems", "p2pft,ddp"], "p2pft, failure_free, torchft only"),
                            (["--algo", "diloco", "--workload", "example"], "runs the gpt workload")):
         proc = subprocess.run([sys.executable, "-m", "p2pft.cli", "chaos", *extra, "--out", str(tmp_path)],
                               capture_output=True, text=True, timeout=60)
