@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     from torchft.local_sgd import DiLoCo
 
     from ..trainer.examples.gpt import SIZES, Recipe, build, clip, forward_backward
-    from ..trainer.outer import outer_sgd
+    from ..trainer.algorithms.outer import outer_sgd
     from .torchft_worker import Stats
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     r = Recipe(d_model=d, n_layers=layers, n_heads=heads, seq_len=seq, batch=args.batch, seed=args.seed,
                replicas=args.replicas, sync_every=args.sync_every)
     model, inner, sched, scaler, data = build(r, args.data_dir)   # seeded: identical on every replica
-    outer = outer_sgd(model.parameters(), lr=r.outer_lr, momentum=r.outer_momentum)
+    outer = outer_sgd(list(model.parameters()), lr=r.outer_lr, momentum=r.outer_momentum)
     healed = {"round": False}
 
     # The model, the inner AdamW and its schedule; torchft's DiLoCo adds the global weights and
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         donor's whether or not the round commits)."""
         verdict["commit"] = should_commit(*a, **kw)
         return bool(verdict["commit"])
-    manager.should_commit = recorded_should_commit   # type: ignore[method-assign]
+    manager.should_commit = recorded_should_commit
 
     stop = {"flag": False}
 
