@@ -271,8 +271,10 @@ class Runtime:
         return view_wait_after_failure(self.profile.suspicion_min)
 
     def member_step(self, node: str) -> int:
-        n = self.server.node if self.server else None
-        return n.member_step(node) if n else 0
+        """The committed step `node` last told gossip about (0 when unknown), from the driver's
+        published snapshot (at most ``MEMBERS_EVERY_S`` old): no read of the node's live table."""
+        st = self.server.members.get(node) if self.server is not None else None
+        return st.step if st is not None else 0
 
     # ------------------------------------------------------------------ into the control loop
     def _call(self, fn: Callable[[float], None], poke: bool = True) -> None:
@@ -326,10 +328,10 @@ class Runtime:
         self._call(lambda now: self.server.node.declare_job(target, allow_scratch, now))  # type: ignore[union-attr]
 
     def member_meta(self, node: str) -> MemberMeta | None:
-        """What gossip last said about `node` (immutable; None when unknown)."""
-        n = self.server.node if self.server else None
-        m = n.gossip.members.get(node) if n is not None else None
-        return m.meta if m is not None else None
+        """What gossip last said about `node` (immutable; None when unknown), from the same
+        snapshot as ``member_step``."""
+        st = self.server.members.get(node) if self.server is not None else None
+        return st.meta if st is not None else None
 
     def request_new_data_epoch(self, failed_data_epoch: int) -> None:
         """Ask the leader for a fresh data epoch: the communicator of `failed_data_epoch` broke

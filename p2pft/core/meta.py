@@ -131,6 +131,15 @@ class MemberMeta:
         return meta
 
 
+@dataclass(frozen=True, slots=True)
+class MemberStatus:
+    """What other threads may read of one member (``NodeServer.members``): the committed step it
+    last told us about and its gossip metadata, copied out of the node's live table."""
+
+    step: int
+    meta: MemberMeta
+
+
 @dataclass(frozen=True)
 class NodeSpec:
     """What a node says about itself when it starts: the fields of its first ``MemberMeta``.
@@ -185,4 +194,4 @@ def _enum(cls: type, value: Any) -> Any:
         raise ValueError(f"{value!r} is not a valid {cls.__name__}") from None
 
 
-__all__ = ["Kind", "MemberMeta", "NodeSpec", "Status"]
+__all__ = ["MemberStatus", "Kind", "MemberMeta", "NodeSpec", "Status"]

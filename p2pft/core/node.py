@@ -31,7 +31,7 @@ from .gossip.events import GossipEventKind
 from .gossip.swim import Gossip
 from .messages import (ALIVE, DEAD, LEFT, SUSPECT, Envelope, GossipMessage, Message, RaftMessage, RaftMsg, Unknown,
                        Update, Updates, ViewDelta, ViewFull, ViewRequest)
-from .meta import Kind, NodeSpec, Status
+from .meta import Kind, MemberStatus, NodeSpec, Status
 from .raft import LEADER, Raft
 from .ready import Ready
 from .reconcile import ViewPlanner, canonical, member_entry
@@ -419,6 +419,12 @@ class Node:
     def member_state(self, node: str) -> str:
         m = self.gossip.members.get(node)
         return m.state if m else DEAD
+
+    def member_statuses(self) -> dict[str, MemberStatus]:
+        """A copy of every member's step and metadata (this node's own step included), for the
+        driver to publish to other threads (the live table is the loop's alone)."""
+        return {m.node: MemberStatus(self.step if m.node == self.id else m.step, m.meta)
+                for m in self.gossip.members.values()}
 
     def member_step(self, node: str) -> int:
         if node == self.id:

@@ -30,11 +30,11 @@ import random
 import time
 from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from ..core import codec
 from ..core.config import DEFAULT, Profile
-from ..core.meta import NodeSpec
+from ..core.meta import MemberStatus, NodeSpec
 from ..core.node import Node
 from ..core.view import Role, View
 from ..ops.log import set_context
@@ -51,6 +51,7 @@ log = logging.getLogger(__name__)
 MAX_QUEUE = 1024          # frames queued per peer; the oldest is dropped past it (gossip tolerates loss)
 CONNECT_TIMEOUT = 1.0
 REJECT_LOG_EVERY = 5.0    # seconds between two log lines about the same kind of rejected connection
+MEMBERS_EVERY_S = 0.05    # the members snapshot other threads read is refreshed at most this often
 
 
 @dataclass(frozen=True)
@@ -186,6 +187,10 @@ class NodeServer:
         self.closing = False
         self.view_wall_time: float | None = None
         self.on_view: list[Callable[[View], None]] = []     # called on the loop thread per committed view
+        # Every member's step and metadata as of the last flush (at most MEMBERS_EVERY_S old):
+        # replaced, never mutated, so other threads read it without touching the node.
+        self.members: Mapping[str, MemberStatus] = {}
+        self._members_due = 0.0
         self.log_context = True   # one node per process: show its id/epoch in every log line
         self._peers: dict[str, _Peer] = {}
         # inbound connections, least recently active first (the one to close when full)
@@ -333,6 +338,10 @@ class NodeServer:
             peer.send(frame)
             self.counters["frames_sent"] += 1
             self.observer.note_sent(addr, body["t"])
+        now = time.monotonic()
+        if ready.views or now >= self._members_due:
+            self.members = node.member_statuses()
+            self._members_due = now + MEMBERS_EVERY_S
         for view in ready.views:
             self.view_wall_time = time.time()
             if self.log_context:
