@@ -184,8 +184,8 @@ class DiLoCo(StepEngine):
             self._span_idx = super().begin(stop)
             # Inner steps touch only the local model: the global weights and the outer optimizer
             # (the state a joiner pulls) stay a committed state until the sync, so donors may
-            # copy them meanwhile instead of at the next sync only.
-            self.in_step = False
+            # copy them meanwhile instead of at the next sync only. (A pause still waits for the
+            # span's end: ``in_step`` stays set.)
             self.serving.idle()
             self._base = self.step
             was = self._contributing
