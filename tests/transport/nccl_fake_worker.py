@@ -37,6 +37,20 @@ def wait_release(bound: float) -> None:
         assert line == "release", line
 
 
+def allreduce_in_thread(comm: Any) -> tuple[threading.Thread, list[BaseException]]:
+    """An allreduce on a thread of its own (started): the thread and the errors it raised."""
+    errs: list[BaseException] = []
+
+    def op() -> None:
+        try:
+            comm.allreduce(torch.ones(8), timeout=30.0)
+        except BaseException as e:  # noqa: BLE001 - reported
+            errs.append(e)
+    th = threading.Thread(target=op)
+    th.start()
+    return th, errs
+
+
 def run(scenario: str, epoch: int, rank: int, ds: DataServer, peers: list[str]) -> None:
     backend = "nccl-auto" if scenario.endswith("_auto") else "nccl"
     if os.environ.get("TEST_NCCL_FIRST") == "1":
@@ -64,15 +78,7 @@ def run(scenario: str, epoch: int, rank: int, ds: DataServer, peers: list[str]) 
                 comm.wait_init(20)
                 wait_release(20)    # takes no part: rank 0's collective is stuck on it
                 return result(t0, ok=True)
-            errs: list[BaseException] = []
-
-            def op() -> None:
-                try:
-                    comm.allreduce(torch.ones(8), timeout=30.0)
-                except BaseException as e:  # noqa: BLE001 - reported
-                    errs.append(e)
-            th = threading.Thread(target=op)
-            th.start()
+            th, errs = allreduce_in_thread(comm)
             time.sleep(0.7)
             t0 = time.monotonic()
             if scenario == "abort_during":
@@ -137,15 +143,7 @@ def run(scenario: str, epoch: int, rank: int, ds: DataServer, peers: list[str]) 
                 if on_dead is not None:
                     on_dead(c)
             comm._on_dead = slow_on_dead
-            errs: list[BaseException] = []
-
-            def op() -> None:
-                try:
-                    comm.allreduce(torch.ones(8), timeout=30.0)
-                except BaseException as e:  # noqa: BLE001 - reported
-                    errs.append(e)
-            th = threading.Thread(target=op)
-            th.start()
+            th, errs = allreduce_in_thread(comm)
             in_window.wait(5)
             t0 = time.monotonic()
             done = threading.Event()
