@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from ...core.lifecycle import Admit, Declared, EndWord, Fetch, admit, end_word, initial_fetch
 from ...core.meta import Status
 from ...core.view import JobTarget, Role, TargetKind, View, shard_addr
 from ...runtime import Runtime
@@ -98,31 +99,12 @@ class JobOptions:
         return cls(target=target, **kw)
 
 
-class Fetch(enum.Enum):
-    """Rank 0's word to the ranks while they take the initial state."""
-
-    HOLD = "hold"           # this replica is the lead: keep a copy of the state for the others
-    FROM = "from"           # pull (or compare with) the lead replica's, shard by shard
-    CATCH_UP = "catch_up"   # the group started without this replica: a snapshot, not step 0
-    NONE = "none"           # nothing to agree on
-
-
 @dataclass(frozen=True)
 class InitialPlan:
     how: Fetch
     lead: str = ""                                  # the lead's replica id
     lead_node: str = ""
     addrs: tuple[str, ...] = ()                     # the lead's data address per shard
-
-
-class EndWord(enum.Enum):
-    """Rank 0's word to the ranks at each look of the end barrier."""
-
-    FINISHED = "finished"
-    WAIT = "wait"
-    ROUND = "round"         # an idle reduce round for the joiners still catching up
-    STOP = "stop"
-    TIMEOUT = "timeout"
 
 
 class JobLife:
@@ -230,19 +212,13 @@ class JobLife:
         is agreed."""
         rt, o = self.rt, self.options
         rt.declare_job(o.target, o.allow_restart_from_scratch)
-        # A committed view that says the job finished is enough, whoever it lists: the replicas
-        # that finished may have left with the quorum, and a witness still hands that view out.
-        view = self._wait(lambda v: v.role_of(rt.node_id) in (Role.PARTICIPANT, Role.JOINER) or v.finished is not None,
-                          deadline, "this replica in it")
-        view = self._check_finished(view, deadline)
-        self._check_target(view)
-        view = self._check_high_water(view, deadline)
+        view = self._admitted(deadline, at_start=True)
         # Only a job's first participants wait for each other: a participant that others already
         # train with (a restart from a checkpoint at their step) would hold up their allreduces.
         if o.min_replicas > 1 and self.port.step == 0 and view.role_of(rt.node_id) is Role.PARTICIPANT:
             view = self._wait(lambda v: len(v.participants) >= o.min_replicas or v.role_of(rt.node_id) is Role.JOINER
                               or v.finished is not None, deadline, f"{o.min_replicas} participants", fail=False)
-            self._check_finished(view, deadline)
+            view = self._admitted(deadline, at_start=True)
             if len(view.participants) < o.min_replicas and view.role_of(rt.node_id) is Role.PARTICIPANT:
                 log.warning("no view with %d participants within %g s: starting with %d", o.min_replicas,
                             o.start_timeout, len(view.participants))
@@ -275,77 +251,92 @@ class JobLife:
                     raise StepTimeout(f"no view with {what} within {self.options.start_timeout} s")
                 return rt.view
 
-    def _check_finished(self, view: View, deadline: float) -> View:
-        if view.finished is None:
-            return view
-        mine = self.options.target
-        further = (mine is not None and view.target is not None and mine.kind is view.target.kind
-                   and mine.n > view.target.n)
-        if further or self.options.on_finished is OnFinished.WAIT:
-            log.info("the job finished at step %d; waiting for a further target", view.finished)
-            return self._wait(lambda v: v.finished is None, deadline, "a further target")
-        self.ended = view.finished
-        log.info("the job already finished at step %d%s: nothing to train", view.finished,
-                 f" (target {view.target})" if view.target else "")
-        raise JobFinished(view.finished, view.target)
+    @property
+    def _declared(self) -> Declared:
+        o = self.options
+        return Declared(o.target, o.allow_restart_from_scratch, o.on_finished is OnFinished.WAIT)
 
-    def _check_target(self, view: View) -> None:
-        mine, theirs = self.options.target, view.target
-        if mine is not None and theirs is not None and mine != theirs and view.finished is None:
-            log.error("this replica declares the job's end as %s, but the group runs to %s", mine, theirs)
-            raise JobConfigError(f"this replica declares the job's end as {mine}, but the group runs to {theirs}")
+    def _admitted(self, deadline: float, at_start: bool) -> View:
+        """Rank 0: look at the views until ``admit`` lets this replica in, raising the job's
+        error on the way (``p2pft/core/lifecycle.py`` decides; the simulator's trainers call the
+        same function). Before a step (not `at_start`), a view that does not list us yet is
+        the step's business (a rejoin), not the job's."""
+        rt, o, p = self.rt, self.options, self.port
+        grace_end: float | None = None
+        said: set[Admit] = set()
+        while True:
+            if p.stopping:
+                raise Stopped("stop requested")
+            view, now = rt.view, time.monotonic()
+            verdict = admit(view, rt.node_id, p.step, self._declared,
+                            grace_over=grace_end is not None and now >= grace_end, finishing=self.finishing)
+            if verdict is Admit.IN or (verdict is Admit.WAIT and not at_start):
+                assert view is not None or not at_start
+                return view  # type: ignore[return-value]
+            assert view is not None or verdict is Admit.WAIT
+            if verdict is Admit.FINISHED:
+                assert view is not None and view.finished is not None
+                self.ended = view.finished
+                if at_start:
+                    log.info("the job already finished at step %d%s: nothing to train", view.finished,
+                             f" (target {view.target})" if view.target else "")
+                    raise JobFinished(view.finished, view.target)
+                log.info("the job finished at step %d with this replica at step %d", view.finished, p.step)
+                raise JobFinished(view.finished, view.target,
+                                  held=p.step if p.step != view.finished or not p.synced else None)
+            if verdict is Admit.CONFIG_ERROR:
+                assert view is not None
+                log.error("this replica declares the job's end as %s, but the group runs to %s", o.target, view.target)
+                raise JobConfigError(f"this replica declares the job's end as {o.target}, but the group runs to "
+                                     f"{view.target}")
+            if verdict is Admit.REFUSE:
+                assert view is not None
+                log.error("the job reached step %d, but no running replica holds it and this replica has no "
+                          "checkpoint: refusing to train from step 0 (allow_restart_from_scratch / "
+                          "--allow-restart-from-scratch to do it anyway)", view.high_water)
+                raise MissingStateError(view.high_water, p.step)
+            if verdict is Admit.GRACE and grace_end is None:
+                grace_end = now + o.resume_grace
+            if verdict not in said and view is not None:
+                said.add(verdict)
+                self._say(verdict, view)
+            if now >= deadline:
+                what = {Admit.WAIT: "this replica in it", Admit.FURTHER: "a further target"}.get(verdict,
+                                                                                                 "a participant")
+                raise StepTimeout(f"no view with {what} within {o.start_timeout} s")
+            wait = min(POLL_S * 5, deadline - now, (grace_end - now) if grace_end is not None and grace_end > now
+                       else POLL_S * 5)
+            rt.wait_view(lambda v: v is not view or p.stopping, max(0.0, wait), loop_timeout=p.loop_timeout)
 
-    def _check_high_water(self, view: View, deadline: float) -> View:
-        """No participant, and the cluster got further than our state. With a checkpoint, the
-        leader resumes from the best one after its grace (loudly). Without one (step 0), wait
-        `resume_grace` for a replica holding some state, then refuse to train a new model
-        under the job's name (or, allowed, let the leader resume from here)."""
-        o, step = self.options, self.port.step
-        if view.participants or view.paused or view.high_water <= step:
-            return view   # someone trains, or holds the committed state while it steps out
-        if step > 0:
+    def _say(self, verdict: Admit, view: View) -> None:
+        """The INFO (or WARNING) line of a wait, once per kind of wait."""
+        step = self.port.step
+        if verdict is Admit.FURTHER:
+            log.info("the job finished at step %s; waiting for a further target", view.finished)
+        elif verdict is Admit.OFFER:
             log.info("the job reached step %d and no replica trains now; offering this replica's step %d",
                      view.high_water, step)
-            return self._check_finished(self._wait(lambda v: bool(v.participants) or v.finished is not None,
-                                                   deadline, "a participant"), deadline)
-        log.info("the job reached step %d and no replica trains now; waiting up to %g s for one that holds it",
-                 view.high_water, o.resume_grace)
-        grace = min(deadline, time.monotonic() + o.resume_grace)
-        v = self._wait(lambda v: bool(v.participants or v.paused) or v.finished is not None, grace, "a participant",
-                       fail=False)
-        if v.participants or v.paused or v.finished is not None:
-            return self._check_finished(v, deadline)
-        if not o.allow_restart_from_scratch:
-            log.error("the job reached step %d, but no running replica holds it and this replica has no checkpoint: "
-                      "refusing to train from step 0 (allow_restart_from_scratch / --allow-restart-from-scratch to "
-                      "do it anyway)", v.high_water)
-            raise MissingStateError(v.high_water, step)
-        log.warning("the job reached step %d, but no replica holds it: training again from step 0, as allowed",
-                    v.high_water)
-        return self._wait(lambda v: bool(v.participants), deadline, "a participant after the allowed restart")
+        elif verdict is Admit.GRACE:
+            log.info("the job reached step %d and no replica trains now; waiting up to %g s for one that holds it",
+                     view.high_water, self.options.resume_grace)
+        elif verdict is Admit.SCRATCH:
+            log.warning("the job reached step %d, but no replica holds it: training again from step 0, as allowed",
+                        view.high_water)
 
     # ------------------------------------------------------------------ same start everywhere
     def _initial_plan(self) -> InitialPlan:
-        """Rank 0. At step 0 with every participant at step 0: the lead keeps a copy of its
-        state for the others to pull (or compare digests with), taken before any step. A replica
-        at step 0 that the group did not start with (a joiner, or participants already past step
-        0) catches up from a snapshot: its state at step 0 is its own, not the job's (replicas
-        need not seed alike), so the steps since, replayed from a peer's short log onto it,
-        would give other weights than the group's."""
+        """Rank 0: how the state at step 0 is agreed (``initial_fetch``)."""
         rt = self.rt
         view = rt.view
-        if self.port.step != 0 or view is None:
-            return InitialPlan(Fetch.NONE)
-        others = [m for m in view.participants if m.node != rt.node_id]
-        if view.role_of(rt.node_id) is not Role.PARTICIPANT or any(rt.member_step(m.node) != 0 for m in others):
-            if others or any(m.node != rt.node_id for m in view.paused):   # someone holds the job's state
-                log.info("the group started without this replica: catching up from a snapshot instead of "
-                         "taking the initial state")
-                return InitialPlan(Fetch.CATCH_UP)
-            return InitialPlan(Fetch.NONE)
-        if self.options.initial_state is InitialState.OFF:
-            return InitialPlan(Fetch.NONE)
-        return self._lead_plan(view)
+        how = initial_fetch(view, rt.node_id, self.port.step, rt.member_step,
+                            agree=self.options.initial_state is not InitialState.OFF)
+        if how is Fetch.CATCH_UP:
+            log.info("the group started without this replica: catching up from a snapshot instead of "
+                     "taking the initial state")
+        if how in (Fetch.HOLD, Fetch.FROM):
+            assert view is not None
+            return self._lead_plan(view)
+        return InitialPlan(how)
 
     def _lead_plan(self, view: View) -> InitialPlan:
         lead = view.lead()
@@ -457,17 +448,11 @@ class JobLife:
         self._decided(self._view_check)
 
     def _view_check(self) -> None:
-        view = self.rt.view
-        if view is None:
-            return
-        if view.finished is not None and not self.finishing:
-            self.ended = view.finished
-            raise JobFinished(view.finished, view.target)
-        self._check_target(view)
-        if not view.participants and not view.paused and view.high_water > self.port.step:
-            # Every participant died since we joined (as a joiner, behind them): the same check
-            # as at the start, so that nobody trains on from an older state without being told.
-            self._check_high_water(view, time.monotonic() + self.options.start_timeout)
+        """Rank 0, before each step: the job may have finished meanwhile, been declared
+        otherwise, or lost every participant since we joined (as a joiner, behind them): the
+        same ``admit`` as at the start, so nobody trains on from an older state untold."""
+        if self.rt.view is not None:
+            self._admitted(time.monotonic() + self.options.start_timeout, at_start=False)
 
     def stop_plan(self, view: View | None) -> Attempt | None:
         """Rank 0, in each attempt: a step in flight when the job finished stops (every rank
@@ -525,6 +510,11 @@ class JobLife:
                 word, end = self._decided(lambda: self._end_look(deadline))
                 if word is EndWord.FINISHED:
                     break
+                if word is EndWord.BEHIND:
+                    self.ended = end
+                    log.warning("the job finished at step %d while this replica held step %d: it leaves without "
+                                "the job's final weights", end, p.step)
+                    raise JobFinished(int(end), self.options.target, held=p.step)
                 if word is EndWord.STOP:
                     raise Stopped("stop requested at the end barrier")
                 if word is EndWord.TIMEOUT:
@@ -539,19 +529,14 @@ class JobLife:
         return int(end)
 
     def _end_look(self, deadline: float) -> tuple[EndWord, int | None]:
-        """Rank 0: one look at the view at the end barrier."""
+        """Rank 0: one look at the view at the end barrier (``end_word`` decides)."""
         rt, p = self.rt, self.port
         view = rt.view
-        if view is not None and view.finished is not None:
-            return EndWord.FINISHED, view.finished
-        if p.stopping:
-            return EndWord.STOP, None
-        if time.monotonic() >= deadline:
-            return EndWord.TIMEOUT, None
-        if view is not None and view.joiners and self._all_done(view):
-            return EndWord.ROUND, None    # then a look below: a round moves the whole buffer
-        rt.wait_view(lambda v: v.finished is not None or p.stopping, POLL_S, loop_timeout=p.loop_timeout)
-        return EndWord.WAIT, None
+        word = end_word(view, p.step, p.synced, p.stopping, time.monotonic() >= deadline,
+                        view is not None and bool(view.joiners) and self._all_done(view))
+        if word is EndWord.WAIT:
+            rt.wait_view(lambda v: v.finished is not None or p.stopping, POLL_S, loop_timeout=p.loop_timeout)
+        return word, (view.finished if view is not None else None)
 
     def _settle(self, deadline: float) -> None:
         """Collective: a joiner whose replay reached the end hands over here (no step follows

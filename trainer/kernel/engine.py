@@ -24,6 +24,7 @@ from typing import Any, Iterator
 import torch
 
 from ...core.meta import Status
+from ...core.lifecycle import leads_step
 from ...core.step import RETRY_PAUSE_S, Action, Reduced, decide, idle_backoff
 from ...core.view import Role, TargetKind
 from ...ops.log import set_context
@@ -604,7 +605,7 @@ class StepEngine:
             mine = entry
         # The leader of a committed step is its lowest contributing slot: every replica that
         # committed it read the same mask, so exactly one of them leads it.
-        self.life.on_commit(slot is not None and mask[slot] and mask.index(True) == slot)
+        self.life.on_commit(leads_step(mask, slot))
         self.apply(entry)
         self.after_commit()
         return self._trained(StepResult(self.step, True, entry.count, retries, role, fast_forwarded=n,

@@ -40,15 +40,22 @@ class StepTimeout(JobError):
 
 class JobFinished(Stopped):
     """The job finished (every participant reached its end) before this replica could train:
-    nothing to do. A ``Stopped``, so the loop's one ``except Stopped`` covers it; exit 0."""
+    nothing to do. A ``Stopped``, so the loop's one ``except Stopped`` covers it; exit 0.
+    `held`: the step this replica holds when the job finished without it (a joiner still
+    catching up, a pause back too late): its weights are not the job's, so it has no end to
+    report."""
 
-    def __init__(self, step: int, target: JobTarget | None) -> None:
-        self.step, self.target = step, target
+    def __init__(self, step: int, target: JobTarget | None, held: int | None = None) -> None:
+        self.step, self.target, self.held = step, target, held
         what = f" (target {target})" if target is not None else ""
-        super().__init__(f"the job already finished at step {step}{what}: nothing to train")
+        if held is None:
+            super().__init__(f"the job already finished at step {step}{what}: nothing to train")
+        else:
+            super().__init__(f"the job finished at step {step}{what} without this replica, which holds step "
+                             f"{held}: its weights are not the job's final ones")
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.step, self.target))
+        return (type(self), (self.step, self.target, self.held))
 
 
 class MissingStateError(JobError):
