@@ -19,10 +19,11 @@ log = logging.getLogger(__name__)
 
 RESUME_GRACE_S = 5.0     # with no participant left, wait this long for one at the high-water step
 FINISH_GRACE_S = 20.0    # joiners get this long to reach the end once every participant has
-#: statuses of a trainer that holds a state it can train from (at its meta step)
-HOLDS_STATE = (Status.READY, Status.FRESH)
+#: statuses of a trainer that holds a state it can train from (at its meta step); one at the
+#: end barrier holds the committed state of its step too, so it is never demoted for saying so
+HOLDS_STATE = (Status.READY, Status.FRESH, Status.DONE)
 #: ... and of one that holds the cluster's committed state while it steps out (a pause)
-HOLDS_COMMITTED = (Status.READY, Status.FRESH, Status.PAUSED)
+HOLDS_COMMITTED = (Status.READY, Status.FRESH, Status.PAUSED, Status.DONE)
 
 
 @dataclass(frozen=True, slots=True)

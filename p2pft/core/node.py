@@ -46,6 +46,9 @@ BEAT_EVERY_MAX = 1.0       # a trainer's loop beats reach the leader at least th
 TOUCH_EPOCH = 1 << 62      # a view request nobody can answer: only the connection attempt matters
 RESTORED_DEFER = 3         # election timeouts a restored voter leaves a surviving voter to lead first
 RESTORED_DEFER_MAX = 30.0  # s after its start a restored voter campaigns whatever its gossip shows
+#: the committed views carry the job's progress (high water) at most this stale once it trains, so
+#: that the voters' data directories and every witness hold it through the loss of every trainer
+HIGH_WATER_REFRESH_S = 5.0
 
 
 _NOTHING = Ready()   # handed out when a step produced nothing; callers only read a Ready
@@ -108,6 +111,7 @@ class Node:
         self._next_bootstrap = now + profile.bootstrap_wait   # when to consider bootstrapping next
         self._role: Role | None = None         # our role in self.view (asked on every tick)
         self._dirty = True                     # leader: membership changed since the last reconcile
+        self._high_water_at = -1e9             # leader: when it last proposed a view (carrying the high water)
         self._next_reconcile = now
         if restore is not None and restore.has_log:
             # A voter back from its disk: it never bootstraps (it belongs to a cluster), and it
@@ -675,13 +679,23 @@ class Node:
         if cur is None:
             return
         desired = self.planner.desired(cur, now, self.step)
-        if canonical(desired) == canonical(cur):
+        if canonical(desired) == canonical(cur) and not self._high_water_due(cur, desired, now):
             return
         epoch = self.raft.propose(desired, now)
         if epoch is not None:
+            self._high_water_at = now
             self.stats["views_proposed"] += 1
             # the proposal may have committed at once (single voter): process it
             self._pump(now)
+
+    def _high_water_due(self, cur: View, desired: View, now: float) -> bool:
+        """The job got further than the committed view says: a view that only carries the new
+        high water, at the job's first committed step and then every HIGH_WATER_REFRESH_S, so a
+        cluster that loses every trainer (and restarts from the voters' disks) still knows the
+        job's progress and refuses to train it again from step 0."""
+        if desired.high_water <= cur.high_water:
+            return False
+        return cur.high_water == 0 or now - self._high_water_at >= HIGH_WATER_REFRESH_S
 
     def _first_view(self, base: View) -> View:
         """A new leader's first entry: the members gossip shows now (Raft keeps the voters)."""

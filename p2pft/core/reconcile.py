@@ -88,10 +88,21 @@ class ViewPlanner:
             key = (m.meta.start, m.node)
             if r not in newest or key > newest[r][0]:
                 newest[r] = (key, m)
-        part_steps = [step if n.node == self.me else g.members[n.node].step for n in cur.members
+        # A participant's step: the later of what gossip carries and what its status says (one
+        # that pauses says the step it committed last, which its gossip may not carry yet).
+        part_steps = [step if n.node == self.me else max(g.members[n.node].step, g.members[n.node].meta.step)
+                      for n in cur.members
                       if n.role is Role.PARTICIPANT and n.node in g.members
                       and g.members[n.node].state in (ALIVE, SUSPECT)]
         head = max(part_steps) if part_steps else None
+        # Participants that stay on the data plane at the head (not pausing now): a joiner
+        # promoted a few steps behind fast-forwards in its first step with them. With none, it
+        # would be the data plane alone, behind a paused member's committed steps: it would
+        # commit those steps again with other weights.
+        carried = head is not None and any(
+            (step if n.node == self.me else g.members[n.node].step) >= head for n in cur.members
+            if n.role is Role.PARTICIPANT and n.node in g.members and g.members[n.node].state in (ALIVE, SUSPECT)
+            and g.members[n.node].meta.status is not Status.PAUSED)
         # High water: the furthest committed step this cluster is known to have reached. A
         # member that just died counts by its last gossiped step until a view removes it; the
         # view then carries the mark (members gone before an allowed restart no longer count).
@@ -140,7 +151,8 @@ class ViewPlanner:
                 # not applied the steps in between.
                 st = max(m.meta.step, m.step)
                 if status is Status.READY:
-                    current = st >= head - PROMOTE_SLACK_STEPS if head is not None else st == target
+                    slack = PROMOTE_SLACK_STEPS if carried else 0
+                    current = st >= head - slack if head is not None else st == target
                 else:
                     current = at_target
                 role = Role.PARTICIPANT if current else Role.JOINER
