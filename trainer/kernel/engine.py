@@ -107,7 +107,7 @@ class StepEngine:
         self.step = 0
         self._synced = True            # see the synced property; written by mark_synced only
         self.events: deque[dict[str, Any]] = deque(maxlen=10_000)
-        self.recent = RecentSteps(cap.recent_keep)  # served to peers that fast-forward
+        self.recent = RecentSteps(cap.recent_keep, cap.replay_cap_bytes)  # served to peers that fast-forward
         self.catchup = Catchup(self, cap.replay_cap_bytes, eager=self.eager_catchup)
         # The backend of every communicator, from the data plane asked for (argument, else the
         # runtime's, else $P2PFT_DATA_PLANE) and the step buffer's device: an impossible 'nccl'
@@ -362,6 +362,7 @@ class StepEngine:
                 self.buf.save()
             self.catchup.donor = att.donor
             self.catchup.kick()
+            self.recent.hold(att.hold_from)
             verdicts = self.group.agree(self._verdict(self._allreduce(att)))
             check_usable(verdicts, self.rank, att.data_epoch)
             outcome = self._decide(att, verdicts, retries, slot)
@@ -513,9 +514,22 @@ class StepEngine:
                        addrs=tuple(m.data_addrs for m in members), contribute=still_mine,
                        demote=slot is not None and not still_mine, role=me.role.value, rejoin=rejoin, node=me.node,
                        donor=(donor.node, donor.data_addrs) if donor is not None else None, behind=behind,
-                       nodes=tuple(m.node for m in members),
+                       nodes=tuple(m.node for m in members), hold_from=self._hold_from(rt, view),
                        slot_ranks=tuple((m.slot, view.data_rank(m.node)) for m in view.participants
                                         if m.slot is not None))
+
+    def _hold_from(self, rt: Runtime, view: Any) -> int | None:
+        """Rank 0: the oldest step a paused member holds, or one back from a pause and not yet
+        a participant again (status 'ready' behind us): this replica keeps its log of committed
+        steps from there on, so that member fast-forwards instead of pulling a snapshot."""
+        held = []
+        for m in (*view.paused, *view.joiners):
+            meta = rt.member_meta(m.node)
+            if meta is None or meta.step < 0:
+                continue
+            if meta.status is Status.PAUSED or (meta.status is Status.READY and meta.step < self.step):
+                held.append(meta.step)
+        return min(held, default=None)
 
     def _paused_donor(self, view: Any, me: str) -> Any:
         """With no participant, a paused member holds the committed state: the furthest one."""
