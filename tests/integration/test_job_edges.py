@@ -10,11 +10,15 @@ too, and a whole cluster killed at once, witnesses included, restarted on its da
 """
 from __future__ import annotations
 
+import re
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
-from replica_harness import Replicas, steps
+from replica_harness import Replicas, check_invariants, records, steps
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
 
@@ -53,3 +57,102 @@ def test_a_failed_initial_check_stops_the_lead_too(tmp_path: Path) -> None:
     assert len(leads) == 1, leads
     assert "differs from this leader's" in _errors(tmp_path, f"r{leads[0]}")[0]
     print(f"\ninitial check: every replica stopped with exit 2 within {took:.1f} s (lead r{leads[0]})")
+
+
+class DurableCluster(Replicas):
+    """Witnesses and replicas that all keep their voter state in a data directory of their own
+    (``--data-dir``), restartable under the same name with the same command."""
+
+    def spawn_witness(self, k: int) -> None:
+        addr = self.witness_addrs[k]
+        log = open(self.tmp / f"w{k}-{len([n for n in self.procs if n.startswith(f'w{k}')])}.log", "wb")
+        name = f"w{k}-{len([n for n in self.procs if n.startswith(f'w{k}')])}"
+        self.procs[name] = subprocess.Popen(
+            [sys.executable, "-m", "p2pft", "--log-level", "INFO", "peer", "--listen", addr,
+             "--seeds", ",".join(a for a in self.addrs + self.witness_addrs if a != addr), "--replica-id", f"w{k}",
+             "--data-dir", str(self.tmp / f"data-w{k}")], stdout=subprocess.DEVNULL, stderr=log)
+        log.close()
+
+    def spawn_replica(self, i: int, life: int, extra: list[str]) -> None:
+        self.extra = [*FAST, "--data-dir", str(self.tmp / f"data-r{i}"), *extra]
+        self.spawn(i, f"r{i}-{life}")
+
+    def kill_everyone(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGKILL)
+        for p in self.procs.values():
+            p.wait(timeout=10)
+
+
+def _total_loss(tmp: Path, extra: list[str]) -> tuple[DurableCluster, int]:
+    """2 witnesses + 3 replicas, every one with a data directory, train past step 12; then all
+    five are SIGKILLed at once and started again with the same commands. Returns the cluster
+    (running its second lives) and the step the first lives reached."""
+    cl = DurableCluster(tmp, 3, witnesses=2)
+    for k in range(2):
+        cl.spawn_witness(k)
+    for i in range(3):
+        cl.spawn_replica(i, 0, extra)
+    cl.wait(lambda: all(cl.last_step(f"r{i}-0") >= 12 for i in range(3)), 60, "12 steps on all three")
+    cl.kill_everyone()
+    before = max(cl.last_step(f"r{i}-0") for i in range(3))
+    for k in range(2):
+        cl.spawn_witness(k)
+    for i in range(3):
+        cl.spawn_replica(i, 1, extra)
+    return cl, before
+
+
+def test_total_loss_without_checkpoints_refuses_a_new_model(tmp_path: Path) -> None:
+    """Every member killed, then restarted on its data directory with no checkpoint: the
+    voters' persisted views hold the job's step, so no replica trains a new model from step 0;
+    each stops with MissingStateError (exit 3) and one ERROR naming the step."""
+    extra = ["--min-replicas", "3", "--resume-grace", "4", "--steps", "400"]
+    cl, before = _total_loss(tmp_path, extra)
+    t0 = time.time()
+    try:
+        cl.wait(lambda: all(cl.procs[f"r{i}-1"].poll() is not None for i in range(3)), 60,
+                "the restarted replicas to refuse", allow_exit=tuple(f"r{i}-1" for i in range(3)))
+    finally:
+        rcs = cl.stop_all()
+    took = time.time() - t0
+    assert all(rcs[f"r{i}-1"] == 3 for i in range(3)), rcs
+    for i in range(3):
+        assert not steps(cl.stats[f"r{i}-1"]), f"r{i} trained a new model from step 0 under the job's name"
+        errs = _errors(tmp_path, f"r{i}-1")
+        assert len(errs) == 1 and "refusing to train from step 0" in errs[0], errs
+        hw = int(re.search(r"the job reached step (\d+)", errs[0]).group(1))   # type: ignore[union-attr]
+        # The record is written at most every 0.2 s: it may miss the last few steps, never more.
+        assert 0 < hw <= before + 1 and hw >= before - 12, (hw, before)
+    print(f"\ntotal loss at step {before}: every restarted replica refused within {took:.1f} s")
+
+
+def test_total_loss_with_checkpoints_resumes_from_them(tmp_path: Path) -> None:
+    """The same total loss with checkpoints: the restarted replicas resume from them, not from
+    step 0, and agree."""
+    extra = ["--min-replicas", "3", "--steps", "400", "--checkpoint-every", "5"]
+    cl = DurableCluster(tmp_path, 3, witnesses=2)
+    try:
+        for k in range(2):
+            cl.spawn_witness(k)
+        for i in range(3):
+            cl.spawn_replica(i, 0, [*extra, "--checkpoint-dir", str(tmp_path / f"ckpt-r{i}")])
+        cl.wait(lambda: all(cl.last_step(f"r{i}-0") >= 12 for i in range(3)), 60, "12 steps on all three")
+        cl.kill_everyone()
+        before = max(cl.last_step(f"r{i}-0") for i in range(3))
+        for k in range(2):
+            cl.spawn_witness(k)
+        for i in range(3):
+            cl.spawn_replica(i, 1, [*extra, "--checkpoint-dir", str(tmp_path / f"ckpt-r{i}")])
+        cl.wait(lambda: all(any(r.get("c") for r in steps(cl.stats[f"r{i}-1"])) for i in range(3)), 60,
+                "the restarted replicas to commit")
+    finally:
+        rcs = cl.stop_all()
+    assert all(rc == 0 for name, rc in rcs.items() if name.endswith("-1")), rcs
+    starts = [next(r for r in records(cl.stats[f"r{i}-1"]) if r.get("kind") == "start") for i in range(3)]
+    best = max(int(s["step"]) for s in starts)
+    assert best >= 10 and best >= before - 6, (before, starts)
+    first = min(int(next(r for r in steps(cl.stats[f"r{i}-1"]) if r.get("c"))["step"]) for i in range(3))
+    assert first == best + 1, (before, best, first)
+    check_invariants({k: v for k, v in cl.stats.items() if k.endswith("-1")})

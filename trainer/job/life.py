@@ -242,6 +242,7 @@ class JobLife:
                           deadline, "this replica in it")
         view = self._check_finished(view, deadline)
         self._check_target(view)
+        view = self._check_recorded(view, deadline)
         view = self._check_high_water(view, deadline)
         # Only a job's first participants wait for each other: a participant that others already
         # train with (a restart from a checkpoint at their step) would hold up their allreduces.
@@ -329,6 +330,37 @@ class JobLife:
         log.warning("the job reached step %d, but no replica holds it: training again from step 0, as allowed",
                     v.high_water)
         return self._wait(lambda v: bool(v.participants), deadline, "a participant after the allowed restart")
+
+    def _check_recorded(self, view: View, deadline: float) -> View:
+        """Rank 0, at step 0 with no checkpoint: this replica's data directory records that the
+        job reached a later step (``Runtime.recorded_step``), which the views may have lost (they
+        carry the job's step as of their last commit; a total loss, witnesses included, takes
+        the rest). Unless a member holds some state of the job within `resume_grace`, refuse to
+        train a new model under the job's name, as ``_check_high_water`` does."""
+        rt, o = self.rt, self.options
+        rec = rt.recorded_step
+        if self.port.step != 0 or not rec:
+            return view
+        rec = max(rec, view.high_water)
+
+        def held(v: View) -> bool:   # any trainer but us with a state past step 0 (a checkpoint, say)
+            return v.finished is not None or any(m.node != rt.node_id and m.role is not Role.WITNESS
+                                                 and rt.member_step(m.node) > 0 for m in v.members)
+        if held(view):
+            return view
+        log.info("this replica's data directory records step %d of this job and no member holds any of it; waiting "
+                 "up to %g s for one that does", rec, o.resume_grace)
+        v = self._wait(held, min(deadline, time.monotonic() + o.resume_grace), "a member holding the job", fail=False)
+        if held(v):
+            return self._check_finished(v, deadline)
+        if o.allow_restart_from_scratch:
+            log.warning("the job reached step %d (recorded in %s), but no replica holds it: training again from step "
+                        "0, as allowed", rec, rt.data_dir)
+            return v
+        log.error("the job reached step %d (recorded in %s), but no running replica holds it and this replica has no "
+                  "checkpoint: refusing to train from step 0 (allow_restart_from_scratch / "
+                  "--allow-restart-from-scratch to do it anyway)", rec, rt.data_dir)
+        raise MissingStateError(rec, 0)
 
     # ------------------------------------------------------------------ same start everywhere
     def _initial_plan(self) -> InitialPlan:
