@@ -24,7 +24,7 @@ from .core.view import JobTarget, Member, Role, View
 from .net import aio
 from .net.dataprobe import DataProbe
 from .net.driver import NodeServer
-from .ops.log import set_context
+from .ops.log import default_logging, set_context
 from .transport.addr import advertised, data_bind_host, parse_hostport
 
 if TYPE_CHECKING:
@@ -183,6 +183,7 @@ class Runtime:
         An explicit data_plane='nccl' that cannot work here fails first, before anything is bound."""
         from .transport.backend import check_data_plane
         from .transport.server import DataServer
+        default_logging()   # a program that configured no logging still sees p2pft's INFO lines
         check_data_plane(self.data_plane)
         place = self.place
         if place.data_addrs is None:
