@@ -132,6 +132,7 @@ class StepEngine:
         self._was_participant = False  # rank 0: see _plan
         self._member_since: int | None = None  # rank 0: our membership's `since` while a participant
         self._rejoin_pending = False
+        self._returning: dict[str, int] = {}   # rank 0: members back from a pause -> the step they hold
         self._attempt_view: Any = None
         self._deadline = 0.0
         data_server.serve_state(self.serving.provide)
@@ -519,17 +520,20 @@ class StepEngine:
                                         if m.slot is not None))
 
     def _hold_from(self, rt: Runtime, view: Any) -> int | None:
-        """Rank 0: the oldest step a paused member holds, or one back from a pause and not yet
-        a participant again (status 'ready' behind us): this replica keeps its log of committed
-        steps from there on, so that member fast-forwards instead of pulling a snapshot."""
-        held = []
-        for m in (*view.paused, *view.joiners):
+        """Rank 0: the oldest step a member that paused holds, from its pause until it is past
+        that step (it fast-forwarded, as a joiner or a participant promoted at once), caught up
+        otherwise, or left: this replica keeps its log of committed steps from there on, so that
+        member fast-forwards instead of pulling a snapshot."""
+        for m in view.paused:
             meta = rt.member_meta(m.node)
-            if meta is None or meta.step < 0:
-                continue
-            if meta.status is Status.PAUSED or (meta.status is Status.READY and meta.step < self.step):
-                held.append(meta.step)
-        return min(held, default=None)
+            if meta is not None and meta.step >= 0 and meta.status in (Status.PAUSED, Status.READY):
+                self._returning.setdefault(m.node, meta.step)
+        for node, step in list(self._returning.items()):
+            meta = rt.member_meta(node)
+            if (view.member(node) is None or meta is None or meta.status is Status.JOINING
+                    or (meta.status is not Status.PAUSED and meta.step > step)):
+                del self._returning[node]
+        return min(self._returning.values(), default=None)
 
     def _paused_donor(self, view: Any, me: str) -> Any:
         """With no participant, a paused member holds the committed state: the furthest one."""
