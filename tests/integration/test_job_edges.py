@@ -156,3 +156,22 @@ def test_total_loss_with_checkpoints_resumes_from_them(tmp_path: Path) -> None:
     first = min(int(next(r for r in steps(cl.stats[f"r{i}-1"]) if r.get("c"))["step"]) for i in range(3))
     assert first == best + 1, (before, best, first)
     check_invariants({k: v for k, v in cl.stats.items() if k.endswith("-1")})
+
+
+@pytest.mark.parametrize("algo", ["hsdp", "diloco"])
+def test_a_failed_initial_check_stops_every_replica_of_every_algorithm(tmp_path: Path, algo: str) -> None:
+    """The same check on HSDP (2 ranks per replica: the verdict reaches every rank) and DiLoCo:
+    both replicas, the lead included, exit 2 before step 0."""
+    from test_job_life_algos import Job
+
+    job = Job(tmp_path, algo)
+    job.spawn_witnesses()
+    job.spawn("a", "a0", seed=0, checkpoints=False, extra=("--initial-state", "check"))
+    job.spawn("b", "b0", seed=7, checkpoints=False, extra=("--initial-state", "check"))
+    try:
+        job.wait(lambda: all(job.procs[n].poll() is not None for n in ("a0", "b0")), 120, "both replicas to stop",
+                 allow_exit=("a0", "b0"))
+    finally:
+        rcs = job.stop_all()
+    assert rcs["a0"] == 2 and rcs["b0"] == 2, rcs
+    assert not job.committed("a0") and not job.committed("b0"), "a replica trained past different initial states"
