@@ -156,6 +156,7 @@ def test_total_loss_with_checkpoints_resumes_from_them(tmp_path: Path) -> None:
     first = min(int(next(r for r in steps(cl.stats[f"r{i}-1"]) if r.get("c"))["step"]) for i in range(3))
     assert first == best + 1, (before, best, first)
     check_invariants({k: v for k, v in cl.stats.items() if k.endswith("-1")})
+    print(f"\ntotal loss at step {before}: resumed from the checkpoints of step {best}, first commit {first}")
 
 
 @pytest.mark.parametrize("algo", ["hsdp", "diloco"])
