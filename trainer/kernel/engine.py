@@ -525,6 +525,8 @@ class StepEngine:
         otherwise, or left: this replica keeps its log of committed steps from there on, so that
         member fast-forwards instead of pulling a snapshot."""
         for m in view.paused:
+            if m.node == rt.node_id:
+                continue
             meta = rt.member_meta(m.node)
             if meta is not None and meta.step >= 0 and meta.status in (Status.PAUSED, Status.READY):
                 self._returning.setdefault(m.node, meta.step)
