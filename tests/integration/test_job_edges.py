@@ -3,7 +3,8 @@ too, and a whole cluster killed at once, witnesses included, restarted on its da
 
 - ``initial_state="check"`` with one replica seeded otherwise: every replica, the lead
   included, exits 2 before step 0 with one ERROR (before, the non-leaders raised and the lead
-  trained on alone).
+  trained on alone), on FaultTolerant, HSDP and DiLoCo; a peer that dies while the lead waits
+  for its check is not waited for.
 - Total loss: every member SIGKILLed, then the same commands again (same ``--data-dir``): the
   voters' persisted views hold the job's step, so the replicas without a checkpoint refuse to
   train a new model from step 0 (exit 3, one ERROR each); with checkpoints they resume.
@@ -176,3 +177,33 @@ def test_a_failed_initial_check_stops_every_replica_of_every_algorithm(tmp_path:
         rcs = job.stop_all()
     assert rcs["a0"] == 2 and rcs["b0"] == 2, rcs
     assert not job.committed("a0") and not job.committed("b0"), "a replica trained past different initial states"
+
+
+def test_the_lead_waiting_for_checks_does_not_wait_for_a_dead_peer(tmp_path: Path) -> None:
+    """The lead waits for every participant's check before step 0; one that dies meanwhile (here
+    r1, which never checks: initial_state='off') is not waited for once it is out of the view:
+    the lead goes on within seconds of the kill, not after the 30 s bound."""
+    rs = Replicas(tmp_path, 2, witnesses=1, running_seeds=True)
+    rs.extra = ["--min-replicas", "2", "--initial-state", "check", "--steps", "400", *FAST]
+    rs.spawn(0, "r0")      # started first: it bootstraps the cluster and takes slot 0, the lead
+    lead_log = tmp_path / "r0.log"
+    rs.wait(lambda: "listening on" in lead_log.read_text(errors="replace"), 30, "r0 to start")
+    rs.spawn_witness(0)
+    rs.extra = ["--min-replicas", "2", "--initial-state", "off", "--steps", "400", *FAST]
+    rs.spawn(1, "r1")
+    try:
+        rs.wait(lambda: "holding the initial state" in lead_log.read_text(errors="replace"), 60,
+                "r0 to hold the initial state")
+        time.sleep(1.0)    # r0 waits for r1's check, which never comes
+        assert "in the group at step 0" not in lead_log.read_text(errors="replace"), "the lead did not wait"
+        rs.procs["r1"].send_signal(signal.SIGKILL)
+        t_kill = time.time()
+        rs.wait(lambda: "in the group at step 0" in lead_log.read_text(errors="replace"), 25,
+                "the lead to go on without the dead peer")
+        went_on = time.time() - t_kill
+        rs.wait(lambda: rs.last_step("r0") >= 3, 30, "the lead to train")
+    finally:
+        rcs = rs.stop_all()
+    assert rcs["r0"] == 0, rcs
+    assert went_on < 15.0, went_on
+    print(f"\nlead waiting for checks: went on {went_on:.1f} s after its peer's SIGKILL")
