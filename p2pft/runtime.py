@@ -8,6 +8,7 @@ supersedes it), reports data-plane failures as evidence, and publishes its statu
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import threading
@@ -23,7 +24,7 @@ from .core.view import JobTarget, Member, Role, View
 from .net import aio
 from .net.dataprobe import DataProbe
 from .net.driver import NodeServer
-from .ops.log import set_context
+from .ops.log import default_logging, set_context
 from .transport.addr import advertised, data_bind_host, parse_hostport
 
 if TYPE_CHECKING:
@@ -52,6 +53,69 @@ class Placement:
     advertise_data: str | None = None           # data address peers use, when not the bound one
     data_addrs: tuple[str, ...] | None = None   # announced as given, one per shard (HSDP): no data server here
     metrics_port: int | str | None = None       # PORT or HOST:PORT for /metrics (None: off)
+
+
+class StepRecord:
+    """The furthest committed step of the job this trainer saw, kept in its data directory
+    (``job.step``): evidence of the job that outlives every process. The views carry the job's
+    step only as of their last commit (no view is committed while the job just trains), so
+    after a total loss, witnesses included, the restored views may say step 0 while the job
+    had reached step N; this record says N, and a replica restarted on the same directory with
+    no checkpoint refuses to train a new model under the job's name (``JobLife``). Written at
+    most every ``EVERY_S`` (atomic replace; a SIGKILL loses at most the steps since)."""
+
+    NAME = "job.step"
+    EVERY_S = 0.2
+
+    def __init__(self, data_dir: str, replica_id: str) -> None:
+        self.path = os.path.join(data_dir, self.NAME)
+        self.replica_id = replica_id
+        self._lock = threading.Lock()
+        self.recorded = self._read()          # as found at start (None: no record)
+        self._written = self.recorded or 0
+        self._pending = 0
+        self._next = 0.0
+
+    def _read(self) -> int | None:
+        try:
+            with open(self.path, encoding="utf-8") as fh:
+                d = json.load(fh)
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as exc:
+            log.warning("ignoring the unreadable job record %s: %s", self.path, exc)
+            return None
+        step = d.get("step") if isinstance(d, dict) else None
+        if d.get("replica_id") != self.replica_id or isinstance(step, bool) or not isinstance(step, int):
+            log.warning("ignoring the job record %s: not one of replica %s", self.path, self.replica_id)
+            return None
+        return step
+
+    def note(self, step: int) -> None:
+        """Any thread: the job reached `step` (written now, or at the next note after the
+        throttle)."""
+        with self._lock:
+            self._pending = max(self._pending, step)
+            if self._pending <= self._written or time.monotonic() < self._next:
+                return
+            self._next = time.monotonic() + self.EVERY_S
+            self._write(self._pending)
+
+    def flush(self) -> None:
+        with self._lock:
+            if self._pending > self._written:
+                self._write(self._pending)
+
+    def _write(self, step: int) -> None:
+        tmp = f"{self.path}.tmp"
+        try:
+            os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+            with open(tmp, "w", encoding="utf-8") as fh:
+                json.dump({"replica_id": self.replica_id, "step": step}, fh)
+            os.replace(tmp, self.path)
+            self._written = step
+        except OSError as exc:   # a full disk must not stop training; said once per throttle period
+            log.warning("cannot write the job record %s: %s", self.path, exc)
 
 
 class Runtime:
@@ -89,6 +153,9 @@ class Runtime:
         # A durable voter identity (term, vote, log) kept there across restarts (None:
         # $P2PFT_DATA_DIR, else none: a new identity per process, as before).
         self.data_dir = data_dir if data_dir is not None else (os.environ.get("P2PFT_DATA_DIR") or None)
+        # A trainer's record of the job's furthest step in that directory (see StepRecord).
+        self.step_record = (StepRecord(self.data_dir, self.replica_id)
+                            if self.data_dir is not None and self.spec.kind is Kind.TRAINER else None)
         # "auto" | "nccl" | "tcp" (None: $P2PFT_DATA_PLANE, else auto), for whoever builds communicators.
         self.data_plane = data_plane_from(data_plane)
         self.secret = secret
@@ -116,6 +183,7 @@ class Runtime:
         An explicit data_plane='nccl' that cannot work here fails first, before anything is bound."""
         from .transport.backend import check_data_plane
         from .transport.server import DataServer
+        default_logging()   # a program that configured no logging still sees p2pft's INFO lines
         check_data_plane(self.data_plane)
         place = self.place
         if place.data_addrs is None:
@@ -196,6 +264,8 @@ class Runtime:
             self.data.close()
         if self.metrics is not None:
             self.metrics.close()
+        if self.step_record is not None:
+            self.step_record.flush()
         with self._view_cv:
             self._view_cv.notify_all()
 
@@ -229,6 +299,8 @@ class Runtime:
         """Loop thread: publish the view. The communicators it supersedes are the trainer's to
         retire (trainer/kernel/comms.py follows the views and aborts them)."""
         self._view = view
+        if self.step_record is not None and view.high_water > 0 and view.finished is None:
+            self.step_record.note(view.high_water)
         d = view.data_epoch
         self.view_log.append((time.time(), view.epoch, d))
         if len(self.view_log) > 10_000:
@@ -346,6 +418,8 @@ class Runtime:
         """Committed step count, carried on every gossip probe."""
         self._step = step
         set_context(step=step)
+        if self.step_record is not None:
+            self.step_record.note(step)
         # Through the loop like every other call; it sends nothing by itself (probes carry it).
         self._call(lambda now: self.server.node.set_step(step), poke=False)  # type: ignore[union-attr]
 
@@ -353,5 +427,11 @@ class Runtime:
     def status(self) -> Status:
         return self._status
 
+    @property
+    def recorded_step(self) -> int | None:
+        """The job's furthest step recorded in this trainer's data directory by an earlier
+        process (None: no data directory, or no record)."""
+        return self.step_record.recorded if self.step_record is not None else None
 
-__all__ = ["COMM_TIMEOUT_S", "Placement", "Runtime", "RuntimeStartError", "Member", "Role", "View"]
+
+__all__ = ["COMM_TIMEOUT_S", "Placement", "Runtime", "RuntimeStartError", "StepRecord", "Member", "Role", "View"]

@@ -65,3 +65,36 @@ def setup_logging(level: str | int | None = None, stream=None) -> None:
     # At DEBUG, our own lines, not every library's (matplotlib lists each font it scores).
     for noisy in QUIET_LIBRARIES:
         logging.getLogger(noisy).setLevel(max(level, logging.INFO))
+
+
+class _Fallback(logging.StreamHandler):
+    """p2pft's own lines for a program that configured no logging (``default_logging``). Once
+    the program configures the root logger itself, it steps aside: the program's handlers and
+    levels rule from then on (at most the record that notices it passes at INFO)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        root = logging.getLogger()
+        if root.handlers:
+            lg = logging.getLogger("p2pft")
+            lg.removeHandler(self)
+            if lg.level == logging.INFO:
+                lg.setLevel(logging.NOTSET)
+            return
+        super().emit(record)
+
+
+def default_logging() -> bool:
+    """When the program configured no logging at all (neither the root logger nor "p2pft" has
+    a handler), show p2pft's lines at INFO in p2pft's format on stderr, instead of Python's
+    last resort (warnings only, without their level). A program that configures logging keeps
+    control: nothing is added then. True when it added the handler."""
+    lg = logging.getLogger("p2pft")
+    if lg.handlers or logging.getLogger().handlers:
+        return False
+    handler = _Fallback(sys.stderr)
+    handler.setFormatter(logging.Formatter(FORMAT))
+    handler.addFilter(ContextFilter())
+    lg.addHandler(handler)
+    if lg.level == logging.NOTSET:
+        lg.setLevel(logging.INFO)
+    return True

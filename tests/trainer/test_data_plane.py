@@ -55,10 +55,10 @@ def test_state_requests_round_trip_and_malformed_ones_are_refused() -> None:
 
     from p2pft.trainer.kernel.requests import RequestKind, StateRequest
     for req in (StateRequest.snapshot(7, 1), StateRequest.grads(3, 5, 0), StateRequest.signature(9),
-                StateRequest.initial(True), StateRequest.initial(False)):
+                StateRequest.initial(True), StateRequest.initial(False), StateRequest.checked(False, "r2")):
         assert StateRequest.from_wire(req.to_wire()) == req
     assert StateRequest.from_wire({"kind": "grads", "from": 1, "to": 2}).kind is RequestKind.GRADS
     for bad in ({"kind": "nope"}, {"kind": "grads", "from": 1}, {"kind": "sig", "step": "3"},
-                {"kind": "snapshot", "min_step": True}, ["snapshot"]):
+                {"kind": "snapshot", "min_step": True}, ["snapshot"], {"kind": "checked", "ok": 1, "who": "r"}):
         with _pytest.raises((KeyError, TypeError, ValueError)):
             StateRequest.from_wire(bad)

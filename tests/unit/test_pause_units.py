@@ -165,3 +165,35 @@ def test_back_from_a_pause_compares_its_last_step_with_a_peer_over_the_data_port
     finally:
         for s in servers:
             s.close()
+
+
+def test_recent_steps_hold_the_log_for_a_paused_member_within_the_byte_cap() -> None:
+    import torch
+
+    from p2pft.trainer.kernel.attempt import Entry
+
+    def entry(s: int) -> Entry:
+        return Entry(s, torch.zeros(25), 2, [True, True])   # 100 bytes each
+
+    rs = RecentSteps(2, cap_bytes=500)
+    for s in range(5):
+        rs.append(entry(s))
+    assert rs.held == (2, 200) and rs.serve(3, 5) is not None and rs.serve(2, 5) is None
+    rs.hold(4)                       # a member paused holding step 4: keep 4 on
+    for s in range(5, 8):
+        rs.append(entry(s))
+    assert rs.serve(4, 8) is not None and rs.held == (4, 400)
+    rs.append(entry(8))
+    assert rs.serve(4, 9) is not None and rs.held == (5, 500)     # at the cap, still whole
+    rs.append(entry(9))              # past the cap: the hold lapses, back to the last two
+    assert rs.serve(4, 10) is None and rs.held == (2, 200) and rs.serve(8, 10) is not None
+    rs.hold(3)                       # older than the oldest kept: no use, nothing held
+    for s in range(10, 13):
+        rs.append(entry(s))
+    assert rs.held == (2, 200)
+    rs.hold(13)
+    for s in range(13, 16):
+        rs.append(entry(s))
+    assert rs.held == (3, 300)
+    rs.hold(None)                    # it came back: the log shrinks at once
+    assert rs.held == (2, 200) and rs.serve(14, 16) is not None

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -41,6 +42,7 @@ FETCH_INITIAL_TIMEOUT_S = 30.0
 ATTEMPT_TIMEOUT_S = 5.0     # one try at the lead's data port; the view is read again between tries
 IDLE_ROUND_TIMEOUT_S = 5.0  # one round with the joiners at the end barrier
 SETTLE_S = 10.0             # a joiner at the end waits this long to hand over before saying done
+VERDICT_SEEN_S = 5.0        # the lead, before it raises: time for the checkers to read its verdict
 
 
 class InitialState(str, enum.Enum):
@@ -120,7 +122,9 @@ class JobLife:
         self._initial: tuple[StateSnapshot, str] | None = None
         self._lead = False                     # is_leader, fixed at the last begin()
         self._leader: str | None = None
+        self._checks = InitialChecks()         # the lead's record of the others' digest checks
         port.serving.register(RequestKind.INITIAL, self._initial_state)
+        port.serving.register(RequestKind.CHECKED, self._checks.report)
 
     @property
     def rt(self) -> Runtime:
@@ -200,6 +204,8 @@ class JobLife:
             self._hold_initial()
         elif plan.how is Fetch.FROM:
             self._take_initial(plan, deadline)
+        if self._initial is not None and self.options.initial_state is InitialState.CHECK:
+            self._decided(lambda: self._collect_checks(deadline))
         self.started = True
         if self.port.rt is not None:
             view = self.rt.view
@@ -213,6 +219,7 @@ class JobLife:
         rt, o = self.rt, self.options
         rt.declare_job(o.target, o.allow_restart_from_scratch)
         view = self._admitted(deadline, at_start=True)
+        view = self._check_recorded(view, deadline)
         # Only a job's first participants wait for each other: a participant that others already
         # train with (a restart from a checkpoint at their step) would hold up their allreduces.
         if o.min_replicas > 1 and self.port.step == 0 and view.role_of(rt.node_id) is Role.PARTICIPANT:
@@ -323,6 +330,37 @@ class JobLife:
             log.warning("the job reached step %d, but no replica holds it: training again from step 0, as allowed",
                         view.high_water)
 
+    def _check_recorded(self, view: View, deadline: float) -> View:
+        """Rank 0, at step 0 with no checkpoint: this replica's data directory records that the
+        job reached a later step (``Runtime.recorded_step``), which the views may have lost (they
+        carry the job's step as of their last commit; a total loss, witnesses included, takes
+        the rest). Unless a member holds some state of the job within `resume_grace`, refuse to
+        train a new model under the job's name, as ``_check_high_water`` does."""
+        rt, o = self.rt, self.options
+        rec = rt.recorded_step
+        if self.port.step != 0 or not rec:
+            return view
+        rec = max(rec, view.high_water)
+
+        def held(v: View) -> bool:   # any trainer but us with a state past step 0 (a checkpoint, say)
+            return v.finished is not None or any(m.node != rt.node_id and m.role is not Role.WITNESS
+                                                 and rt.member_step(m.node) > 0 for m in v.members)
+        if held(view):
+            return view
+        log.info("this replica's data directory records step %d of this job and no member holds any of it; waiting "
+                 "up to %g s for one that does", rec, o.resume_grace)
+        v = self._wait(held, min(deadline, time.monotonic() + o.resume_grace), "a member holding the job", fail=False)
+        if held(v):
+            return self._admitted(deadline, at_start=True)
+        if o.allow_restart_from_scratch:
+            log.warning("the job reached step %d (recorded in %s), but no replica holds it: training again from step "
+                        "0, as allowed", rec, rt.data_dir)
+            return v
+        log.error("the job reached step %d (recorded in %s), but no running replica holds it and this replica has no "
+                  "checkpoint: refusing to train from step 0 (allow_restart_from_scratch / "
+                  "--allow-restart-from-scratch to do it anyway)", rec, rt.data_dir)
+        raise MissingStateError(rec, 0)
+
     # ------------------------------------------------------------------ same start everywhere
     def _initial_plan(self) -> InitialPlan:
         """Rank 0: how the state at step 0 is agreed (``initial_fetch``)."""
@@ -414,6 +452,9 @@ class JobLife:
                 p.load_state(snap.meta, snap.tensors)
         mine = p.digest()
         same = p.group.agree(mine == want)
+        if mode is InitialState.CHECK:
+            end = time.monotonic() + FETCH_INITIAL_TIMEOUT_S
+            self._decided(lambda: self._report_check(plan, all(same), end))
         if not all(same):
             log.error("initial state differs from the leader %s's before step 0 (digest %s here, %s there)",
                       plan.lead, mine[:12], want[:12])
@@ -423,6 +464,59 @@ class JobLife:
         log.info("%s the initial state of %s (digest %s)",
                  "took" if mode is InitialState.BROADCAST else "checked", plan.lead, mine[:12])
         p.events.append({"t": time.time(), "kind": "initial_state", "from": plan.lead, "digest": mine})
+
+    def _report_check(self, plan: InitialPlan, ok: bool, deadline: float) -> None:
+        """Rank 0 of a replica that checked the lead's digest: tell the lead (so that it does
+        not train on alone past a failed check) and wait, bounded, for its verdict over every
+        check. A failed check elsewhere raises here too; an unreachable lead leaves our own
+        outcome to decide (the view then names another lead)."""
+        rt = self.rt
+        addr = shard_addr(plan.addrs, 0, plan.lead_node)
+        while True:
+            try:
+                got = fetch_state(addr, StateRequest.checked(ok, rt.replica_id).to_wire(), secret=self.port.secret,
+                                  timeout=max(0.1, min(ATTEMPT_TIMEOUT_S, deadline - time.monotonic())),
+                                  source_host=self.port.ds.host)
+                verdict, bad = got.meta.get("verdict"), list(got.meta.get("bad", []))
+            except Exception as exc:   # the lead is gone or does not answer: our own outcome stands
+                log.info("no verdict on the initial state from the lead %s (%s)", plan.lead, exc)
+                return
+            if verdict == "mismatch" and ok:
+                log.error("the initial state of replica(s) %s differs from the leader %s's before step 0 (ours "
+                          "matches): the job's replicas do not start alike; stopping", ", ".join(bad), plan.lead)
+                raise InitialStateMismatch(f"the initial state of replica(s) {', '.join(bad)} differs from replica "
+                                           f"{plan.lead}'s before step 0: seed every replica alike, or use "
+                                           "initial_state='broadcast'")
+            if verdict != "pending" or time.monotonic() >= deadline or self.port.stopping:
+                return
+            time.sleep(POLL_S)
+
+    def _collect_checks(self, deadline: float) -> None:
+        """Rank 0 of the lead with initial_state='check': wait (bounded) until every other
+        participant at step 0 has reported its check, or left the view; one failed check is an
+        InitialStateMismatch here too, after the checkers had a moment to read the verdict."""
+        rt, p = self.rt, self.port
+        end = min(deadline, time.monotonic() + FETCH_INITIAL_TIMEOUT_S)
+        while True:
+            view = rt.view
+            others = {m.replica_id for m in (view.participants if view is not None else [])
+                      if m.node != rt.node_id and rt.member_step(m.node) == 0}
+            missing = others - self._checks.heard()
+            if not missing or time.monotonic() >= end or p.stopping:
+                break
+            rt.wait_view(lambda v: False, POLL_S, loop_timeout=p.loop_timeout)
+        bad = self._checks.decide()
+        if missing:
+            log.warning("no initial-state check from %s within %g s: starting without their word",
+                        ", ".join(sorted(missing)), FETCH_INITIAL_TIMEOUT_S)
+        if not bad:
+            return
+        digest = self._initial[1][:12] if self._initial is not None else "?"
+        log.error("the initial state of replica(s) %s differs from this leader's before step 0 (digest %s): the "
+                  "job's replicas do not start alike; stopping", ", ".join(bad), digest)
+        self._checks.wait_seen(VERDICT_SEEN_S)
+        raise InitialStateMismatch(f"the initial state of replica(s) {', '.join(bad)} differs from this leader's "
+                                   "before step 0: seed every replica alike, or use initial_state='broadcast'")
 
     def _hold_initial(self) -> None:
         """The lead (every rank): keep a copy of this shard's state at step 0 for the others."""
@@ -559,6 +653,45 @@ class JobLife:
             if meta is None or meta.status is not Status.DONE or meta.step != step:
                 return False
         return True
+
+
+class InitialChecks:
+    """The lead's record of the others' initial-state checks (written by transport threads):
+    'pending' until the lead decides, then 'ok' or 'mismatch' with the replicas that differ."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._ok: dict[str, bool] = {}
+        self._verdict = "pending"
+        self._bad: list[str] = []
+        self._seen: set[str] = set()
+        self._all_seen = threading.Event()
+
+    def report(self, req: StateRequest) -> StateSnapshot:
+        """Transport thread: record one check, answer with the verdict so far."""
+        with self._lock:
+            self._ok.setdefault(req.who, req.ok)
+            self._ok[req.who] = self._ok[req.who] and req.ok
+            if self._verdict != "pending":
+                self._seen.add(req.who)
+                if self._seen >= set(self._ok):
+                    self._all_seen.set()
+            return StateSnapshot(meta={"verdict": self._verdict, "bad": list(self._bad)}, tensors={})
+
+    def heard(self) -> set[str]:
+        with self._lock:
+            return set(self._ok)
+
+    def decide(self) -> list[str]:
+        """The verdict over the checks heard: the replicas whose check failed."""
+        with self._lock:
+            self._bad = sorted(w for w, ok in self._ok.items() if not ok)
+            self._verdict = "mismatch" if self._bad else "ok"
+            return list(self._bad)
+
+    def wait_seen(self, timeout: float) -> None:
+        """Until every checker read the verdict (bounded): the lead is about to stop."""
+        self._all_seen.wait(timeout)
 
 
 def _settle_look(rt: Runtime, end: float, loop_timeout: float | None) -> bool:

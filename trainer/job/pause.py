@@ -16,8 +16,9 @@ that step: its contributor set): a step it committed just before the pause may h
 by the others without it (a peer failed during that step's all-gather); then it catches up from
 a snapshot. Otherwise it says 'ready' (or 'fresh', as before the pause) at its step: at the head
 the leader makes it a participant at once; behind, it is a joiner whose next reduced header
-makes it fast-forward from a peer's short log, or catch up from a snapshot when it missed more
-steps than that log holds.
+makes it fast-forward from a peer's short log (which the others keep from its step on while it
+is paused, up to the replay cap: ``recent.RecentSteps.hold``), or catch up from a snapshot when
+it missed more steps than that log holds.
 """
 from __future__ import annotations
 

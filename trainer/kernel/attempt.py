@@ -44,6 +44,8 @@ class Attempt:
     #: fetch the steps we missed from them instead of reducing
     done_ahead: tuple[tuple[int, int], ...] = ()
     finished: int | None = None                   # STOP: the job finished at this step
+    #: the step a paused (or just returned) member holds: keep the log of steps from it on
+    hold_from: int | None = None
     target: JobTarget | None = None               # ... declared as this
 
     def peers(self, shard: int) -> list[str]:

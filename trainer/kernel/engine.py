@@ -108,7 +108,7 @@ class StepEngine:
         self.step = 0
         self._synced = True            # see the synced property; written by mark_synced only
         self.events: deque[dict[str, Any]] = deque(maxlen=10_000)
-        self.recent = RecentSteps(cap.recent_keep)  # served to peers that fast-forward
+        self.recent = RecentSteps(cap.recent_keep, cap.replay_cap_bytes)  # served to peers that fast-forward
         self.catchup = Catchup(self, cap.replay_cap_bytes, eager=self.eager_catchup)
         # The backend of every communicator, from the data plane asked for (argument, else the
         # runtime's, else $P2PFT_DATA_PLANE) and the step buffer's device: an impossible 'nccl'
@@ -133,6 +133,7 @@ class StepEngine:
         self._was_participant = False  # rank 0: see _plan
         self._member_since: int | None = None  # rank 0: our membership's `since` while a participant
         self._rejoin_pending = False
+        self._returning: dict[str, int] = {}   # rank 0: members back from a pause -> the step they hold
         self._attempt_view: Any = None
         self._deadline = 0.0
         data_server.serve_state(self.serving.provide)
@@ -363,6 +364,7 @@ class StepEngine:
                 self.buf.save()
             self.catchup.donor = att.donor
             self.catchup.kick()
+            self.recent.hold(att.hold_from)
             verdicts = self.group.agree(self._verdict(self._allreduce(att)))
             check_usable(verdicts, self.rank, att.data_epoch)
             outcome = self._decide(att, verdicts, retries, slot)
@@ -514,9 +516,27 @@ class StepEngine:
                        addrs=tuple(m.data_addrs for m in members), contribute=still_mine,
                        demote=slot is not None and not still_mine, role=me.role.value, rejoin=rejoin, node=me.node,
                        donor=(donor.node, donor.data_addrs) if donor is not None else None, behind=behind,
-                       nodes=tuple(m.node for m in members),
+                       nodes=tuple(m.node for m in members), hold_from=self._hold_from(rt, view),
                        slot_ranks=tuple((m.slot, view.data_rank(m.node)) for m in view.participants
                                         if m.slot is not None))
+
+    def _hold_from(self, rt: Runtime, view: Any) -> int | None:
+        """Rank 0: the oldest step a member that paused holds, from its pause until it is past
+        that step (it fast-forwarded, as a joiner or a participant promoted at once), caught up
+        otherwise, or left: this replica keeps its log of committed steps from there on, so that
+        member fast-forwards instead of pulling a snapshot."""
+        for m in view.paused:
+            if m.node == rt.node_id:
+                continue
+            meta = rt.member_meta(m.node)
+            if meta is not None and meta.step >= 0 and meta.status in (Status.PAUSED, Status.READY):
+                self._returning.setdefault(m.node, meta.step)
+        for node, step in list(self._returning.items()):
+            meta = rt.member_meta(node)
+            if (view.member(node) is None or meta is None or meta.status is Status.JOINING
+                    or (meta.status is not Status.PAUSED and meta.step > step)):
+                del self._returning[node]
+        return min(self._returning.values(), default=None)
 
     def _paused_donor(self, view: Any, me: str) -> Any:
         """With no participant, a paused member holds the committed state: the furthest one."""

@@ -64,8 +64,9 @@ class UpdateRule:
 @dataclass(frozen=True)
 class Capacity:
     """What the engine keeps, and so how much memory it holds: header slots (the most
-    participants a step can count), committed steps kept for peers that fast-forward, and the
-    bytes of reduced steps a joiner logs while its snapshot arrives."""
+    participants a step can count), committed steps kept for peers that fast-forward (more while a
+    peer is paused, from its step on), and the bytes of reduced steps a joiner logs while its
+    snapshot arrives, which also bound that longer log."""
 
     max_slots: int = 256
     recent_keep: int = 2

@@ -17,6 +17,7 @@ class RequestKind(str, enum.Enum):
     GRADS = "grads"           # the mean gradients of steps lo..hi-1 (a fast-forward)
     SIG = "sig"               # who contributed to `step` (a replica back from a pause checks it)
     INITIAL = "initial"       # the lead's state at step 0 (the same start everywhere)
+    CHECKED = "checked"       # a replica's outcome of comparing its step-0 digest with the lead's
 
     def __str__(self) -> str:
         return self.value
@@ -31,6 +32,8 @@ class StateRequest:
     hi: int = 0               # GRADS: one past the last step
     step: int = 0             # SIG
     digest_only: bool = False  # INITIAL: compare digests, send no tensors
+    ok: bool = False          # CHECKED: the digests matched
+    who: str = ""             # CHECKED: the reporting replica's id
 
     @classmethod
     def snapshot(cls, min_step: int, shard: int) -> "StateRequest":
@@ -48,6 +51,12 @@ class StateRequest:
     def initial(cls, digest_only: bool, shard: int = 0) -> "StateRequest":
         return cls(RequestKind.INITIAL, shard=shard, digest_only=digest_only)
 
+    @classmethod
+    def checked(cls, ok: bool, who: str) -> "StateRequest":
+        """To the lead's rank 0: this replica's check of the initial state; answered with the
+        lead's verdict over every check (``JobLife``)."""
+        return cls(RequestKind.CHECKED, shard=0, ok=ok, who=who)
+
     def to_wire(self) -> dict[str, Any]:
         d: dict[str, Any] = {"kind": self.kind.value, "shard": self.shard}
         if self.kind is RequestKind.SNAPSHOT:
@@ -56,6 +65,8 @@ class StateRequest:
             d["from"], d["to"] = self.lo, self.hi
         elif self.kind is RequestKind.SIG:
             d["step"] = self.step
+        elif self.kind is RequestKind.CHECKED:
+            d["ok"], d["who"] = self.ok, self.who
         elif self.digest_only:
             d["digest_only"] = True
         return d
@@ -73,6 +84,11 @@ class StateRequest:
             return cls.grads(_int(d["from"]), _int(d["to"]), shard)
         if kind is RequestKind.SIG:
             return cls.signature(_int(d["step"]), shard)
+        if kind is RequestKind.CHECKED:
+            ok, who = d["ok"], d["who"]
+            if not isinstance(ok, bool) or not isinstance(who, str):
+                raise TypeError(f"malformed check report {d!r}")
+            return cls.checked(ok, who)
         return cls(kind, shard=shard, digest_only=bool(d.get("digest_only", False)))
 
 

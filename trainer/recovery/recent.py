@@ -37,8 +37,17 @@ def step_signature(step: int, count: int, mask: list[bool]) -> str:
 
 
 class RecentSteps:
-    def __init__(self, keep: int) -> None:
-        self._entries: deque[Entry] = deque(maxlen=max(1, keep))
+    """The last `keep` committed steps, and more while a peer that paused needs them: from the
+    step a paused (or just returned) member holds on (``hold``), up to `cap_bytes` in all. Past
+    the cap the oldest go, the hold then lapses (that member pulls a snapshot instead), and the
+    log shrinks back to `keep`."""
+
+    def __init__(self, keep: int, cap_bytes: int = 0) -> None:
+        self.keep = max(1, keep)
+        self.cap_bytes = cap_bytes
+        self._entries: deque[Entry] = deque()
+        self._bytes = 0
+        self._hold: int | None = None
         self._sigs: OrderedDict[int, str] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -46,10 +55,41 @@ class RecentSteps:
         sig = step_signature(e.step, e.count, e.mask)
         with self._lock:
             self._entries.append(e)
+            self._bytes += e.nbytes
+            self._trim()
             self._sigs[e.step] = sig
             self._sigs.move_to_end(e.step)
             while len(self._sigs) > SIG_KEEP:
                 self._sigs.popitem(last=False)
+
+    def hold(self, step: int | None) -> None:
+        """Keep the steps from `step` on (None: only the last `keep`): a member paused at
+        `step` fast-forwards through them when it comes back. A step older than the oldest kept
+        is no use to hold: that member needs a snapshot anyway."""
+        with self._lock:
+            if step is not None and self._entries and step < self._entries[0].step:
+                step = None
+            self._hold = step
+            self._trim()
+
+    def _trim(self) -> None:
+        """Under the lock: drop the oldest entries beyond `keep` that no hold needs, and any
+        beyond the byte cap (a hold that loses its first step lapses)."""
+        while len(self._entries) > self.keep:
+            first = self._entries[0]
+            held = self._hold is not None and first.step >= self._hold and self._bytes <= self.cap_bytes
+            if held:
+                break
+            self._entries.popleft()
+            self._bytes -= first.nbytes
+            if self._hold is not None and first.step >= self._hold:
+                self._hold = None   # over the cap: the paused member catches up from a snapshot
+
+    @property
+    def held(self) -> tuple[int, int]:
+        """(entries, bytes) kept now."""
+        with self._lock:
+            return len(self._entries), self._bytes
 
     def forget_signatures(self) -> None:
         """A snapshot replaced the state: the steps signed so far may not be its history."""
