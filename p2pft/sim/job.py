@@ -212,6 +212,8 @@ class SimTrainer:
                 how = Fetch.CATCH_UP       # the lead went on without us
             else:
                 self.digest, self.root = src.digest, src.root
+        if how is Fetch.NONE and self.step > 0 and self._redone():
+            how = Fetch.CATCH_UP           # the others redid our last step without us (``_resumed_agrees``)
         if how is Fetch.CATCH_UP:
             self.synced = False
             self.set_status(Status.JOINING, self.step)
@@ -219,6 +221,12 @@ class SimTrainer:
             self.synced = True
         self.phase = Phase.ACTIVE
         self.job.checker.on_started(self, now)
+
+    def _redone(self) -> bool:
+        """Does a peer at our step hold another state for it (``last_step_agreed``)?"""
+        peer = next((t for t in self.job.trainers.values() if t is not self and t.alive and t.synced
+                     and t.step == self.step and t.phase is not Phase.FORMING), None)
+        return peer is not None and peer.digest != self.digest
 
     def _active(self, now: float) -> None:
         if self.side_work is not None:
@@ -249,7 +257,8 @@ class SimTrainer:
                     self.synced = False
                     self.set_status(Status.JOINING, self.step)
                     return
-            self.set_status(Status.READY, self.step)
+            if head is not None:      # at the head: current (with nobody training, nothing to say)
+                self.set_status(Status.READY, self.step)
         elif role is Role.PARTICIPANT:
             # Peers at the end barrier past our step reduce no more: take their last steps
             # from their log (the kernel's ``done_ahead``), or a snapshot when too far behind.
@@ -335,6 +344,8 @@ class SimTrainer:
             self.set_status(Status.READY, self.step)
         else:
             self.set_status(Status.JOINING, self.step)
+        if self.done:                 # the loop ends at once: finish() says 'done' right after 'ready'
+            self._active(now)
 
     # ------------------------------------------------------------------ the end barrier
     def _finishing(self, now: float) -> None:

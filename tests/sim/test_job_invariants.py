@@ -35,6 +35,7 @@ from typing import Callable
 import pytest
 
 from p2pft.core import job as planner_mod
+from p2pft.core import reconcile as reconcile_mod
 from p2pft.core.meta import Status
 from p2pft.core.node import TRAINER_KIND, WITNESS_KIND
 from p2pft.core.view import JobTarget, TargetKind, View
@@ -189,9 +190,12 @@ def _kill_majority(sim: Simulator, job: SimJob, everyone: list[str], down: float
         return False
     voters = [m.addr for m in leader.view.members if m.voter_id in leader.view.voters]
     n = len(voters) // 2 + 1
+    live = [a for a in voters if a in sim.nodes]
+    if len(live) < n:
+        return False                # a majority is down already (an earlier kill): nothing to add
     rng = random.Random(sim.seed)
-    victims = rng.sample(voters, n)
-    t0 = sim.now
+    victims = rng.sample(live, n)
+    t0, epoch0 = sim.now, sim.checker.max_epoch
     for a in victims:
         job.crash(a)
     lost = not _state_held(job)
@@ -201,7 +205,9 @@ def _kill_majority(sim: Simulator, job: SimJob, everyone: list[str], down: float
         reported.update(a for a, nd in sim.nodes.items() if nd.quorum_lost)
         return all(a in reported for a in sim.nodes)
     sim.run_until(t0 + min(down, ERROR_BOUND), stop=everyone_reports)
-    if down > ERROR_BOUND and not everyone_reports():
+    # (A voter change in flight at the kill may have left a majority of a smaller voter set
+    # alive: then views still commit, and nothing is lost to report.)
+    if down > ERROR_BOUND and not everyone_reports() and sim.checker.max_epoch == epoch0:
         raise InvariantViolation(f"seed {sim.seed}: {sorted(set(sim.nodes) - reported)} did not report the lost "
                                  f"majority within {ERROR_BOUND} s")
     sim.run_until(t0 + down)
@@ -221,6 +227,36 @@ def test_job_invariants_hold_over_seeded_schedules(chunk: int) -> None:
     assert returned > len(results), "too few schedules ran to the end"
 
 
+def _old_finished(self: planner_mod.JobPlanner, cur: View, trainers: list[planner_mod.Trainer],
+                  now: float) -> int | None:
+    """``JobPlanner._finished`` before paused members counted (p2pft/core/job.py at 891486c)."""
+    by_node = {t.node: t for t in trainers}
+    parts = [by_node[m.node] for m in cur.participants if m.node in by_node]
+    ends = {t.step for t in parts if t.status is Status.DONE}
+    if not parts or len(ends) != 1 or any(t.status is not Status.DONE for t in parts):
+        self._done_since = None
+        return None
+    end = ends.pop()
+    joiners = [by_node[m.node] for m in cur.joiners if m.node in by_node]
+    if self._done_since is None:
+        self._done_since = now
+    if all(t.status is Status.DONE and t.step == end for t in joiners) or \
+            now - self._done_since >= planner_mod.FINISH_GRACE_S:
+        self._done_since = None
+        return end
+    return None
+
+
+#: schedules beyond the suite's range that once failed (each a defect found, now fixed, or a
+#: modelling error of the harness): replayed every run
+FOUND = [1602, 1650, 1987, 2606, 2831, 3054, 3445, 3528, 3689, 5014]
+
+
+@pytest.mark.parametrize("seed", FOUND)
+def test_schedules_the_sweep_found(seed: int) -> None:
+    run(make_plan(seed))
+
+
 def _lone_pause_at_the_end(seed: int) -> Plan:
     return Plan(seed, trainers=1, witnesses=2, target=16, min_replicas=1, checkpoint_every=None, eval_every=4,
                 loss=0.0, pauses=[(0, 16, 3.0), (0, 8, 1.0)])
@@ -232,6 +268,18 @@ def test_a_lone_participant_pausing_at_the_end_finishes(seed: int) -> None:
     the final state (the bound of every wait is checked by run())."""
     r = run(_lone_pause_at_the_end(seed))
     assert r.outcomes[_addr("t", 0)] == (None, 16)
+
+
+def test_old_end_barrier_and_roles_hang_the_lone_pause(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The code before this issue's fixes: the end barrier counted participants only, and a
+    trainer saying 'done' did not hold state for roles or a resume. Back from its pause at the
+    last step, the lone participant said 'done' and became a joiner of a job with no participant
+    that nobody could finish or resume: it waits at the end barrier until its timeout."""
+    monkeypatch.setattr(planner_mod.JobPlanner, "_finished", _old_finished)
+    monkeypatch.setattr(planner_mod, "HOLDS_COMMITTED", (Status.READY, Status.FRESH, Status.PAUSED))
+    monkeypatch.setattr(reconcile_mod, "HOLDS_STATE", (Status.READY, Status.FRESH))
+    with pytest.raises(InvariantViolation, match="StepTimeout|still waits"):
+        run(_lone_pause_at_the_end(0))
 
 
 def _pause_across_the_end(seed: int) -> Plan:
@@ -249,24 +297,7 @@ def test_a_pause_across_the_end_returns_the_final_state(seed: int) -> None:
 def test_old_end_barrier_without_paused_members_fails_the_pause_schedule(monkeypatch: pytest.MonkeyPatch) -> None:
     """The end barrier before paused members counted (p2pft/core/job.py at 891486c): the job
     finished while one was paused, and it left without the job's final weights."""
-    def old_finished(self: planner_mod.JobPlanner, cur: View, trainers: list[planner_mod.Trainer],
-                     now: float) -> int | None:
-        by_node = {t.node: t for t in trainers}
-        parts = [by_node[m.node] for m in cur.participants if m.node in by_node]
-        ends = {t.step for t in parts if t.status is Status.DONE}
-        if not parts or len(ends) != 1 or any(t.status is not Status.DONE for t in parts):
-            self._done_since = None
-            return None
-        end = ends.pop()
-        joiners = [by_node[m.node] for m in cur.joiners if m.node in by_node]
-        if self._done_since is None:
-            self._done_since = now
-        if all(t.status is Status.DONE and t.step == end for t in joiners) or \
-                now - self._done_since >= planner_mod.FINISH_GRACE_S:
-            self._done_since = None
-            return end
-        return None
-    monkeypatch.setattr(planner_mod.JobPlanner, "_finished", old_finished)
+    monkeypatch.setattr(planner_mod.JobPlanner, "_finished", _old_finished)
     with pytest.raises(InvariantViolation, match="was in the job when it finished"):
         run(_pause_across_the_end(0))
 

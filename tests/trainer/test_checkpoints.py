@@ -62,6 +62,8 @@ def test_resume_from_the_newest_checkpoint_with_its_digest(tmp_path: Path) -> No
     _train(ft, model, counter, 6)
     assert ft.checkpoints is not None and ft.checkpoints.wait(30)
     digest, cursor = ft.digest(), ft.cursor.state_dict()
+    sig = ft.recent.signature(5)     # step 5's contributors: what a resume checks against the others'
+    assert sig is not None
     ft.close()
     rt.close()
     assert checkpoint_steps(tmp_path) == [4, 6]          # keep=2, complete ones only
@@ -71,6 +73,7 @@ def test_resume_from_the_newest_checkpoint_with_its_digest(tmp_path: Path) -> No
     try:
         assert ft.step == 6 and ft.digest() == digest and counter.n == 6
         assert ft.cursor.state_dict() == cursor
+        assert ft.recent.signature(5) == sig, "the checkpoint lost its last step's signature"
         assert any(e["kind"] == "resumed" and e["step"] == 6 for e in ft.events)
     finally:
         ft.close()

@@ -34,6 +34,7 @@ from ..kernel.errors import (InitialStateMismatch, JobConfigError, JobError, Job
                              StepTimeout, Stopped)
 from ..kernel.ports import LifePort
 from ..kernel.requests import RequestKind, StateRequest
+from .pause import last_step_agreed
 
 log = logging.getLogger(__name__)
 
@@ -204,6 +205,8 @@ class JobLife:
             self._hold_initial()
         elif plan.how is Fetch.FROM:
             self._take_initial(plan, deadline)
+        elif self.port.step > 0 and not self._decided(self._resumed_agrees):
+            self.port.catchup.start("its last step was redone without it")
         if self._initial is not None and self.options.initial_state is InitialState.CHECK:
             self._decided(lambda: self._collect_checks(deadline))
         self.started = True
@@ -233,6 +236,20 @@ class JobLife:
             log.info("no replica holds any state of this job: starting a new job at step 0")
         self._raise_if_unusable()   # e.g. a refusal seen while the group formed, by a peer since gone
         return self._initial_plan()
+
+    def _resumed_agrees(self) -> bool:
+        """Rank 0, resuming at step s > 0 (a checkpoint): is its step s - 1 the others'? A
+        replica that committed a step alone and died at once (its checkpoint written, its step
+        not yet gossiped) finds the others redid that step without it; at the head it would
+        otherwise train on (or finish the job) with other weights than theirs. Asked as a
+        pause's return asks (``last_step_agreed``): True when no peer knows the step (one far
+        behind catches up by snapshot anyway)."""
+        p, rt = self.port, self.rt
+        ok = last_step_agreed(rt, p.recent.signature(p.step - 1), p.step - 1, p.secret, p.ds.host)
+        if not ok:
+            log.warning("resumed at step %d, but the others redid step %d without this replica: catching up from "
+                        "a snapshot", p.step, p.step - 1)
+        return ok
 
     def _raise_if_unusable(self) -> None:
         """Rank 0: the data plane can never work for this job (one of its communicators was

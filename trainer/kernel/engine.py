@@ -395,8 +395,12 @@ class StepEngine:
         """The replicated state besides model and optimizer: data cursor, learning-rate
         factors, registered user state (meta, tensors)."""
         trees, user_tensors = self.user_state.capture()
-        return {"cursor": self.cursor.state_dict(), "user": trees,
-                "optstep": self.optimizer_step.state_dict()}, user_tensors
+        meta: dict[str, Any] = {"cursor": self.cursor.state_dict(), "user": trees,
+                                "optstep": self.optimizer_step.state_dict()}
+        sig = self.recent.signature(self.step - 1) if self.step > 0 else None
+        if sig is not None:   # the last step's contributors: a resume checks the others redid nothing
+            meta["sig"] = sig
+        return meta, user_tensors
 
     def load_extras(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
         """Load what ``extras`` gave (and the step), after the model and optimizer."""
@@ -405,6 +409,8 @@ class StepEngine:
         self.user_state.restore(meta.get("user", {}), tensors)
         self.optimizer_step.load_state_dict(meta.get("optstep", {}))
         self.step = int(meta["step"])
+        if isinstance(meta.get("sig"), str) and self.step > 0:
+            self.recent.adopt_signature(self.step - 1, meta["sig"])
 
     @contextlib.contextmanager
     def state_mutation(self) -> Iterator[None]:

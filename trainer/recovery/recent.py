@@ -96,6 +96,13 @@ class RecentSteps:
         with self._lock:
             self._sigs.clear()
 
+    def adopt_signature(self, step: int, sig: str) -> None:
+        """The signature of the last step of a state loaded from elsewhere (a checkpoint, a
+        donor's snapshot): its history, so a later check against the others' can use it."""
+        with self._lock:
+            self._sigs[step] = sig
+            self._sigs.move_to_end(step)
+
     def signature(self, step: int) -> str | None:
         """The signature of committed step `step` applied here (None: not one of ours)."""
         with self._lock:
