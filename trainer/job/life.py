@@ -221,14 +221,14 @@ class JobLife:
         is agreed."""
         rt, o = self.rt, self.options
         rt.declare_job(o.target, o.allow_restart_from_scratch)
-        view = self._admitted(deadline, at_start=True)
+        view = self._joined(deadline)
         view = self._check_recorded(view, deadline)
         # Only a job's first participants wait for each other: a participant that others already
         # train with (a restart from a checkpoint at their step) would hold up their allreduces.
         if o.min_replicas > 1 and self.port.step == 0 and view.role_of(rt.node_id) is Role.PARTICIPANT:
             view = self._wait(lambda v: len(v.participants) >= o.min_replicas or v.role_of(rt.node_id) is Role.JOINER
                               or v.finished is not None, deadline, f"{o.min_replicas} participants", fail=False)
-            view = self._admitted(deadline, at_start=True)
+            view = self._joined(deadline)
             if len(view.participants) < o.min_replicas and view.role_of(rt.node_id) is Role.PARTICIPANT:
                 log.warning("no view with %d participants within %g s: starting with %d", o.min_replicas,
                             o.start_timeout, len(view.participants))
@@ -280,7 +280,13 @@ class JobLife:
         o = self.options
         return Declared(o.target, o.allow_restart_from_scratch, o.on_finished is OnFinished.WAIT)
 
-    def _admitted(self, deadline: float, at_start: bool) -> View:
+    def _joined(self, deadline: float) -> View:
+        """Rank 0, at the start: the view that lets this replica in."""
+        view = self._admitted(deadline, at_start=True)
+        assert view is not None   # at the start, admit waits until a view lists us
+        return view
+
+    def _admitted(self, deadline: float, at_start: bool) -> View | None:
         """Rank 0: look at the views until ``admit`` lets this replica in, raising the job's
         error on the way (``p2pft/core/lifecycle.py`` decides; the simulator's trainers call the
         same function). Before a step (not `at_start`), a view that does not list us yet is
@@ -295,8 +301,7 @@ class JobLife:
             verdict = admit(view, rt.node_id, p.step, self._declared,
                             grace_over=grace_end is not None and now >= grace_end, finishing=self.finishing)
             if verdict is Admit.IN or (verdict is Admit.WAIT and not at_start):
-                assert view is not None or not at_start
-                return view  # type: ignore[return-value]
+                return view    # None only before a step: not listed yet (a rejoin)
             assert view is not None or verdict is Admit.WAIT
             if verdict is Admit.FINISHED:
                 assert view is not None and view.finished is not None
@@ -368,7 +373,7 @@ class JobLife:
                  "up to %g s for one that does", rec, o.resume_grace)
         v = self._wait(held, min(deadline, time.monotonic() + o.resume_grace), "a member holding the job", fail=False)
         if held(v):
-            return self._admitted(deadline, at_start=True)
+            return self._joined(deadline)
         if o.allow_restart_from_scratch:
             log.warning("the job reached step %d (recorded in %s), but no replica holds it: training again from step "
                         "0, as allowed", rec, rt.data_dir)
