@@ -42,6 +42,7 @@ STEP_S = 0.25          # one training step
 SNAPSHOT_S = 0.6       # one catch-up from a donor's snapshot
 RECENT_KEEP = 2        # steps of log a peer serves to one that fast-forwards
 LOOP_TIMEOUT = 4.0
+ANNOUNCED_S = 0.5      # a trainer's status reaches the leader within this (gossip, a batch window)
 
 
 class Phase(enum.Enum):
@@ -99,7 +100,7 @@ class SimTrainer:
         self.digest = ck.digest if ck else _h("init", addr, incarnation)   # replicas need not seed alike
         self.root = ck.root if ck else self.digest                          # the step-0 state it descends from
         self.synced = ck is not None      # holds a committed state of the job (a checkpoint's, or agreed)
-        self.started_at = job.sim.now
+        self.announced_at = job.sim.now if ck is None else float("inf")   # said its state (FRESH at its step)
         self.deadline = job.sim.now + cfg.start_timeout
         self.grace_end: float | None = None
         self.transfer: tuple[float, str] | None = None    # (done at, donor node id)
@@ -194,6 +195,7 @@ class SimTrainer:
             self._declared_sent = True
             self.call(lambda n, t: n.declare_job(self.cfg.target, self.cfg.allow_scratch, t))
             self.set_status(Status.FRESH, self.step)
+            self.announced_at = now
         if self._admit(now, at_start=True) is not None:
             return
         view = self.view
@@ -418,11 +420,12 @@ class JobChecker:
             # A step committed again with another state: only when nobody holds the first one
             # any more (a resume from an older checkpoint, said loudly); else progress was thrown away.
             assert self.job is not None
-            # Who held more when the leader resumed below it (a process started since, from an
-            # older checkpoint than the top, joins the resumed job: a documented loss, not this).
+            # Who had said it held more when the leader resumed below it. A process that said so
+            # later (started since, or within ANNOUNCED_S of the resume: its gossip still on the
+            # way) joins the resumed job: a loss the leader's WARNING names, not this defect.
             since = self.regress_at if self.regress_at is not None else now
             ahead = [t.addr for t in self.job.trainers.values() if t.alive and t.synced and t not in group
-                     and t.root == prev[1] and t.step >= step and t.started_at <= since]
+                     and t.root == prev[1] and t.step >= step and t.announced_at + ANNOUNCED_S <= since]
             if ahead:
                 self.fail(f"t={now:.2f}: step {step} committed again by {[t.addr for t in group]} while {ahead} "
                           f"hold the job at step {step} or later")
