@@ -222,7 +222,6 @@ class SimTrainer:
         else:
             self.synced = True
         self.phase = Phase.ACTIVE
-        self.job.checker.on_started(self, now)
 
     def _redone(self) -> bool:
         """Does a peer at our step hold another state for it (``last_step_agreed``)?"""
@@ -303,7 +302,6 @@ class SimTrainer:
             self.job.stats["snapshot"] += 1
             self.synced = True
             self.last_commit = now
-            self.job.checker.on_caught_up(self, donor, now)
             self.set_status(Status.READY, self.step)
             return
         donor = self.job.donor(view, exclude=self.node_id)
@@ -434,12 +432,6 @@ class JobChecker:
     def forget_views(self) -> None:
         """Every member lost with its data directory: no view of the old job exists any more."""
         self.max_high_water = 0
-
-    def on_started(self, t: SimTrainer, now: float) -> None:
-        pass
-
-    def on_caught_up(self, t: SimTrainer, donor: SimTrainer, now: float) -> None:
-        pass
 
     def on_lead_claim(self, t: SimTrainer, step: int, now: float) -> None:
         other = self.claims.setdefault((step, t.digest), t.addr)
