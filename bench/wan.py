@@ -319,15 +319,17 @@ def recovery_check(system: str, recs: list[dict[str, Any]], info: dict[str, Any]
                    r0_commits: list[float]) -> tuple[int, int, str]:
     """Did every restarted replica come back? (contributing, due, verdict).
 
-    A restart is due to contribute when its process started at least three syncs (r0's median
-    gap) and 10 s before the end; it contributed when one of its syncs committed with its own work. For
+    A restart is due to contribute when its process lived at least three syncs (r0's median gap)
+    and 10 s, to the end of the run or to its own kill (a restart killed again before that had no
+    time to come back); it contributed when one of its syncs committed with its own work. For
     torchft, its own logs are read too: any "got exception in recovery" flags the row, as does a
     due restart that never contributed (for every system)."""
     restarted = [p for p in info["procs"] if not p.endswith("-0")]
     t_end = info.get("t_end") or 0.0
     gaps = [b - a for a, b in zip(r0_commits, r0_commits[1:])]
     margin = 3 * median(gaps) + 10.0 if gaps else 10.0
-    due = [p for p in restarted if info["spawned"][p] < t_end - margin]
+    killed_at = {k["proc"]: k["t"] for k in info.get("kill_log", [])}
+    due = [p for p in restarted if info["spawned"][p] < min(t_end, killed_at.get(p, t_end)) - margin]
     contributing = [p for p in due if any(r.get("kind") is None and r.get("c") and r.get("kept", 0) > 0
                                           and r["proc"] == p for r in recs)]
     problems = []

@@ -73,3 +73,16 @@ def test_equal_samples_is_the_systems_own_point_against_the_dense_reference() ->
     assert abs(r - (5.0 - 0.002 * 500)) < 1e-9
     assert wan.equal_samples([(1.0, 1440, 2.2)], ref, 984) is None   # no point at or below the limit
     assert wan.equal_samples([(1.0, 10, 4.0)], ref, 984) is None     # below the reference's first point
+
+
+def test_a_restart_killed_again_before_it_could_come_back_is_not_due(tmp_path: Path) -> None:
+    wan = _wan()
+    r0, r1b = "diloco-kill-r0-0", "diloco-kill-r1-1"
+    recs = [_sync(r0, t, k + 1) for k, t in enumerate(range(102, 200, 2))]   # a sync every 2 s
+    info = {**_info(tmp_path, [r0, r1b], {r0: 90.0, r1b: 120.0}), "killed": [r1b]}
+    # r1-1 started at 120 and never contributed: due (it lived to the end, 80 s)...
+    assert wan.summarize("diloco", True, recs, info, None).restarts_contributing == "0/1"
+    # ...but not when it was killed again at 125, 5 s after it started (under 3 syncs + 10 s).
+    info["kill_log"] = [{"t": 125.0, "proc": r1b, "phase": ""}]
+    row = wan.summarize("diloco", True, recs, info, None)
+    assert row.restarts_contributing == "0/0" and row.recovery == "ok"
