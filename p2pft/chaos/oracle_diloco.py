@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -108,9 +109,14 @@ def _span(inner: _Inner, glob: Any, first: int, c: Contribution, h: int, r: Any,
     with torch.no_grad():
         for lp, gp in zip(inner.model.parameters(), glob.parameters()):
             lp.copy_(gp)
-    while inner.sched_steps < first:   # a process that starts contributing: the replicated inner step
-        inner.sched.step()
-        inner.sched_steps += 1
+    if inner.sched_steps < first:   # a process that starts contributing: the replicated inner step
+        # As the replica fast-forwards (trainer/algorithms/diloco.py): PyTorch warns that the
+        # schedule steps before its optimizer has; that is the point here, silenced at this call.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
+            while inner.sched_steps < first:
+                inner.sched.step()
+                inner.sched_steps += 1
     idx = [i for a, b in c.ranges for i in range(a, b)]
     if len(idx) != h * r.batch:
         raise OracleError(f"{c.source}: a span of {len(idx)} samples, not H x batch = {h * r.batch}")
