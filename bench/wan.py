@@ -1,4 +1,4 @@
-"""Training over slow links: synchronous p2pft vs p2pft DiLoCo vs Streaming DiLoCo vs torchft's DiLoCo.
+"""Training over slow links: synchronous p2pft vs p2pft DiLoCo and Streaming DiLoCo vs torchft's two.
 
 The same transformer LM (2 layers, d_model 128 in --quick: 0.44M parameters, one synchronous
 step's allreduce about 8x its compute on a 50 Mbit/s link; d_model 256 otherwise: 1.7M), byte
@@ -9,16 +9,19 @@ system uses the same H (20) and outer SGD (lr 0.7, Nesterov momentum 0.5). Each 
 the same wall time, without failures and with a SIGKILL of a random replica (never r0, which
 evaluates) every ``--kill-every`` seconds, restarted 2 s later; with ``--kill-phases mid,sync``
 the k-th kill hits r1, r2, r1, ... at its next ``mid`` (half a span done) or ``sync`` (its sync
-starting) phase, alternating. torchft 0.2.0's DiLoCo runs where torchft is installed, on
-namespace links only, its lighthouse on a host of its own, healing restarted replicas through
+starting) phase, alternating. torchft 0.2.0's DiLoCo and Streaming DiLoCo (``torchft``,
+``torchft-streaming``; the same fragments, overlap and alpha as p2pft's, float32) run where
+torchft is installed, on namespace links only, its lighthouse on a host of its own, healing restarted replicas through
 its PG transport, with the quorum timeout its Manager's docs ask for DiLoCo (an hour) and the
 lighthouse as torchft's DiLoCo example starts it (join timeout 10 s; heartbeat timeout 5 s, its
 default; a majority minimum): docs/diloco.md says why.
 
 Reported per system and failure setting: wall time to the target validation loss on a fixed
 held-out set (the loss synchronous training reaches without failures at the end of its run, so
-synchronous training's time to target is its duration), the validation loss at the samples
-synchronous training trained, samples trained (and the samples of every replica's own work in
+synchronous training's time to target is its duration), the validation loss at equal samples
+(the system's own point at the most samples not above synchronous training's, beside
+synchronous training's loss there; r0 saves the judged weights after every commit and the
+losses are computed after the run, so evaluating costs no system training time), samples trained (and the samples of every replica's own work in
 committed syncs), bytes through the links per replica, the longest time r0 went without a commit
 (from the start of training to its end), survivors' work kept (inner steps, or steps, that
 ended in a committed mean with the replica's own work, over the ones they computed: a torchft

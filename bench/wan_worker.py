@@ -18,7 +18,8 @@ sync s, and each replica trains a contiguous span of them, as a p2pft replica tr
 begin took (an earlier layout interleaved the replicas per inner step; a plain-PyTorch replay of
 three replicas gives exactly the benchmark's curve for either layout, and at outer momentum 0.9
 the two layouts end 0.25 apart after 5 syncs: the loss gap between the torchft and p2pft rows
-was the layout, not the systems). A discarded round's samples are trained again. A round counts as committed when torchft's step count advanced.
+was the layout, not the systems). A discarded round's samples are trained again. A round counts
+as committed when torchft's ``should_commit`` said so (the verdict its DiLoCo hook got).
 torchft heals a restarted replica through its PG transport (the checkpoint goes over the Gloo
 group, which reaches every namespace host; the default HTTP transport advertises the machine's
 hostname, which no namespace resolves). A round in which this replica healed is recorded with
