@@ -51,5 +51,3 @@ def test_diloco_run_with_a_kill_is_replayed_by_the_oracle(tmp_path: Path) -> Non
         assert row["oracle_ring_order_steps"] == row["oracle_steps"]
         assert row["oracle_max_abs_diff"] == 0.0 and row["oracle_lr_max_abs_diff"] == 0.0
     assert "oracle" in proc.stdout
-    # The replay fast-forwards a restarted process's schedule as the replica does, silently.
-    assert "lr_scheduler.step()" not in proc.stderr
