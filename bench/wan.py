@@ -1,4 +1,4 @@
-"""Training over slow links: synchronous p2pft vs p2pft DiLoCo vs Streaming DiLoCo vs torchft's DiLoCo.
+"""Training over slow links: synchronous p2pft vs p2pft DiLoCo and Streaming DiLoCo vs torchft's two.
 
 The same transformer LM (2 layers, d_model 128 in --quick: 0.44M parameters, one synchronous
 step's allreduce about 8x its compute on a 50 Mbit/s link; d_model 256 otherwise: 1.7M), byte
@@ -9,16 +9,19 @@ system uses the same H (20) and outer SGD (lr 0.7, Nesterov momentum 0.5). Each 
 the same wall time, without failures and with a SIGKILL of a random replica (never r0, which
 evaluates) every ``--kill-every`` seconds, restarted 2 s later; with ``--kill-phases mid,sync``
 the k-th kill hits r1, r2, r1, ... at its next ``mid`` (half a span done) or ``sync`` (its sync
-starting) phase, alternating. torchft 0.2.0's DiLoCo runs where torchft is installed, on
-namespace links only, its lighthouse on a host of its own, healing restarted replicas through
+starting) phase, alternating. torchft 0.2.0's DiLoCo and Streaming DiLoCo (``torchft``,
+``torchft-streaming``; the same fragments, overlap and alpha as p2pft's, float32) run where
+torchft is installed, on namespace links only, its lighthouse on a host of its own, healing restarted replicas through
 its PG transport, with the quorum timeout its Manager's docs ask for DiLoCo (an hour) and the
 lighthouse as torchft's DiLoCo example starts it (join timeout 10 s; heartbeat timeout 5 s, its
 default; a majority minimum): docs/diloco.md says why.
 
 Reported per system and failure setting: wall time to the target validation loss on a fixed
 held-out set (the loss synchronous training reaches without failures at the end of its run, so
-synchronous training's time to target is its duration), the validation loss at the samples
-synchronous training trained, samples trained (and the samples of every replica's own work in
+synchronous training's time to target is its duration), the validation loss at equal samples
+(the system's own point at the most samples not above synchronous training's, beside
+synchronous training's loss there; r0 saves the judged weights after every commit and the
+losses are computed after the run, so evaluating costs no system training time), samples trained (and the samples of every replica's own work in
 committed syncs), bytes through the links per replica, the longest time r0 went without a commit
 (from the start of training to its end), survivors' work kept (inner steps, or steps, that
 ended in a committed mean with the replica's own work, over the ones they computed: a torchft
@@ -68,7 +71,9 @@ class Row:
     system: str
     failures: str
     time_to_target_s: float | None
-    val_loss_equal_samples: float | None
+    equal_samples: int | None              # the samples of the equal-samples comparison
+    val_loss_equal_samples: float | None   # this system's loss there
+    ref_val_loss_equal_samples: float | None   # synchronous training's (no failures) loss there
     val_loss_final: float | None
     samples: int
     target: float | None
@@ -90,7 +95,7 @@ def run_one(system: str, kill: bool, a: argparse.Namespace, tmp: Path) -> tuple[
     n = a.replicas
     ctl_ports = free_ports(n)
     data = free_ports(n)
-    tft = system == "torchft"
+    tft = system.startswith("torchft")
     links = open_links([("127.0.0.1", p) for p in data], a.rate_mbit, "netns" if tft else a.links,
                        extra_hosts=1 if tft else 0)
     ctl = [f"{links.ip(i)}:{p}" for i, p in enumerate(ctl_ports)]
@@ -112,7 +117,12 @@ def run_one(system: str, kill: bool, a: argparse.Namespace, tmp: Path) -> tuple[
                "streaming": ["--sync-every", str(a.sync_every), "--fragments", str(a.fragments), "--overlap", "1",
                              "--alpha", "0.5", "--compression", a.compression],
                "torchft": ["--sync-every", str(a.sync_every), "--go-file", str(go),
-                           "--quorum-timeout", str(TORCHFT_QUORUM_TIMEOUT_S)]}[system]
+                           "--quorum-timeout", str(TORCHFT_QUORUM_TIMEOUT_S)],
+               # torchft's Streaming DiLoCo: the same fragments, overlap and alpha; fp32 pseudo-gradients
+               # (its should_quantize is a CUDA kernel).
+               "torchft-streaming": ["--sync-every", str(a.sync_every), "--fragments", str(a.fragments), "--overlap", "1",
+                                     "--alpha", "0.5", "--go-file", str(go),
+                                     "--quorum-timeout", str(TORCHFT_QUORUM_TIMEOUT_S)]}[system]
 
     def spawn(i: int, inc: int) -> str:
         name = f"{tag}-r{i}-{inc}"
@@ -213,6 +223,7 @@ def run_one(system: str, kill: bool, a: argparse.Namespace, tmp: Path) -> tuple[
     for name in procs:
         for r in read_stats(tmp / f"{name}.jsonl"):
             recs.append({**r, "proc": name})
+    evaluate_saved(recs, a)
     # -SIGTERM: ended by the harness before its handler was installed (a restart still starting)
     crashes = sum(1 for k, rc in rcs.items() if k not in killed and rc not in (0, -signal.SIGTERM))
     print(f"  start-up {(t_first or t_stop) - t_spawn:.1f} s, stop {time.time() - t_stop:.1f} s, exit statuses "
@@ -224,12 +235,53 @@ def run_one(system: str, kill: bool, a: argparse.Namespace, tmp: Path) -> tuple[
     return recs, info
 
 
+def evaluate_saved(recs: list[dict[str, Any]], a: argparse.Namespace) -> None:
+    """The validation loss of every set of weights r0 saved (after the run: no system spends
+    training time on it), on the fixed held-out set; the files are removed."""
+    import torch
+
+    from p2pft.trainer.data import TextDataset
+    from p2pft.trainer.model import ModelConfig
+
+    cfg = ModelConfig(vocab_size=256, d_model=a.d_model, n_layers=a.layers, n_heads=4, seq_len=64)
+    model = cfg.build()
+    held = TextDataset(cfg.seq_len, n_samples=64, seed=1).batch(list(range(64)))
+    torch.set_num_threads(1)
+    for r in recs:
+        if r.get("kind") == "eval" and "file" in r:
+            model.load_state_dict(torch.load(r["file"], weights_only=True))
+            with torch.no_grad():
+                r["val"] = float(model.loss(held))
+            os.remove(r["file"])
+
+
+def equal_samples(curve: list[tuple[float, int, float]], ref: list[tuple[float, int, float]],
+                  limit: int) -> tuple[int, float, float] | None:
+    """(samples, loss, reference loss): the last point of `curve` at or below `limit` samples,
+    and the reference curve's loss at those samples (linear between its two points around them).
+
+    Like for like: the system's own measured point, never an interpolation across one of its
+    syncs (its global weights change only there, so a line between two syncs overstates the loss
+    before the second); the reference (synchronous training, a point per step) is dense."""
+    pts = [(s, v) for _, s, v in curve if 0 < s <= limit]
+    if not pts:
+        return None
+    s, v = max(pts, key=lambda x: x[0])
+    rpts = sorted((rs, rv) for _, rs, rv in ref)
+    for (s0, v0), (s1, v1) in zip(rpts, rpts[1:]):
+        if s0 <= s <= s1:
+            return s, v, v0 if s1 == s0 else v0 + (v1 - v0) * (s - s0) / (s1 - s0)
+    if rpts and s == rpts[-1][0]:
+        return s, v, rpts[-1][1]
+    return None
+
+
 def summarize(system: str, kill: bool, recs: list[dict[str, Any]], info: dict[str, Any],
               ref: Row | None) -> Row:
     t0 = info["t_first"] or 0.0
     commits = [r for r in recs if r.get("kind") is None]
     batch = info.get("batch", 0)
-    if system == "torchft":
+    if system.startswith("torchft"):
         # r0's count is participants x H x B per committed round, which counts a healed replica's
         # copy of its donor's pseudo-gradient as new samples: count every process's own kept work.
         own = sorted((r["step"], r["kept"] * batch) for r in commits if r["c"])
@@ -254,20 +306,10 @@ def summarize(system: str, kill: bool, recs: list[dict[str, Any]], info: dict[st
     contributing, due, recovery = recovery_check(system, recs, info, r0)
     target = ref.val_loss_final if ref is not None else (evals[-1][2] if evals else None)
     ttt = next((t for t, _, v in evals if target is not None and v <= target), None)
-    at_samples = None
-    if ref is not None and evals:
-        s_ref = ref.samples
-        prev = None
-        for t, s, v in evals:
-            if s >= s_ref:
-                if prev is None or s == prev[0]:
-                    at_samples = v
-                else:   # linear between the two evaluations around the reference's samples
-                    at_samples = prev[1] + (v - prev[1]) * (s_ref - prev[0]) / (s - prev[0])
-                break
-            prev = (s, v)
+    eq = equal_samples(evals, ref.curve, ref.samples) if ref is not None else None
     return Row(system=system, failures="kill" if kill else "none", time_to_target_s=ttt,
-               val_loss_equal_samples=at_samples, val_loss_final=evals[-1][2] if evals else None,
+               equal_samples=eq[0] if eq else None, val_loss_equal_samples=eq[1] if eq else None,
+               ref_val_loss_equal_samples=eq[2] if eq else None, val_loss_final=evals[-1][2] if evals else None,
                samples=evals[-1][1] if evals else 0, target=target,
                bytes_sent_per_replica=int(info["bytes_per_replica"]),
                survivor_work_kept=kept / ran if ran else None, samples_in_syncs=in_syncs,
@@ -280,19 +322,21 @@ def recovery_check(system: str, recs: list[dict[str, Any]], info: dict[str, Any]
                    r0_commits: list[float]) -> tuple[int, int, str]:
     """Did every restarted replica come back? (contributing, due, verdict).
 
-    A restart is due to contribute when its process started at least three syncs (r0's median
-    gap) and 10 s before the end; it contributed when one of its syncs committed with its own work. For
+    A restart is due to contribute when its process lived at least three syncs (r0's median gap)
+    and 10 s, to the end of the run or to its own kill (a restart killed again before that had no
+    time to come back); it contributed when one of its syncs committed with its own work. For
     torchft, its own logs are read too: any "got exception in recovery" flags the row, as does a
     due restart that never contributed (for every system)."""
     restarted = [p for p in info["procs"] if not p.endswith("-0")]
     t_end = info.get("t_end") or 0.0
     gaps = [b - a for a, b in zip(r0_commits, r0_commits[1:])]
     margin = 3 * median(gaps) + 10.0 if gaps else 10.0
-    due = [p for p in restarted if info["spawned"][p] < t_end - margin]
+    killed_at = {k["proc"]: k["t"] for k in info.get("kill_log", [])}
+    due = [p for p in restarted if info["spawned"][p] < min(t_end, killed_at.get(p, t_end)) - margin]
     contributing = [p for p in due if any(r.get("kind") is None and r.get("c") and r.get("kept", 0) > 0
                                           and r["proc"] == p for r in recs)]
     problems = []
-    if system == "torchft":
+    if system.startswith("torchft"):
         errors, unhealed = 0, 0
         for p in info["procs"]:
             log = Path(info["tmp"]) / f"{p}.log"
@@ -313,14 +357,23 @@ def fmt(v: Any, spec: str = "") -> str:
     return "-" if v is None else format(v, spec)
 
 
+def equal_cell(r: Row) -> str:
+    """'2.412 (2.391) at 960, +0.9%': this system's loss, synchronous training's, the samples, the gap."""
+    if r.val_loss_equal_samples is None or r.ref_val_loss_equal_samples is None:
+        return "-"
+    gap = 100 * (r.val_loss_equal_samples / r.ref_val_loss_equal_samples - 1)
+    return (f"{r.val_loss_equal_samples:.3f} ({r.ref_val_loss_equal_samples:.3f}) at {r.equal_samples}, "
+            f"{gap:+.1f}%")
+
+
 def table(rows: list[Row]) -> str:
-    head = ("| system | failures | time to target | val loss at sync's samples | final val loss | samples | "
+    head = ("| system | failures | time to target | val loss at equal samples (sync's) | final val loss | samples | "
             "own samples in syncs | MB/replica | survivor work kept | longest gap without a commit | "
             "restarts contributing | crashes | divergent | recovery |")
     lines = [head, "|" + "---|" * 14]
     for r in rows:
         lines.append(f"| {r.system} | {r.failures} ({r.kills} kills) | {fmt(r.time_to_target_s, '.1f') + (' s' if r.time_to_target_s is not None else '')} | "
-                     f"{fmt(r.val_loss_equal_samples, '.3f')} | {fmt(r.val_loss_final, '.4f')} | {r.samples} | "
+                     f"{equal_cell(r)} | {fmt(r.val_loss_final, '.4f')} | {r.samples} | "
                      f"{r.samples_in_syncs} | {r.bytes_sent_per_replica / 1e6:.1f} | "
                      f"{fmt(r.survivor_work_kept and 100 * r.survivor_work_kept, '.1f')}% | {r.stall_max_s:.2f} s | "
                      f"{r.restarts_contributing} | {r.survivor_crashes} | {r.divergent_steps} | "
@@ -350,8 +403,9 @@ def plot(rows: list[Row], path: str) -> None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="smaller model, shorter runs (under 6 minutes on 2 cores)")
-    p.add_argument("--systems", default="sync,diloco,streaming,torchft",
-                   help="torchft (torchft 0.2.0's DiLoCo) needs torchft and namespace links; skipped without torchft")
+    p.add_argument("--systems", default="sync,diloco,streaming,torchft,torchft-streaming",
+                   help="torchft, torchft-streaming (torchft 0.2.0's DiLoCo, its Streaming DiLoCo) need torchft and "
+                        "namespace links; skipped without torchft")
     p.add_argument("--failures", default="none,kill")
     p.add_argument("--replicas", type=int, default=3)
     p.add_argument("--rate-mbit", type=float, default=50.0, help="each replica's link, Mbit/s per direction")
@@ -366,7 +420,8 @@ def main() -> int:
     p.add_argument("--outer-momentum", type=float, default=0.5, help="outer SGD's Nesterov momentum (0: none)")
     p.add_argument("--comm-timeout", type=float, default=10.0,
                    help="every system's collective timeout (p2pft's comm_timeout, torchft's Manager and Gloo)")
-    p.add_argument("--eval-every", type=float, default=1.0, help="seconds between r0's validation losses")
+    p.add_argument("--eval-every", type=float, default=0.0,
+                   help="least seconds between r0's saved weights, evaluated after the run (0: every commit)")
     p.add_argument("--fragments", type=int, default=2)
     p.add_argument("--compression", default="bf16", choices=["none", "bf16", "int8"])
     p.add_argument("--kill-every", type=float, default=None)
@@ -394,12 +449,15 @@ def main() -> int:
     if bad:
         p.error(f"--kill-phases takes mid and sync, not {', '.join(bad)}")
     systems = [s for s in a.systems.split(",") if s]
-    if "torchft" in systems:
+    unknown = [s for s in systems if s not in ("sync", "diloco", "streaming", "torchft", "torchft-streaming")]
+    if unknown:
+        p.error(f"unknown systems: {', '.join(unknown)}")
+    if any(s.startswith("torchft") for s in systems):
         try:
             import torchft.local_sgd  # noqa: F401
         except ImportError as e:
             print(f"torchft skipped: {e} (pip install -e '.[compare]')")
-            systems.remove("torchft")
+            systems = [s for s in systems if not s.startswith("torchft")]
     fails = [f == "kill" for f in a.failures.split(",") if f]
     if "sync" not in systems or False not in fails:
         p.error("the target and the equal-samples reference are synchronous training without failures: "
@@ -417,7 +475,8 @@ def main() -> int:
                 row = summarize(system, kill, recs, info, ref)
                 if system == "sync" and not kill:
                     ref = row
-                    row.val_loss_equal_samples = row.val_loss_final
+                    row.equal_samples = row.samples
+                    row.val_loss_equal_samples = row.ref_val_loss_equal_samples = row.val_loss_final
                 rows.append(row)
                 print(f"{system:9s} {'kill' if kill else 'none':4s}: {row.samples} samples, val "
                       f"{fmt(row.val_loss_final, '.3f')}, {time.time() - t:.0f} s", flush=True)

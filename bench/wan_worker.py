@@ -2,14 +2,24 @@
 
 The same transformer LM, data, inner optimizer and batch for every system. One JSON line per
 committed step (synchronous) or sync (DiLoCo): time, committed samples, contributors, the work
-this replica ran and kept, a digest; r0 also evaluates the validation loss on a fixed held-out
-set every ``--eval-every`` seconds and once at the end.
+this replica ran and kept, a digest. r0 also saves the weights every system is judged by (the
+synchronous model; DiLoCo's global weights) after every commit (at most every ``--eval-every``
+seconds, 0: every commit) to ``<stats>.<n>.pt``, with an ``eval`` record of its time and
+samples; the benchmark computes their validation losses after the run, so evaluating costs no
+system training time and every curve has a point at every commit.
 
 torchft's DiLoCo (``torchft.local_sgd.DiLoCo``, torchft 0.2.0) runs the same inner AdamW, outer
-SGD and H around a lighthouse on a host of its own; replica r's k-th inner step of round s
-(torchft's committed step count) trains samples
-``[((s H + k) R + r) B, +B)``, the slot p2pft's cursor would hand it, so a discarded round's
-samples are trained again. A round counts as committed when torchft's step count advanced.
+SGD and H around a lighthouse on a host of its own (``--fragments N``: its Streaming DiLoCo, the
+model split into N fragments as p2pft splits it, ``--overlap`` its ``fragment_sync_delay``,
+``--alpha`` its ``fragment_update_alpha``); replica r's k-th inner step of round s
+(torchft's committed step count; a round is a fragment's sync when streaming, H its span) trains
+samples ``[(s R + r) H B + k B, +B)``: round s's samples are the ones p2pft's cursor hands out for
+sync s, and each replica trains a contiguous span of them, as a p2pft replica trains the span its
+begin took (an earlier layout interleaved the replicas per inner step; a plain-PyTorch replay of
+three replicas gives exactly the benchmark's curve for either layout, and at outer momentum 0.9
+the two layouts end 0.25 apart after 5 syncs: the loss gap between the torchft and p2pft rows
+was the layout, not the systems). A discarded round's samples are trained again. A round counts
+as committed when torchft's ``should_commit`` said so (the verdict its DiLoCo hook got).
 torchft heals a restarted replica through its PG transport (the checkpoint goes over the Gloo
 group, which reaches every namespace host; the default HTTP transport advertises the machine's
 hostname, which no namespace resolves). A round in which this replica healed is recorded with
@@ -38,7 +48,7 @@ from p2pft.trainer.examples.signals import StopOnSignal
 
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--system", choices=["sync", "diloco", "streaming", "torchft"], required=True)
+    p.add_argument("--system", choices=["sync", "diloco", "streaming", "torchft", "torchft-streaming"], required=True)
     p.add_argument("--replica-id", required=True)
     p.add_argument("--listen", required=True)
     p.add_argument("--seeds", default="")
@@ -56,7 +66,8 @@ def main() -> int:
     p.add_argument("--compression", default="none")
     p.add_argument("--d-model", type=int, default=128)
     p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--eval-every", type=float, default=2.0)
+    p.add_argument("--eval-every", type=float, default=0.0,
+                   help="r0: least seconds between saved weights for evaluation (0: after every commit)")
     p.add_argument("--comm-timeout", type=float, default=30.0)
     p.add_argument("--outer-lr", type=float, default=0.7)
     p.add_argument("--outer-momentum", type=float, default=0.9, help="Nesterov momentum of the outer SGD (0: none)")
@@ -66,7 +77,7 @@ def main() -> int:
                    help="torchft: the Manager's quorum timeout (its docs: ~1 h or longer for DiLoCo)")
     p.add_argument("--step-delay", type=float, default=0.0, help="emulated accelerator seconds per (inner) step")
     a = p.parse_args()
-    if a.system == "torchft":
+    if a.system.startswith("torchft"):
         return torchft_main(a)
 
     from p2pft import Runtime
@@ -81,7 +92,6 @@ def main() -> int:
     cfg = ModelConfig(vocab_size=256, d_model=a.d_model, n_layers=a.layers, n_heads=4, seq_len=64)
     model = cfg.build()
     data = TextDataset(cfg.seq_len)
-    held = TextDataset(cfg.seq_len, n_samples=64, seed=1).batch(list(range(64)))
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.0)
     rt = Runtime(replica_id=a.replica_id, listen=a.listen, seeds=[s for s in a.seeds.split(",") if s],
                  data_listen=a.data_listen, advertise_data=a.advertise_data, comm_timeout=a.comm_timeout).start()
@@ -101,10 +111,10 @@ def main() -> int:
     def write(rec: dict) -> None:
         out.write(json.dumps(rec) + "\n")
 
+    snaps = [0]
+
     def evaluate() -> None:
-        with torch.no_grad():
-            val = float(weights.loss(held))
-        write({"kind": "eval", "t": time.time(), "samples": committed(), "val": val, "step": eng.step})
+        write(save_weights(a.stats, snaps, weights.state_dict(), committed(), eng.step))
 
     def committed() -> int:
         return eng.cursor.frontier - eng.cursor.hole_samples
@@ -145,16 +155,31 @@ def main() -> int:
         if outer.committed and (a.system != "sync" or outer.step % 10 == 0):
             rec["digest"] = eng.digest()
         write(rec)
-        if evaluator and time.time() - last_eval >= a.eval_every:
+        if evaluator and outer.committed and time.time() - last_eval >= a.eval_every:
             evaluate()
             last_eval = time.time()
-    if evaluator:
-        evaluate()
     write({"kind": "end", "t": time.time(), "inner_steps_run": getattr(eng, "inner_steps_run", None)})
     out.close()
     # The benchmark does not time a graceful leave: the records are written, end the process.
     logging.shutdown()
     os._exit(0)
+
+
+def save_weights(stats: str, counter: list[int], state: dict[str, torch.Tensor], samples: int,
+                 step: int) -> dict[str, object]:
+    """Save the weights a validation loss is computed from later; the record that names them."""
+    path = f"{stats}.{counter[0]}.pt"
+    counter[0] += 1
+    torch.save(state, path)
+    return {"kind": "eval", "t": time.time(), "samples": samples, "step": step, "file": path}
+
+
+class _Fragment(torch.nn.Module):
+    """A torchft model fragment: a module holding some of the model's parameters (the same objects)."""
+
+    def __init__(self, params: list[torch.nn.Parameter]) -> None:
+        super().__init__()
+        self.params = torch.nn.ParameterList(params)
 
 
 def outer_sgd(params: Iterable[torch.nn.Parameter], a: argparse.Namespace) -> torch.optim.Optimizer:
@@ -174,6 +199,7 @@ def torchft_main(a: argparse.Namespace) -> int:
     from torchft.checkpointing.pg_transport import PGTransport
     from torchft.local_sgd import DiLoCo as TorchftDiLoCo
 
+    from p2pft.trainer.algorithms.outer import split_fragments
     from p2pft.trainer.data import TextDataset
     from p2pft.trainer.model import ModelConfig
 
@@ -186,9 +212,21 @@ def torchft_main(a: argparse.Namespace) -> int:
     cfg = ModelConfig(vocab_size=256, d_model=a.d_model, n_layers=a.layers, n_heads=4, seq_len=64)
     model = cfg.build()
     data = TextDataset(cfg.seq_len)
-    held = TextDataset(cfg.seq_len, n_samples=64, seed=1).batch(list(range(64)))
     inner = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.0)
-    outer = outer_sgd(model.parameters(), a)
+    # torchft's fragments are modules: the same contiguous parameter groups p2pft's DiLoCo syncs
+    # (``split_fragments``), each held by a module of its own (the parameters themselves, shared).
+    names, params = zip(*model.named_parameters())
+    if a.fragments > 1:
+        groups = split_fragments(list(params), a.fragments)
+        fragments: list[torch.nn.Module] = [_Fragment([params[i] for i in g]) for g in groups]
+        frag_names = [{f"params.{j}": names[i] for j, i in enumerate(g)} for g in groups]
+    else:
+        fragments, frag_names = [model], [{nm: nm for nm in names}]
+    # One outer optimizer per fragment (torchft takes a list): a fragment's sync sets the gradients
+    # of its own parameters only, and one optimizer over the whole model would also step the other
+    # fragments with the last inner step's gradients still in their .grad.
+    outer: torch.optim.Optimizer | list[torch.optim.Optimizer] = (
+        [outer_sgd(f.parameters(), a) for f in fragments] if a.fragments > 1 else outer_sgd(model.parameters(), a))
     host = a.listen.rsplit(":", 1)[0]
     store = TCPStore(host, 0, is_master=True, wait_for_workers=False)
     healed = {"round": False}
@@ -231,7 +269,7 @@ def torchft_main(a: argparse.Namespace) -> int:
     def write(rec: dict) -> None:
         out.write(json.dumps(rec) + "\n")
 
-    r, n, h, b = int(a.replica_id.lstrip("r")), a.min_replicas, a.sync_every, a.batch
+    r, n, b = int(a.replica_id.lstrip("r")), a.min_replicas, a.batch
     write({"kind": "start", "t": time.time()})
     t_wait = time.time() + 120
     while a.go_file and not Path(a.go_file).exists() and time.time() < t_wait and not stop["flag"]:
@@ -241,17 +279,22 @@ def torchft_main(a: argparse.Namespace) -> int:
     committed = 0          # samples in committed rounds (this replica's view: participants x H x B)
     last_eval = 0.0
     ran = 0
+    snaps = [0]
+    # Rounds: torchft syncs one fragment every sync_every / fragments inner steps.
+    h = a.sync_every // max(1, a.fragments)
+    diloco = TorchftDiLoCo(manager, fragments, inner, outer, sync_every=a.sync_every,
+                           fragment_sync_delay=a.overlap, fragment_update_alpha=a.alpha)
 
-    def evaluate(step: int) -> None:
-        with torch.no_grad():
-            val = float(model.loss(held))
-        write({"kind": "eval", "t": time.time(), "samples": committed, "val": val, "step": step})
+    def global_weights() -> dict[str, torch.Tensor]:
+        """The global weights: torchft keeps them per fragment (its backup of the last sync's)."""
+        return {frag_names[f][nm]: t for f, frag in enumerate(diloco._fragments)
+                for nm, t in frag.original_parameters.items()}
 
-    with TorchftDiLoCo(manager, [model], inner, outer, sync_every=h):
+    with diloco:
         k = 0
         while not stop["flag"] and time.time() < a.until:
             s = manager.current_step()
-            first = ((s * h + k) * n + r) * b
+            first = (s * n + r) * h * b + k * b
             inner.zero_grad()
             model.loss(data.batch(list(range(first, first + b)))).backward()
             if a.step_delay:
@@ -260,7 +303,6 @@ def torchft_main(a: argparse.Namespace) -> int:
             k += 1
             if k in (h // 2, h):
                 write({"kind": "phase", "phase": "mid" if k < h else "sync", "t": time.time()})
-            healed["round"], verdict["commit"] = False, None
             inner.step()   # torchft's hook syncs after every H-th (its quorum may heal this replica)
             if k < h:
                 continue
@@ -273,15 +315,16 @@ def torchft_main(a: argparse.Namespace) -> int:
             rec = {"t": time.time(), "step": after, "c": int(ok), "n": parts, "r": 0, "role": "torchft",
                    "ran": ran, "kept": ran if own else 0, "healed": int(healed["round"]), "samples": committed}
             ran = 0
-            if ok:   # after a committed round (alpha 0) the local weights are the global ones
-                rec["digest"] = hashlib.sha256(b"".join(p.detach().numpy().tobytes()
-                                                        for p in model.parameters())).hexdigest()[:16]
+            # The round's heal (at its quorum, which streaming takes before the last inner step)
+            # and verdict are read: the next round's start afresh.
+            healed["round"], verdict["commit"] = False, None
+            if ok:
+                g = global_weights()
+                rec["digest"] = hashlib.sha256(b"".join(g[nm].numpy().tobytes() for nm in names)).hexdigest()[:16]
             write(rec)
             if ok and evaluator and time.time() - last_eval >= a.eval_every:
-                evaluate(after)
+                write(save_weights(a.stats, snaps, global_weights(), committed, after))
                 last_eval = time.time()
-        if evaluator and k == 0:   # mid-round the local weights are not the global ones
-            evaluate(manager.current_step())
     write({"kind": "end", "t": time.time()})
     out.close()
     logging.shutdown()

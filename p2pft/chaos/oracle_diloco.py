@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -100,6 +101,19 @@ def replay_diloco(history: History, targets: dict[str, tuple[int, dict[str, Any]
                         cursor_mismatches=cursor_mismatches(history, last, r.batch * h), seconds=round(time.monotonic() - t0, 1))
 
 
+def fast_forward(inner: _Inner, first: int) -> None:
+    """Advance a process's inner schedule to inner step `first`, as the replica does before its
+    first inner step (trainer/algorithms/diloco.py): PyTorch warns that a schedule steps before its
+    optimizer has; that is the point here, so the warning is silenced at this call."""
+    if inner.sched_steps >= first:
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
+        while inner.sched_steps < first:
+            inner.sched.step()
+            inner.sched_steps += 1
+
+
 def _span(inner: _Inner, glob: Any, first: int, c: Contribution, h: int, r: Any, data: Any,
           clip: Any, forward_backward: Any) -> None:
     """One process's span from the global weights: H inner steps as trainer/kernel/optstep.py takes
@@ -108,9 +122,7 @@ def _span(inner: _Inner, glob: Any, first: int, c: Contribution, h: int, r: Any,
     with torch.no_grad():
         for lp, gp in zip(inner.model.parameters(), glob.parameters()):
             lp.copy_(gp)
-    while inner.sched_steps < first:   # a process that starts contributing: the replicated inner step
-        inner.sched.step()
-        inner.sched_steps += 1
+    fast_forward(inner, first)   # a process that starts contributing: the replicated inner step
     idx = [i for a, b in c.ranges for i in range(a, b)]
     if len(idx) != h * r.batch:
         raise OracleError(f"{c.source}: a span of {len(idx)} samples, not H x batch = {h * r.batch}")

@@ -55,3 +55,34 @@ def test_stall_kept_and_torchft_recovery(tmp_path: Path) -> None:
     own_less = [r for r in recs if not (r.get("proc") == r1b and r.get("step") == 4)]
     row = wan.summarize("diloco", True, own_less, info, None)
     assert row.restarts_contributing == "0/1" and "never contributed" in row.recovery
+
+
+def test_equal_samples_is_the_systems_own_point_against_the_dense_reference() -> None:
+    wan = _wan()
+    # Synchronous training: a point every 24 samples, ending at 984.
+    ref = [(0.5 * k, 24 * k, 5.0 - 0.002 * 24 * k) for k in range(1, 42)]
+    # DiLoCo: a point per sync (480 samples each). The old reading drew a line from 480 to 1440
+    # across the sync at 960 and read it at 984; its own point at 960 is what it measured.
+    curve = [(1.8, 480, 2.9), (3.0, 960, 2.4), (4.1, 1440, 2.2)]
+    s, v, r = wan.equal_samples(curve, ref, 984)
+    assert s == 960 and v == 2.4
+    assert abs(r - (5.0 - 0.002 * 960)) < 1e-12          # sync's loss at 960, its own point
+    s, v, r = wan.equal_samples(curve, ref, 970)          # between the reference's points 960 and 984
+    assert s == 960
+    s, v, r = wan.equal_samples([(1.0, 500, 3.0)], ref, 984)   # between 480 and 504: linear there
+    assert abs(r - (5.0 - 0.002 * 500)) < 1e-9
+    assert wan.equal_samples([(1.0, 1440, 2.2)], ref, 984) is None   # no point at or below the limit
+    assert wan.equal_samples([(1.0, 10, 4.0)], ref, 984) is None     # below the reference's first point
+
+
+def test_a_restart_killed_again_before_it_could_come_back_is_not_due(tmp_path: Path) -> None:
+    wan = _wan()
+    r0, r1b = "diloco-kill-r0-0", "diloco-kill-r1-1"
+    recs = [_sync(r0, t, k + 1) for k, t in enumerate(range(102, 200, 2))]   # a sync every 2 s
+    info = {**_info(tmp_path, [r0, r1b], {r0: 90.0, r1b: 120.0}), "killed": [r1b]}
+    # r1-1 started at 120 and never contributed: due (it lived to the end, 80 s)...
+    assert wan.summarize("diloco", True, recs, info, None).restarts_contributing == "0/1"
+    # ...but not when it was killed again at 125, 5 s after it started (under 3 syncs + 10 s).
+    info["kill_log"] = [{"t": 125.0, "proc": r1b, "phase": ""}]
+    row = wan.summarize("diloco", True, recs, info, None)
+    assert row.restarts_contributing == "0/0" and row.recovery == "ok"
