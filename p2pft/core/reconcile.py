@@ -95,13 +95,13 @@ class ViewPlanner:
                       if n.role is Role.PARTICIPANT and n.node in g.members
                       and g.members[n.node].state in (ALIVE, SUSPECT)]
         head = max(part_steps) if part_steps else None
-        # Participants that stay on the data plane at the head (not pausing now): a joiner
-        # promoted a few steps behind fast-forwards in its first step with them. With none, it
-        # would be the data plane alone, behind a paused member's committed steps: it would
-        # commit those steps again with other weights.
+        # Participants that stay on the data plane at the head (alive, not suspected, not
+        # pausing): a joiner promoted a few steps behind fast-forwards in its first step with
+        # them. With none, it would be the data plane alone, behind the committed steps of a
+        # paused or dying member: it would commit those steps again with other weights.
         carried = head is not None and any(
             (step if n.node == self.me else g.members[n.node].step) >= head for n in cur.members
-            if n.role is Role.PARTICIPANT and n.node in g.members and g.members[n.node].state in (ALIVE, SUSPECT)
+            if n.role is Role.PARTICIPANT and n.node in g.members and g.members[n.node].state is ALIVE
             and g.members[n.node].meta.status is not Status.PAUSED)
         # High water: the furthest committed step this cluster is known to have reached. A
         # member that just died counts by its last gossiped step until a view removes it; the

@@ -136,7 +136,9 @@ class _Peer:
                             return
                         if not woken and not self.queue:
                             return  # idle: let the connection go, reconnect on the next send
-                except (OSError, asyncio.TimeoutError):
+                except (OSError, asyncio.TimeoutError, RuntimeError):
+                    # RuntimeError: uvloop's write on a transport the peer's reset already closed
+                    # ("the handler is closed"); asyncio's own loop raises nothing there.
                     self.server.counters["send_failed"] += 1
                     return
                 finally:
