@@ -251,12 +251,9 @@ class SimTrainer:
         if role is Role.JOINER:
             head = self.job.head(view)
             if head is not None and head.step > self.step:
-                if head.step - self.step <= RECENT_KEEP and head.root == self.root:
-                    self._copy(head)       # the fast-forward log
+                if self._follow(head):
                     self.job.stats["fast_forward"] += 1
                 else:
-                    self.synced = False
-                    self.set_status(Status.JOINING, self.step)
                     return
             if head is not None:      # at the head: current (with nobody training, nothing to say)
                 self.set_status(Status.READY, self.step)
@@ -266,15 +263,20 @@ class SimTrainer:
             ahead = [t for m in view.participants if (t := self.job.by_node(m.node)) is not None
                      and t.phase is Phase.FINISHING and t.step > self.step]
             if ahead:
-                src = max(ahead, key=lambda t: t.step)
-                if src.step - self.step <= RECENT_KEEP and src.root == self.root:
-                    self._copy(src)
+                if self._follow(max(ahead, key=lambda t: t.step)):
                     self.job.stats["fast_forward"] += 1
-                else:
-                    self.synced = False
-                    self.set_status(Status.JOINING, self.step)
             elif now - self.last_commit > self.cfg.step_timeout:
                 self._end(now, "StepTimeout")
+
+    def _follow(self, src: SimTrainer) -> bool:
+        """Take `src`'s newer state: replayed from its log when at most RECENT_KEEP steps behind
+        on its lineage (True), else this trainer catches up by a snapshot (False)."""
+        if src.step - self.step <= RECENT_KEEP and src.root == self.root:
+            self._copy(src)
+            return True
+        self.synced = False
+        self.set_status(Status.JOINING, self.step)
+        return False
 
     def _copy(self, src: SimTrainer) -> None:
         self.step, self.digest, self.root = src.step, src.digest, src.root
@@ -584,15 +586,11 @@ class SimJob:
             group.append(t)
         if not group:
             return
-        head = max(t.step for t in group)
+        src = max(group, key=lambda x: x.step)
+        head = src.step
         for t in group:
-            if t.step < head:
-                src = max(group, key=lambda x: x.step)
-                if head - t.step > RECENT_KEEP or src.root != t.root:
-                    t.synced = False
-                    t.set_status(Status.JOINING, t.step)
-                    return
-                t._copy(src)
+            if t.step < head and not t._follow(src):
+                return
         if head >= group[0].cfg.target.n:
             return
         step = head + 1
@@ -615,9 +613,6 @@ class SimJob:
                     and v.role_of(t.node_id) is Role.JOINER and t.step == step - 1 and t.root == group[0].root):
                 t.step, t.digest = step, digest
                 t.publish_step()
-
-    def outcomes(self) -> dict[str, Outcome | None]:
-        return {a: t.outcome for a, t in self.trainers.items()}
 
 
 __all__ = ["Checkpoint", "JobChecker", "Outcome", "Phase", "SimJob", "SimTrainer", "TrainerConfig", "mask_lead_rule",
