@@ -31,7 +31,7 @@ from ..kernel.engine import StepEngine, data_server_of
 from ..kernel.errors import StepTimeout, Stopped
 from .ft import WHOLE_STATE
 from ..kernel.group import LocalGroup
-from ..job.life import JobOptions
+from ..kernel.options import JobOptions
 from ..kernel.options import (DILOCO_LOOP_TIMEOUT_S, Capacity, CheckpointOptions, DataPlaneOptions, EngineOptions,
                               Timeouts, UpdateRule)
 from ..kernel.optstep import GradHook, OptimizerStep

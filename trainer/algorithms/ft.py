@@ -19,7 +19,7 @@ from ..kernel.engine import StepEngine, data_server_of
 from ..kernel.errors import (InitialStateMismatch, JobConfigError, JobError, JobFinished, MissingStateError,
                              StepTimeout, Stopped)
 from ..kernel.group import LocalGroup
-from ..job.life import JobOptions
+from ..kernel.options import JobOptions
 from ..kernel.options import Capacity, CheckpointOptions, DataPlaneOptions, EngineOptions, Timeouts, UpdateRule
 from ..kernel.optstep import GradHook
 from ..state.whole import capture, restore, state_digest

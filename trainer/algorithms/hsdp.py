@@ -22,7 +22,7 @@ from ..kernel.attempt import StepResult
 from ..kernel.engine import StepEngine
 from ..kernel.errors import StepTimeout, Stopped
 from ..kernel.group import DistGroup
-from ..job.life import JobOptions
+from ..kernel.options import JobOptions
 from ..kernel.options import (Capacity, CheckpointOptions, DataPlaneOptions, EngineOptions, Timeouts, UpdateRule,
                               exit_replica)
 from ..kernel.state_io import StateIO

@@ -22,7 +22,7 @@ from p2pft.trainer.kernel.attempt import StepResult
 from p2pft.trainer.kernel.engine import StepEngine, data_server_of
 from p2pft.trainer.algorithms.ft import WHOLE_STATE
 from p2pft.trainer.kernel.group import LocalGroup
-from p2pft.trainer.job.life import JobOptions
+from p2pft.trainer.kernel.options import JobOptions
 from p2pft.trainer.kernel.options import CheckpointOptions, DataPlaneOptions, EngineOptions, Timeouts
 
 

@@ -15,7 +15,6 @@ they raise the same error, load the same step and leave the end barrier together
 """
 from __future__ import annotations
 
-import enum
 import logging
 import threading
 import time
@@ -24,7 +23,7 @@ from typing import Any, Callable
 
 from ...core.lifecycle import Admit, Declared, EndWord, Fetch, admit, end_word, initial_fetch
 from ...core.meta import Status
-from ...core.view import JobTarget, Role, TargetKind, View, shard_addr
+from ...core.view import Role, TargetKind, View, shard_addr
 from ...runtime import Runtime
 from ...transport import CommTimeout, PeerFailed
 from ...transport.backend import DataPlaneError
@@ -32,6 +31,7 @@ from ...transport.stream import StateSnapshot, fetch_state
 from ..kernel.attempt import Attempt, Plan
 from ..kernel.errors import (InitialStateMismatch, JobConfigError, JobError, JobFinished, MissingStateError,
                              StepTimeout, Stopped)
+from ..kernel.options import InitialState, JobOptions, OnFinished
 from ..kernel.ports import LifePort
 from ..kernel.requests import RequestKind, StateRequest
 from .pause import last_step_agreed
@@ -44,62 +44,6 @@ ATTEMPT_TIMEOUT_S = 5.0     # one try at the lead's data port; the view is read 
 IDLE_ROUND_TIMEOUT_S = 5.0  # one round with the joiners at the end barrier
 SETTLE_S = 10.0             # a joiner at the end waits this long to hand over before saying done
 VERDICT_SEEN_S = 5.0        # the lead, before it raises: time for the checkers to read its verdict
-
-
-class InitialState(str, enum.Enum):
-    """How the first participants of a job agree on their state before step 0."""
-
-    BROADCAST = "broadcast"   # take the lead's weights, buffers and registered state (DDP's way)
-    CHECK = "check"           # compare digests: a mismatch is an error before step 0
-    OFF = "off"               # trust the user
-
-
-class OnFinished(str, enum.Enum):
-    """What a replica that starts after the job finished does."""
-
-    EXIT = "exit"             # raise JobFinished (exit 0)
-    WAIT = "wait"             # wait (up to start_timeout) for a further target
-
-
-@dataclass(frozen=True)
-class JobOptions:
-    """The job's life as one replica declares it; the same keywords on every algorithm."""
-
-    target: JobTarget | None = None
-    min_replicas: int = 1
-    start_timeout: float = 120.0
-    resume_grace: float = 15.0
-    allow_restart_from_scratch: bool = False
-    on_finished: OnFinished = OnFinished.EXIT
-    initial_state: InitialState = InitialState.BROADCAST
-    finish_timeout: float = 300.0
-
-    @classmethod
-    def make(cls, *, total_steps: int | None = None, total_samples: int | None = None,
-             **kw: Any) -> JobOptions:
-        """Checked options (ValueError names the bad one)."""
-        if total_steps is not None and total_samples is not None:
-            raise ValueError("declare total_steps or total_samples, not both")
-        target = None
-        for name, n, kind in (("total_steps", total_steps, TargetKind.STEPS),
-                              ("total_samples", total_samples, TargetKind.SAMPLES)):
-            if n is not None:
-                if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-                    raise ValueError(f"{name} must be a positive int, got {n!r}")
-                target = JobTarget(kind, n)
-        mr = kw.get("min_replicas", 1)
-        if isinstance(mr, bool) or not isinstance(mr, int) or mr < 1:
-            raise ValueError(f"min_replicas must be a positive int, got {mr!r}")
-        for name in ("start_timeout", "resume_grace", "finish_timeout"):
-            if name in kw and not kw[name] > 0:
-                raise ValueError(f"{name} must be positive, got {kw[name]!r}")
-        try:
-            kw["on_finished"] = OnFinished(kw.get("on_finished", OnFinished.EXIT))
-            kw["initial_state"] = InitialState(kw.get("initial_state", InitialState.BROADCAST))
-        except ValueError as exc:
-            raise ValueError(f"{exc}: on_finished is one of {[o.value for o in OnFinished]}, initial_state one "
-                             f"of {[o.value for o in InitialState]}") from None
-        return cls(target=target, **kw)
 
 
 @dataclass(frozen=True)

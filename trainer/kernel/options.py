@@ -8,13 +8,14 @@ keyword a user wrote.
 """
 from __future__ import annotations
 
+import enum
 import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
+from ...core.view import JobTarget, TargetKind
 from ...runtime import COMM_TIMEOUT_S
-from ..job.life import JobOptions
 from .optstep import GradHook
 from ..state.user import Stateful
 
@@ -28,6 +29,62 @@ def exit_replica(rank: int, silent_s: float) -> None:
     the replica and restarts it whole (the replica is the unit of failure)."""
     logging.shutdown()
     os._exit(75)
+
+
+class InitialState(str, enum.Enum):
+    """How the first participants of a job agree on their state before step 0."""
+
+    BROADCAST = "broadcast"   # take the lead's weights, buffers and registered state (DDP's way)
+    CHECK = "check"           # compare digests: a mismatch is an error before step 0
+    OFF = "off"               # trust the user
+
+
+class OnFinished(str, enum.Enum):
+    """What a replica that starts after the job finished does."""
+
+    EXIT = "exit"             # raise JobFinished (exit 0)
+    WAIT = "wait"             # wait (up to start_timeout) for a further target
+
+
+@dataclass(frozen=True)
+class JobOptions:
+    """The job's life as one replica declares it; the same keywords on every algorithm."""
+
+    target: JobTarget | None = None
+    min_replicas: int = 1
+    start_timeout: float = 120.0
+    resume_grace: float = 15.0
+    allow_restart_from_scratch: bool = False
+    on_finished: OnFinished = OnFinished.EXIT
+    initial_state: InitialState = InitialState.BROADCAST
+    finish_timeout: float = 300.0
+
+    @classmethod
+    def make(cls, *, total_steps: int | None = None, total_samples: int | None = None,
+             **kw: Any) -> JobOptions:
+        """Checked options (ValueError names the bad one)."""
+        if total_steps is not None and total_samples is not None:
+            raise ValueError("declare total_steps or total_samples, not both")
+        target = None
+        for name, n, kind in (("total_steps", total_steps, TargetKind.STEPS),
+                              ("total_samples", total_samples, TargetKind.SAMPLES)):
+            if n is not None:
+                if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                    raise ValueError(f"{name} must be a positive int, got {n!r}")
+                target = JobTarget(kind, n)
+        mr = kw.get("min_replicas", 1)
+        if isinstance(mr, bool) or not isinstance(mr, int) or mr < 1:
+            raise ValueError(f"min_replicas must be a positive int, got {mr!r}")
+        for name in ("start_timeout", "resume_grace", "finish_timeout"):
+            if name in kw and not kw[name] > 0:
+                raise ValueError(f"{name} must be positive, got {kw[name]!r}")
+        try:
+            kw["on_finished"] = OnFinished(kw.get("on_finished", OnFinished.EXIT))
+            kw["initial_state"] = InitialState(kw.get("initial_state", InitialState.BROADCAST))
+        except ValueError as exc:
+            raise ValueError(f"{exc}: on_finished is one of {[o.value for o in OnFinished]}, initial_state one "
+                             f"of {[o.value for o in InitialState]}") from None
+        return cls(target=target, **kw)
 
 
 @dataclass(frozen=True)
@@ -132,6 +189,7 @@ class EngineOptions:
     checkpoint: CheckpointOptions | None = None
 
 
-__all__ = ["DILOCO_LOOP_TIMEOUT_S", "Capacity", "CheckpointOptions", "DataPlaneOptions", "EngineOptions",
+__all__ = ["DILOCO_LOOP_TIMEOUT_S", "InitialState", "JobOptions", "OnFinished",
+           "Capacity", "CheckpointOptions", "DataPlaneOptions", "EngineOptions",
            "RANK_TIMEOUT_S", "Timeouts", "UpdateRule",
            "exit_replica"]
