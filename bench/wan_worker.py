@@ -117,7 +117,7 @@ def main() -> int:
         write(save_weights(a.stats, snaps, weights.state_dict(), committed(), eng.step))
 
     def committed() -> int:
-        return eng.cursor.frontier - eng.cursor.hole_samples
+        return eng.kernel.cursor.frontier - eng.kernel.cursor.hole_samples
 
     write({"kind": "start", "t": time.time()})
     if a.min_replicas > 1 and eng.step == 0:

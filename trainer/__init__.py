@@ -14,7 +14,9 @@ from .data.cursor import DataCursor
 from .algorithms.diloco import DiLoCo, DiLoCoResult
 from .kernel.errors import (InitialStateMismatch, JobConfigError, JobError, JobFinished, MissingStateError, StepTimeout,
                             Stopped)
+from .algorithms.front import Front
 from .algorithms.ft import FaultTolerant, StepResult
+from .kernel.options import Options
 from .algorithms.hsdp import HSDP
 from .data.loader import StepLoader
 from .kernel.lr import LRPolicy, lr_scale
@@ -28,8 +30,6 @@ for _old, _module in (("hsdp", _hsdp), ("outer", _outer), ("loader", _loader), (
     sys.modules.setdefault(f"{__name__}.{_old}", _module)
     globals()[_old] = _module
 
-__all__ = ["DiLoCo", "DiLoCoResult", "FaultTolerant", "HSDP", "StepResult", "StepTimeout", "Stopped", "JobError",
-           "JobFinished",
-           "MissingStateError",
-           "JobConfigError", "InitialStateMismatch", "StepLoader", "DataCursor", "LRPolicy", "lr_scale",
-           "capture", "restore", "state_digest"]
+__all__ = ["DiLoCo", "DiLoCoResult", "FaultTolerant", "Front", "HSDP", "Options", "StepResult", "StepTimeout",
+           "Stopped", "JobError", "JobFinished", "MissingStateError", "JobConfigError", "InitialStateMismatch",
+           "StepLoader", "DataCursor", "LRPolicy", "lr_scale", "capture", "restore", "state_digest"]

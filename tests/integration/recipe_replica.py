@@ -148,9 +148,9 @@ def main() -> int:
         if res.trained:
             rec["tr"] = res.trained
         if res.committed:
-            rec.update(lr=ft.optimizer_step.last_lrs[0], norm=norm[-1] if norm else None,
-                       skipped=ft.optimizer_step.last_skipped, digest=ft.digest(), ema=ema.digest(),
-                       peak=ft.optimizer_step.peak)
+            rec.update(lr=ft.kernel.optimizer_step.last_lrs[0], norm=norm[-1] if norm else None,
+                       skipped=ft.kernel.optimizer_step.last_skipped, digest=ft.digest(), ema=ema.digest(),
+                       peak=ft.kernel.optimizer_step.peak)
             if scaler is not None:
                 rec["scale"] = float(scaler.get_scale())
         out.write(json.dumps(rec) + "\n")

@@ -169,7 +169,7 @@ def _plain_load_digest(path: Path) -> str:
 
 
 def test_a_fourth_algorithm_from_the_kernel_alone(tmp_path: Path) -> None:
-    """Local SGD (``trainer/examples/local_sgd.py``, ~60 lines on the kernel): replicas seeded
+    """Local SGD (``trainer/examples/local_sgd.py``, a composition of kernel pieces): replicas seeded
     differently start from one state, a SIGKILL mid-run costs the survivors nothing, they end
     the job together with one digest, and the killed replica restarted after the end trains
     nothing and exits 0 saying so."""
@@ -181,9 +181,9 @@ def test_a_fourth_algorithm_from_the_kernel_alone(tmp_path: Path) -> None:
     def spawn(name: str, rid: str, seed: int) -> None:
         procs.stats[name] = tmp_path / f"{name}.jsonl"
         seeds = ",".join(a for n, a in addrs.items() if n != rid)
-        cmd = [sys.executable, "-m", "p2pft.trainer.examples.local_sgd", "--replica-id", rid, "--listen", addrs[rid],
-               "--seeds", seeds, "--stats", str(procs.stats[name]), "--steps", "120", "--sync-every", "4",
-               "--min-replicas", "3", "--seed", str(seed), "--step-delay", "0.04"]
+        cmd = [sys.executable, "-m", "p2pft.trainer.examples.local_sgd_replica", "--replica-id", rid,
+               "--listen", addrs[rid], "--seeds", seeds, "--stats", str(procs.stats[name]), "--steps", "120",
+               "--sync-every", "4", "--min-replicas", "3", "--seed", str(seed), "--step-delay", "0.04"]
         with open(tmp_path / f"{name}.log", "wb") as log:
             procs.procs[name] = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log)
 

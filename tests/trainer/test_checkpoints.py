@@ -53,16 +53,16 @@ def _train(ft: FaultTolerant, model: torch.nn.Module, counter: Counter, n: int) 
             x = torch.tensor(idx, dtype=torch.float32).unsqueeze(1).repeat(1, 8) / 100
             model(x).pow(2).mean().backward()
         ft.commit()
-        if ft.checkpoints is not None:   # a write still running when the next is due skips that one
-            assert ft.checkpoints.wait(30)
+        if ft.kernel.checkpoints is not None:   # a write still running when the next is due skips that one
+            assert ft.kernel.checkpoints.wait(30)
 
 
 def test_resume_from_the_newest_checkpoint_with_its_digest(tmp_path: Path) -> None:
     rt, ft, model, counter = _replica(tmp_path)
     _train(ft, model, counter, 6)
-    assert ft.checkpoints is not None and ft.checkpoints.wait(30)
-    digest, cursor = ft.digest(), ft.cursor.state_dict()
-    sig = ft.recent.signature(5)     # step 5's contributors: what a resume checks against the others'
+    assert ft.kernel.checkpoints is not None and ft.kernel.checkpoints.wait(30)
+    digest, cursor = ft.digest(), ft.kernel.cursor.state_dict()
+    sig = ft.kernel.recent.signature(5)     # step 5's contributors: what a resume checks against the others'
     assert sig is not None
     ft.close()
     rt.close()
@@ -72,8 +72,8 @@ def test_resume_from_the_newest_checkpoint_with_its_digest(tmp_path: Path) -> No
     rt, ft, model, counter = _replica(tmp_path, seed=99)   # other initial weights: all replaced
     try:
         assert ft.step == 6 and ft.digest() == digest and counter.n == 6
-        assert ft.cursor.state_dict() == cursor
-        assert ft.recent.signature(5) == sig, "the checkpoint lost its last step's signature"
+        assert ft.kernel.cursor.state_dict() == cursor
+        assert ft.kernel.recent.signature(5) == sig, "the checkpoint lost its last step's signature"
         assert any(e["kind"] == "resumed" and e["step"] == 6 for e in ft.events)
     finally:
         ft.close()
@@ -83,7 +83,7 @@ def test_resume_from_the_newest_checkpoint_with_its_digest(tmp_path: Path) -> No
 def test_damaged_or_incomplete_checkpoints_are_skipped_for_an_older_one(tmp_path: Path) -> None:
     rt, ft, model, counter = _replica(tmp_path)
     _train(ft, model, counter, 4)
-    assert ft.checkpoints is not None and ft.checkpoints.wait(30)
+    assert ft.kernel.checkpoints is not None and ft.kernel.checkpoints.wait(30)
     at_2 = None
     ft.close()
     rt.close()
@@ -110,7 +110,7 @@ def test_a_checkpoint_is_plain_dcp(tmp_path: Path) -> None:
     """A plain PyTorch process reads the model (and the optimizer) back with dcp.load."""
     rt, ft, model, counter = _replica(tmp_path)
     _train(ft, model, counter, 2)
-    assert ft.checkpoints is not None and ft.checkpoints.wait(30)
+    assert ft.kernel.checkpoints is not None and ft.kernel.checkpoints.wait(30)
     want = params_digest(dict(model.named_parameters()))
     ft.close()
     rt.close()

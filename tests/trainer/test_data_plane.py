@@ -35,13 +35,13 @@ def test_cpu_replica_builds_tcp_communicators(plane: str | None, monkeypatch: py
         assert rt.data_plane is (DataPlane(plane) if plane else DataPlane.TCP)
         m, opt = _model()
         ft = FaultTolerant(rt, m, opt, batch_per_replica=2, loop_timeout=None)
-        assert ft.backend is Backend.TCP and ft.comms.backend is Backend.TCP
+        assert ft.kernel.backend is Backend.TCP and ft.kernel.comms.backend is Backend.TCP
         assert rt.wait_view(lambda v: v.role_of(rt.node_id) is not None, 10.0) is not None
         idx = ft.begin()
         m(torch.randn(len(idx) or 1, 4)).sum().backward()
         res = ft.commit()
         assert res.committed and res.contributors == 1
-        comm = ft.comms.get(rt.view.data_epoch, 0, rt.view.shard_addrs(0))
+        comm = ft.kernel.comms.get(rt.view.data_epoch, 0, rt.view.shard_addrs(0))
         assert type(comm).__name__ == "StagingTcpCommunicator"
     finally:
         if ft is not None:

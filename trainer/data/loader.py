@@ -19,7 +19,7 @@ from __future__ import annotations
 import itertools
 import os
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch.utils.data import DataLoader, Dataset
@@ -98,13 +98,23 @@ class _Predictions:
             yield [(gen, step, i) for i in self.share(cur, slot)]
 
 
+class Trainer(Protocol):
+    """What the loader reads of an algorithm (``FaultTolerant``, an ``HSDP`` rank): its
+    ``begin()``, and its kernel's cursor and slot to predict the next steps' samples."""
+
+    def begin(self, stop: bool = False) -> list[int]: ...
+
+    @property
+    def kernel(self) -> StepEngine: ...
+
+
 class StepLoader:
-    """Per-step batches for ``engine`` (``FaultTolerant`` or an ``HSDP`` rank) from a map-style
-    dataset. ``next_batch()`` calls ``engine.begin()`` and returns this step's collated batch,
+    """Per-step batches for ``trainer`` (``FaultTolerant`` or an ``HSDP`` rank) from a map-style
+    dataset. ``next_batch()`` calls ``trainer.begin()`` and returns this step's collated batch,
     or None when the replica contributes nothing this step (catching up, or not on the data
     plane): then run no forward/backward, just ``commit()``."""
 
-    def __init__(self, engine: StepEngine, dataset: Any, *, collate_fn: Callable[[list[Any]], Any] | None = None,
+    def __init__(self, trainer: Trainer, dataset: Any, *, collate_fn: Callable[[list[Any]], Any] | None = None,
                  num_workers: int = 0, prefetch_factor: int | None = None, pin_memory: bool = False,
                  **loader_kw: Any) -> None:
         if len(dataset) < 1:
@@ -112,7 +122,8 @@ class StepLoader:
         for bad in ("batch_size", "shuffle", "sampler", "batch_sampler", "drop_last"):
             if bad in loader_kw:
                 raise TypeError(f"StepLoader chooses the samples itself: {bad}= is not accepted")
-        self.engine = engine
+        self.trainer = trainer
+        self.engine = engine = trainer.kernel
         self.dataset = dataset
         self.collate = collate_fn or default_collate
         self.pin_memory = pin_memory
@@ -130,7 +141,7 @@ class StepLoader:
         self.dropped = 0   # prefetched batches of an outdated prediction
 
     def next_batch(self, stop: bool = False) -> Any | None:
-        idx = self.engine.begin(stop)
+        idx = self.trainer.begin(stop)
         if not idx:
             return None
         step, slot = self.engine.step, self.engine.current_slot

@@ -264,7 +264,7 @@ class LastLrs(Protocol):
 
 
 class Watched(Protocol):
-    """What the monitor reads of the trainer (``FaultTolerant``, or ``DiLoCo`` in gpt_diloco.py)."""
+    """What the monitor reads of the step kernel (``FaultTolerant``'s, or ``DiLoCo``'s in gpt_diloco.py)."""
 
     @property
     def step(self) -> int: ...
@@ -507,7 +507,7 @@ def train_ft(args: argparse.Namespace, r: Recipe, mon: Monitor) -> None:
     ft = FaultTolerant(rt, model, opt, batch_per_replica=r.batch, nominal_replicas=r.replicas, lr_policy=r.lr_policy,
                        lr_scheduler=sched, grad_scaler=scaler, grad_hook=lambda: clip(model, r), **ft_options(args))
     batches = StepLoader(ft, data, num_workers=args.workers)
-    mon.start(model, ft, rt)
+    mon.start(model, ft.kernel, rt)
     while mon.running(ft.step):
         batch = batches.next_batch()
         ft.zero_grad()

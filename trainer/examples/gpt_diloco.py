@@ -29,7 +29,7 @@ def train_diloco(args: argparse.Namespace, r: Any, mon: Any, recipe: SimpleNames
                 lr_policy=r.lr_policy, nominal_replicas=r.replicas, lr_scheduler=sched, grad_scaler=scaler,
                 grad_hook=lambda: recipe.clip(model, r), loop_timeout=args.loop_timeout or None)
     span = dl.schedule.span
-    mon.start(dl.global_model, dl, rt)   # the global weights are the ones saved and compared
+    mon.start(dl.global_model, dl.kernel, rt)   # the global weights are the ones saved and compared
     loss: Any = None
     while mon.running(dl.step):
         try:

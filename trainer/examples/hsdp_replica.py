@@ -144,7 +144,7 @@ def worker(args: argparse.Namespace) -> int:
                      rank_timeout=args.rank_timeout, **job_kwargs(args),
                      runtime_kw={"metrics_port": args.metrics_port, "max_participants": args.max_participants})
     stop.attach(rep)
-    steps = StepMetrics.attach(rep.rt, rep)   # rank 0 with --metrics-port; a no-op otherwise
+    steps = StepMetrics.attach(rep.rt, rep.kernel)   # rank 0 with --metrics-port; a no-op otherwise
     pids: list[int | None] = [None] * world
     dist.all_gather_object(pids, os.getpid())
     progress = Progress(f"{args.replica_id}", mode=args.progress if rank == 0 else "off")

@@ -25,7 +25,7 @@ import sys
 import time
 from typing import TYPE_CHECKING, Callable, cast
 
-from p2pft.deploy.job_args import add_job_args
+from p2pft.deploy.job_args import add_job_args, job_kwargs
 from p2pft.deploy.replica_args import add_replica_args, require_replica_id
 from p2pft.trainer.examples.signals import StopOnSignal
 
@@ -187,16 +187,12 @@ def main(argv: list[str] | None = None) -> int:
     stop = StopOnSignal()   # SIGTERM/SIGINT: the loop ends, the trainer's current call raises Stopped
 
     ft = FaultTolerant(rt, model, opt, batch_per_replica=args.batch, nominal_replicas=args.replicas,
-                       lr_policy=args.lr_policy, checkpoint_dir=args.checkpoint_dir,
-                       checkpoint_every=args.checkpoint_every, state_rate_limit=args.state_rate_limit or None,
-                       loop_timeout=args.loop_timeout or None, total_steps=args.steps or None,
-                       min_replicas=args.min_replicas, start_timeout=30.0, resume_grace=args.resume_grace,
-                       allow_restart_from_scratch=args.allow_restart_from_scratch, on_finished=args.on_finished,
-                       initial_state=args.initial_state, step_timeout=args.step_timeout,
-                       recent_keep=args.recent_keep)
+                       lr_policy=args.lr_policy, state_rate_limit=args.state_rate_limit or None,
+                       loop_timeout=args.loop_timeout or None, start_timeout=30.0, step_timeout=args.step_timeout,
+                       recent_keep=args.recent_keep, **job_kwargs(args))
     t_engine = time.time()
     stop.attach(ft)
-    steps = StepMetrics.attach(rt, ft)   # per-step metrics; a no-op without --metrics-port
+    steps = StepMetrics.attach(rt, ft.kernel)   # per-step metrics; a no-op without --metrics-port
     progress = Progress(args.replica_id, mode=args.progress)
     try:
         # The group forms before the start record, as a torch job's rendezvous does before its
@@ -245,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         return _close(ft, rt, stats, 3)
     progress.summary(ft.step)
     # Mid catch-up the weights are neither the old step's nor the snapshot's: no digest then.
-    stats.write({"t": time.time(), "kind": "exit", "step": ft.step, "cursor": ft.cursor.state_dict(),
+    stats.write({"t": time.time(), "kind": "exit", "step": ft.step, "cursor": ft.kernel.cursor.state_dict(),
                  **({"digest": ft.digest()} if ft.synced else {}), "data_counters": dict(rt.data.counters)})
     return _close(ft, rt, stats, 0)
 

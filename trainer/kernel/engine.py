@@ -27,13 +27,16 @@ from ...core.meta import Status
 from ...core.lifecycle import leads_step
 from ...core.step import RETRY_PAUSE_S, Action, Reduced, decide, idle_backoff
 from ...core.view import Role, TargetKind
+from ...core.viewplan import NoteKind, PlanMemory, Reduce, WaitFor, plan_view
 from ...ops.log import set_context
 from ...runtime import Runtime
 from ...transport import CommAborted, CommError, DataServer, SharedDevice
+from ...transport.base import Communicator
 from ...transport.addr import parse_hostport
 from ...transport.backend import choose_backend, data_plane_from
 from ...transport.device import written_event
 from ...transport.stream import StateSnapshot
+from .algorithm import Algorithm, Round
 from .attempt import Attempt, Entry, Plan, StepResult, Verdict
 from ..recovery.catchup import Catchup
 from .comms import ShardComms
@@ -66,14 +69,11 @@ def data_server_of(runtime: Runtime) -> DataServer:
 
 
 class StepEngine:
-    """One rank's step protocol; its options come grouped in one ``EngineOptions``
-    (``trainer/kernel/options.py``), built by the adapter from its documented keywords."""
+    """One rank's step protocol, driving an ``Algorithm`` (``algorithm.py``: what a round reduces,
+    how, and how the mean is applied); its options come grouped in one ``EngineOptions``."""
 
-    #: a restarted replica pulls its snapshot before the first reduced step (``Catchup.eager``)
-    eager_catchup = False
-
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, group: ReplicaGroup,
-                 runtime: Runtime | None, data_server: DataServer, state_io: StateIO,
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, algorithm: Algorithm, *,
+                 group: ReplicaGroup, runtime: Runtime | None, data_server: DataServer, state_io: StateIO,
                  options: EngineOptions) -> None:
         batch_per_replica = options.batch_per_replica
         self.group = group
@@ -93,7 +93,8 @@ class StepEngine:
         self.options = options
         self._step_cap: float | None = None   # see step_timeout_capped
         cap, upd = options.capacity, options.update
-        self.buf = StepBuffer([p for p in model.parameters() if p.requires_grad], max_slots=cap.max_slots)
+        self.algo = algorithm
+        self.buf = algorithm.buffer(0)   # the buffer of the round in flight (``_commit`` picks it)
         self.cursor = DataCursor(batch_per_replica, cap.max_slots)
         self.optimizer_step = OptimizerStep(optimizer, lr_policy=upd.lr_policy, nominal_replicas=upd.nominal_replicas,
                                             lr_scheduler=upd.lr_scheduler, grad_scaler=upd.grad_scaler,
@@ -109,17 +110,19 @@ class StepEngine:
         self._synced = True            # see the synced property; written by mark_synced only
         self.events: deque[dict[str, Any]] = deque(maxlen=10_000)
         self.recent = RecentSteps(cap.recent_keep, cap.replay_cap_bytes)  # served to peers that fast-forward
-        self.catchup = Catchup(self, cap.replay_cap_bytes, eager=self.eager_catchup)
+        self.catchup = Catchup(self, cap.replay_cap_bytes, eager=algorithm.sparse)
         # The backend of every communicator, from the data plane asked for (argument, else the
         # runtime's, else $P2PFT_DATA_PLANE) and the step buffer's device: an impossible 'nccl'
         # fails here, before this rank serves state or opens its side channel.
-        asked = options.data.data_plane
+        asked = options.plane.data_plane
         plane = (data_plane_from(asked) if asked is not None
                  else runtime.data_plane if runtime is not None else data_plane_from(None))
         dev = self.buf.flat.device
         self.backend = choose_backend(plane, dev.type)
         self.comms = ShardComms(data_server, self.shard, self.comm_timeout, backend=self.backend,
                                 device=dev.index if dev.type == "cuda" else None)
+        if algorithm.sparse:   # peers may still be in their span: a new ring waits for them that long
+            self.comms.connect_timeout = self.comm_timeout
         self.serving = Donor(self)     # snapshots, mean gradients and step signatures for peers
         self.in_step = False           # between begin() and the end of commit(): the loop mutates the state
         self.pause = Pauses(self)      # ``with engine.pause("eval"):``
@@ -130,10 +133,7 @@ class StepEngine:
         self._slot: int | None = None
         self._ranges: list[tuple[int, int]] = []
         self._began_step = -1
-        self._was_participant = False  # rank 0: see _plan
-        self._member_since: int | None = None  # rank 0: our membership's `since` while a participant
-        self._rejoin_pending = False
-        self._returning: dict[str, int] = {}   # rank 0: members back from a pause -> the step they hold
+        self._plan_memory = PlanMemory()   # rank 0: what one look at the views leaves for the next
         self._attempt_view: Any = None
         self._deadline = 0.0
         data_server.serve_state(self.serving.provide)
@@ -148,6 +148,7 @@ class StepEngine:
         self.checkpoints = Checkpoints(self, options.checkpoint) if options.checkpoint is not None else None
         if self.checkpoints is not None and options.checkpoint is not None and options.checkpoint.resume:
             self.checkpoints.resume()
+        self._start_control()   # the state is final: serve it, announce it, follow views
 
     # ------------------------------------------------------------------ options, read where used
     @property
@@ -180,11 +181,11 @@ class StepEngine:
 
     @property
     def secret(self) -> bytes | None:
-        return self.options.data.secret
+        return self.options.plane.secret
 
     @property
     def state_rate_limit(self) -> float | None:
-        return self.options.data.state_rate_limit
+        return self.options.plane.state_rate_limit
 
     def _start_control(self) -> None:
         """Every rank, once the replica's state is final (after a resume): donors may copy it from
@@ -245,7 +246,7 @@ class StepEngine:
         self._slot = None
         try:
             with self.step_timeout_capped(timeout):
-                self.commit_step()
+                self.commit()
         except (StepTimeout, Stopped):
             pass
 
@@ -312,26 +313,30 @@ class StepEngine:
         if self.synced:  # while catching up, the background worker owns the gradients
             self._clear_grads()
 
-    def _clear_grads(self) -> None:
-        """Zero the step buffer's gradient views in place, else drop the gradients."""
-        if not self.buf.zero_grads():
-            self.opt.zero_grad(set_to_none=True)
+    def _clear_grads(self, buf: StepBuffer | None = None) -> None:
+        """Zero a step buffer's gradient views in place, else drop its parameters' gradients."""
+        buf = buf or self.buf
+        if not buf.zero_grads():
+            for p in buf.params:
+                p.grad = None
 
-    def commit_step(self) -> StepResult:
+    def commit(self) -> StepResult:
         """Collective. Allreduce this rank's shard, agree in-replica, retry across views, apply:
-        the kernel's commit, which an algorithm's ``commit()`` calls when its step ends (every
-        step for ``FaultTolerant`` and ``HSDP``, every sync for ``DiLoCo``)."""
+        the round's commit (every step for ``FaultTolerant`` and ``HSDP``, every sync for
+        ``DiLoCo`` and local SGD)."""
         self.serving.busy()
         self.in_step = True
         try:
-            return self._commit()
+            return self._attempts()
         finally:
             self.in_step = False
             self.serving.idle()
 
-    def _commit(self) -> StepResult:
+    def _attempts(self) -> StepResult:
         slot = self._slot
         self._slot = None
+        if self.synced:   # a replica catching up answers with zeros in any buffer (all have one size)
+            self.buf = self.algo.buffer(self.step)
         self.buf.pack(slot if self.synced else None, self.step)
         self.buf.save()
         self._deadline = time.monotonic() + self.step_timeout
@@ -464,92 +469,42 @@ class StepEngine:
         return att
 
     def _view_plan(self, rt: Runtime, slot: int | None) -> Attempt:
-        """Rank 0: the attempt the current view allows (the job's life aside)."""
+        """Rank 0: the attempt the current view allows (the job's life aside). The decision is
+        ``p2pft.core.viewplan.plan_view`` (the simulator's trainers take the same); the clock,
+        the beat and the waits for a view stay here."""
         if time.monotonic() > self._deadline:
             return Attempt(Plan.TIMEOUT)
         self.beat()
         view = rt.view
-        me = rt.me(view)
-        # Left out of a view after being a participant (absent, or a joiner it did not ask to
-        # be): this replica may hold a step the others redid without it (its allreduce can
-        # finish while theirs fail), so it catches up from a snapshot before contributing again.
-        # The view is sampled once per attempt, so a replica busy elsewhere (a long backward,
-        # an evaluation) may miss the views that dropped it and took it back: its membership's
-        # `since` (the epoch it entered the views, kept across roles) tells it anyway.
-        if me is not None and me.role is Role.PARTICIPANT:
-            if self._was_participant and self._member_since not in (None, me.since):
+        plan = plan_view(self._plan_memory, view, rt.node_id, slot=slot, synced=self.synced, step=self.step,
+                         world=self.world, member_step=rt.member_step, member_meta=rt.member_meta)
+        self._plan_memory = plan.memory
+        for note in plan.notes:
+            if note.kind is NoteKind.TAKEN_BACK:
                 log.warning("dropped from the views and taken back since view %d (now a participant again in "
                             "view %d): this replica may hold a step the others redid without it",
-                            self._member_since, view.epoch if view is not None else -1)
-                self._rejoin_pending = True
-            self._was_participant = True
-            self._member_since = me.since
-        elif self._was_participant and view is not None:
-            self._was_participant = False
-            self._rejoin_pending = True
-            self._member_since = None
-        if view is None or me is None or me.role not in (Role.PARTICIPANT, Role.JOINER):
-            rt.wait_view(lambda v: v.role_of(rt.node_id) in (Role.PARTICIPANT, Role.JOINER) or self.stopping,
-                         timeout=min(WAIT_ROLE_S, max(0.0, self._deadline - time.monotonic())),
-                         loop_timeout=self.loop_timeout)
-            return Attempt(Plan.WAIT)
-        members = view.data_members
-        bad = [m.node for m in members if len(m.data_addrs) != self.world]
-        if bad:
-            log.error("data-plane members %s do not have %d shards; waiting for another view", bad, self.world)
-            rt.wait_view(lambda v: v.epoch > view.epoch or self.stopping, WAIT_SHARDS_S,
-                         loop_timeout=self.loop_timeout)
-            return Attempt(Plan.WAIT)
-        rejoin, self._rejoin_pending = self._rejoin_pending, False
-        donor = view.donor(exclude=me.node) or self._paused_donor(view, me.node)
-        if rejoin and donor is None and self.synced:
-            # Nobody else holds the committed state (the others died, and we were left out,
-            # e.g. falsely under load): ours is the job's. A snapshot from nobody would be waited
-            # for until the step timeout, while the leader waits for a holder of the high-water
-            # step to resume from. So stay ready; catch up once someone else holds a state.
-            if me.role is Role.JOINER:
-                self._rejoin_pending = True
+                            note.since, note.epoch)
+            elif note.kind is NoteKind.SOLE_HOLDER:
                 self._say(log, logging.WARNING, "sole", "left out of view %d after being a participant at step "
                           "%d, and no other replica holds the committed state: offering ours to resume from",
-                          view.epoch, self.step)
-            rejoin = False
-        still_mine = (slot is not None and self.synced and not rejoin and me.role is Role.PARTICIPANT
-                      and me.slot == slot)
-        behind = (self.synced and me.role is Role.JOINER and donor is not None
-                  and rt.member_step(donor.node) > self.step)
+                          note.epoch, self.step)
+        d = plan.decision
+        if not isinstance(d, Reduce):
+            if d.why is WaitFor.EPOCH:
+                log.error("data-plane members %s do not have %d shards; waiting for another view", list(d.bad),
+                          self.world)
+                rt.wait_view(lambda v: d.satisfied(v, rt.node_id) or self.stopping, WAIT_SHARDS_S,
+                             loop_timeout=self.loop_timeout)
+            else:
+                rt.wait_view(lambda v: d.satisfied(v, rt.node_id) or self.stopping,
+                             timeout=min(WAIT_ROLE_S, max(0.0, self._deadline - time.monotonic())),
+                             loop_timeout=self.loop_timeout)
+            return Attempt(Plan.WAIT)
         self._attempt_view = view
-        return Attempt(Plan.ALLREDUCE, epoch=view.epoch, data_epoch=view.data_epoch, rank=view.data_rank(me.node),
-                       addrs=tuple(m.data_addrs for m in members), contribute=still_mine,
-                       demote=slot is not None and not still_mine, role=me.role.value, rejoin=rejoin, node=me.node,
-                       donor=(donor.node, donor.data_addrs) if donor is not None else None, behind=behind,
-                       nodes=tuple(m.node for m in members), hold_from=self._hold_from(rt, view),
-                       slot_ranks=tuple((m.slot, view.data_rank(m.node)) for m in view.participants
-                                        if m.slot is not None))
-
-    def _hold_from(self, rt: Runtime, view: Any) -> int | None:
-        """Rank 0: the oldest step a member that paused holds, from its pause until it is past
-        that step (it fast-forwarded, as a joiner or a participant promoted at once), caught up
-        otherwise, or left: this replica keeps its log of committed steps from there on, so that
-        member fast-forwards instead of pulling a snapshot."""
-        for m in view.paused:
-            if m.node == rt.node_id:
-                continue
-            meta = rt.member_meta(m.node)
-            if meta is not None and meta.step >= 0 and meta.status in (Status.PAUSED, Status.READY):
-                self._returning.setdefault(m.node, meta.step)
-        for node, step in list(self._returning.items()):
-            meta = rt.member_meta(node)
-            if (view.member(node) is None or meta is None or meta.status is Status.JOINING
-                    or (meta.status is not Status.PAUSED and meta.step > step)):
-                del self._returning[node]
-        return min(self._returning.values(), default=None)
-
-    def _paused_donor(self, view: Any, me: str) -> Any:
-        """With no participant, a paused member holds the committed state: the furthest one."""
-        cands = [m for m in view.paused if m.node != me]
-        rt = self.rt
-        assert rt is not None
-        return max(cands, key=lambda m: (rt.member_step(m.node), m.node), default=None)
+        return Attempt(Plan.ALLREDUCE, epoch=d.epoch, data_epoch=d.data_epoch, rank=d.rank, addrs=d.addrs,
+                       contribute=d.contribute, demote=d.demote, role=d.role.value, rejoin=d.rejoin, node=d.node,
+                       donor=d.donor, behind=d.behind, nodes=d.nodes, hold_from=d.hold_from,
+                       slot_ranks=d.slot_ranks)
 
     def _allreduce(self, att: Attempt) -> BaseException | None:
         try:
@@ -563,15 +518,13 @@ class StepEngine:
             log.debug("allreduce not possible: %r", exc)
             return exc
 
-    def _sends(self, att: Attempt) -> bool:
-        """Whether this rank's buffer goes into the sum: its gradients when it contributes, else
-        zeros with the step it holds (``StepBuffer.set_held``) when it holds the committed
-        state; a replica catching up counts as zeros (the communicator zeroes it)."""
-        return att.contribute or self.synced
-
-    def _reduce(self, comm: Any, att: Attempt) -> None:
-        """Sum this attempt's buffer over the communicator (DiLoCo compresses it on the way)."""
-        comm.allreduce(self.buf.flat, contribute=self._sends(att), timeout=self.comm_timeout)
+    def _reduce(self, comm: Communicator, att: Attempt) -> None:
+        """Sum this attempt's buffer over the communicator, as the algorithm reduces it. The
+        header goes into the sum when this rank contributes, else as zeros with the step it holds
+        (``StepBuffer.set_held``) when it holds the committed state; a replica catching up counts
+        as zeros (the communicator zeroes it)."""
+        self.algo.reduce(comm, self.buf, Round(contribute=att.contribute, header=att.contribute or self.synced,
+                                               world=len(att.addrs), timeout=self.comm_timeout))
 
     def _verdict(self, err: BaseException | None) -> Verdict:
         if err is not None:
@@ -670,9 +623,10 @@ class StepEngine:
         (on every replica, and again in a joiner's replay)."""
         if e.step != self.step:
             raise AssertionError(f"applying step {e.step} at step {self.step}")
-        self.buf.unpack(float(e.count), source=e.flat)
-        self.optimizer_step(e.count)
-        self._clear_grads()
+        buf = self.algo.buffer(e.step)
+        buf.unpack(float(e.count), source=e.flat)
+        self.algo.apply(e.step, buf, self.optimizer_step, e.count)
+        self._clear_grads(buf)
         self.cursor.commit(e.mask)
         self.step += 1
         self.recent.append(e)
@@ -705,10 +659,8 @@ class StepEngine:
 
     def rejoined_after_pause(self) -> None:
         """Back from a pause (which checked our last step): being off the data plane meanwhile
-        is not being left out of a view."""
-        self._was_participant = False
-        self._rejoin_pending = False
-        self._member_since = None
+        is not being left out of a view (``PlanMemory.after_pause``)."""
+        self._plan_memory = self._plan_memory.after_pause()
 
 
 __all__ = ["StateIO", "StepEngine", "exit_replica"]

@@ -1,10 +1,10 @@
-"""The step engine's options, grouped by concept and built once.
+"""Every option of every algorithm: one ``Options`` a user builds (or overrides by keyword).
 
-``FaultTolerant``, ``HSDP`` and ``DiLoCo`` keep their documented keywords; each builds one
-``EngineOptions`` from them and hands it to ``StepEngine``, which reads the groups instead of
-25 keywords forwarded by hand at each level. Every default lives here (the adapters' keyword
-defaults read these class attributes), and each group checks its own values once, naming the
-keyword a user wrote.
+``Options`` is the one flat object the documented API takes (``FaultTolerant(rt, model, opt,
+options, **overrides)``, the same for ``HSDP``, ``DiLoCo`` and local SGD) and the CLI's flags are
+derived from; it checks every value and the cross-constraints once, naming the keyword. The kernel
+reads it grouped by concept (``EngineOptions``: timeouts, the update rule, capacity, the data
+plane, the job's life, checkpoints), which ``Options.engine`` builds. Every default lives here.
 """
 from __future__ import annotations
 
@@ -12,16 +12,16 @@ import enum
 import logging
 import os
 from dataclasses import dataclass, field
+import dataclasses
 from typing import Any, Callable, Mapping
 
 from ...core.view import JobTarget, TargetKind
 from ...runtime import COMM_TIMEOUT_S
+from .lr import LRPolicy
 from .optstep import GradHook
 from ..state.user import Stateful
 
 RANK_TIMEOUT_S = 10.0       # a rank silent for this long takes its replica down
-# DiLoCo's loop may sit in one sync up to its (longer) communicator timeout: a longer default.
-DILOCO_LOOP_TIMEOUT_S = 120.0
 
 
 def exit_replica(rank: int, silent_s: float) -> None:
@@ -128,8 +128,6 @@ class Capacity:
     max_slots: int = 256
     recent_keep: int = 2
     replay_cap_bytes: int = 2 << 30
-    # Per rank of an FSDP replica: each rank logs only its own shard's reduced steps.
-    shard_replay_cap_bytes: int = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -182,14 +180,137 @@ class EngineOptions:
     timeouts: Timeouts = field(default_factory=Timeouts)
     update: UpdateRule = field(default_factory=UpdateRule)
     capacity: Capacity = field(default_factory=Capacity)
-    data: DataPlaneOptions = field(default_factory=DataPlaneOptions)
+    plane: DataPlaneOptions = field(default_factory=DataPlaneOptions)   # how state and gradients travel
     state: Mapping[str, Stateful] = field(default_factory=dict)   # registered user state, by name
     on_rank_lost: Callable[[int, float], None] = exit_replica
     job: JobOptions = field(default_factory=JobOptions)     # the job's life (``job/life.py``)
     checkpoint: CheckpointOptions | None = None
 
 
-__all__ = ["DILOCO_LOOP_TIMEOUT_S", "InitialState", "JobOptions", "OnFinished",
+
+@dataclass(frozen=True)
+class Options:
+    """Every option of a replica, flat, the same for every algorithm (docs/runtime.md lists them).
+
+    Build one and pass it whole, or override by keyword: ``FaultTolerant(rt, model, opt, opts,
+    step_timeout=30)``. A bad value or an impossible combination is one ``ValueError`` here,
+    before anything is served. ``None`` where it means "the Runtime's" (``comm_timeout``,
+    ``secret``) or "the algorithm's" (``lr_policy``: ``sqrt`` for a mean of gradients, ``none``
+    for DiLoCo's outer step, whose pseudo-gradient already sums a whole span of updates)."""
+
+    batch_per_replica: int
+    # the job's life (docs/runtime.md, "A job's life")
+    total_steps: int | None = None
+    total_samples: int | None = None
+    min_replicas: int = JobOptions.min_replicas
+    start_timeout: float = JobOptions.start_timeout
+    resume_grace: float = JobOptions.resume_grace
+    allow_restart_from_scratch: bool = JobOptions.allow_restart_from_scratch
+    on_finished: str = OnFinished.EXIT.value
+    initial_state: str = InitialState.BROADCAST.value
+    finish_timeout: float = JobOptions.finish_timeout
+    # timeouts
+    step_timeout: float = Timeouts.step_timeout
+    loop_timeout: float | None = Timeouts.loop_timeout
+    comm_timeout: float | None = None
+    rank_timeout: float = Timeouts.rank_timeout
+    on_rank_lost: Callable[[int, float], None] = exit_replica
+    # the update rule: what one optimizer step does with the mean (a replay runs the same)
+    lr_policy: str | None = None
+    nominal_replicas: int | None = None
+    lr_scheduler: Any = None
+    grad_scaler: Any = None
+    grad_hook: GradHook | None = None
+    after_step: GradHook | None = None
+    state: Mapping[str, Stateful] = field(default_factory=dict)
+    # memory
+    max_slots: int = Capacity.max_slots
+    recent_keep: int = Capacity.recent_keep
+    replay_cap_bytes: int = Capacity.replay_cap_bytes
+    # the data plane
+    data_plane: str | None = DataPlaneOptions.data_plane
+    secret: bytes | None = None
+    state_rate_limit: float | None = DataPlaneOptions.state_rate_limit
+    # checkpoints (torch.distributed.checkpoint)
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0
+    checkpoint_keep: int = 2
+    resume: bool = True
+
+    def __post_init__(self) -> None:
+        b = self.batch_per_replica
+        if isinstance(b, bool) or not isinstance(b, int) or b < 1:
+            raise ValueError(f"batch_per_replica must be a positive int, got {b!r}")
+        for name in ("max_slots", "recent_keep", "replay_cap_bytes"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        for name in ("step_timeout", "rank_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
+        if self.lr_policy is not None:
+            LRPolicy.parse(self.lr_policy)
+        if self.nominal_replicas is not None and (isinstance(self.nominal_replicas, bool)
+                                                  or not isinstance(self.nominal_replicas, int)
+                                                  or self.nominal_replicas < 1):
+            raise ValueError(f"nominal_replicas must be a positive int, got {self.nominal_replicas!r}")
+        self.job(1)                                          # the job's values and their combinations
+        self.timeouts(self.comm_timeout or COMM_TIMEOUT_S)   # loop_timeout > comm_timeout
+        CheckpointOptions.of(self.checkpoint_dir, self.checkpoint_every, self.resume, self.checkpoint_keep)
+
+    @classmethod
+    def of(cls, options: Options | None = None, **overrides: Any) -> Options:
+        """`options` with `overrides` (keywords of this class; an unknown one is a TypeError)."""
+        if options is None:
+            return cls(**overrides)
+        if not isinstance(options, Options):
+            raise TypeError(f"options must be an Options, got {type(options).__name__}")
+        return dataclasses.replace(options, **overrides) if overrides else options
+
+    def job(self, span: int) -> JobOptions:
+        """The job's life in kernel steps, `span` of the loop's steps each (a sync of DiLoCo or
+        local SGD): ``total_steps`` counts the loop's steps and must be a multiple of it."""
+        total = self.total_steps
+        if total is not None and span > 1:
+            if isinstance(total, bool) or not isinstance(total, int) or total < 1 or total % span:
+                raise ValueError(f"total_steps={total!r} (inner steps) must be a positive multiple of the span "
+                                 f"between syncs ({span})")
+            total //= span
+        return JobOptions.make(total_steps=total, total_samples=self.total_samples, min_replicas=self.min_replicas,
+                               start_timeout=self.start_timeout, resume_grace=self.resume_grace,
+                               allow_restart_from_scratch=self.allow_restart_from_scratch,
+                               on_finished=self.on_finished, initial_state=self.initial_state,
+                               finish_timeout=self.finish_timeout)
+
+    def timeouts(self, comm_timeout: float) -> Timeouts:
+        return Timeouts(step_timeout=self.step_timeout, comm_timeout=comm_timeout, loop_timeout=self.loop_timeout,
+                        rank_timeout=self.rank_timeout)
+
+    def update(self, lr_policy: str) -> UpdateRule:
+        """The update rule of the kernel's optimizer step (`lr_policy`: the algorithm's default)."""
+        return UpdateRule(lr_policy=self.lr_policy or lr_policy, nominal_replicas=self.nominal_replicas,
+                          lr_scheduler=self.lr_scheduler, grad_scaler=self.grad_scaler, grad_hook=self.grad_hook,
+                          after_step=self.after_step)
+
+    def engine(self, *, comm_timeout: float | None, secret: bytes | None, span: int = 1,
+               update: UpdateRule | None = None) -> EngineOptions:
+        """The kernel's grouped options: `comm_timeout` and `secret` are the Runtime's (used where
+        these options leave them None); a round every `span` of the loop's steps takes
+        `span` batches; `update` replaces the update rule (DiLoCo's outer step)."""
+        return EngineOptions(
+            batch_per_replica=self.batch_per_replica * span,
+            timeouts=self.timeouts(self.comm_timeout or comm_timeout or COMM_TIMEOUT_S),
+            update=update if update is not None else self.update(LRPolicy.SQRT.value),
+            capacity=Capacity(max_slots=self.max_slots, recent_keep=self.recent_keep,
+                              replay_cap_bytes=self.replay_cap_bytes),
+            plane=DataPlaneOptions(data_plane=self.data_plane, secret=self.secret or secret,
+                                  state_rate_limit=self.state_rate_limit),
+            state=dict(self.state), on_rank_lost=self.on_rank_lost, job=self.job(span),
+            checkpoint=CheckpointOptions.of(self.checkpoint_dir, self.checkpoint_every, self.resume,
+                                            self.checkpoint_keep))
+
+
+__all__ = ["InitialState", "JobOptions", "OnFinished", "Options",
            "Capacity", "CheckpointOptions", "DataPlaneOptions", "EngineOptions",
            "RANK_TIMEOUT_S", "Timeouts", "UpdateRule",
            "exit_replica"]
