@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 
-from .data.cursor import DataCursor
+from .kernel.cursor import DataCursor
 from .algorithms.diloco import DiLoCo, DiLoCoResult
 from .kernel.errors import (InitialStateMismatch, JobConfigError, JobError, JobFinished, MissingStateError, StepTimeout,
                             Stopped)

@@ -122,7 +122,7 @@ def set_mean_grads(params: list[Any], total: Any, count: int) -> None:
 def cursor_mismatches(history: History, upto: int, samples_per_slot: int) -> int:
     """Check the rebuilt ranges against the replicated data cursor run over the same masks (a
     slot takes `samples_per_slot` samples a step: the batch, or H batches for a DiLoCo sync)."""
-    from ..trainer.data.cursor import DataCursor
+    from ..trainer.kernel.cursor import DataCursor
     cur = DataCursor(samples_per_slot)
     bad = 0
     for st in history.steps[:upto]:

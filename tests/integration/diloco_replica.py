@@ -20,7 +20,7 @@ import torch
 
 from p2pft import Runtime
 from p2pft.ops.log import setup_logging
-from p2pft.deploy.job_args import add_job_args, job_kwargs
+from p2pft.trainer.job.cli import add_job_args, job_kwargs
 from p2pft.trainer import DiLoCo, JobError, Stopped
 from p2pft.trainer.examples.signals import StopOnSignal
 

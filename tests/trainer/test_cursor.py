@@ -8,7 +8,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from p2pft.trainer.data.cursor import CursorOverflowError, DataCursor
+from p2pft.trainer.kernel.cursor import CursorOverflowError, DataCursor
 
 
 def _mask(max_slots: int, true_slots: set[int] | list[int]) -> list[bool]:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from p2pft.trainer.kernel.optstep import OptimizerStep
-from p2pft.trainer.state.user import UserState
+from p2pft.trainer.kernel.user_state import UserState
 
 
 def _setup(lr: float | torch.Tensor = 0.1):

@@ -375,7 +375,7 @@ import fakedevice
 from p2pft.transport import CommError, DataServer, fetch_state
 from p2pft.transport.device import written_event
 from p2pft.trainer.kernel.attempt import Entry
-from p2pft.trainer.recovery.recent import RecentSteps
+from p2pft.trainer.kernel.recent import RecentSteps
 
 dev = fakedevice.DEVICE
 recent = RecentSteps(keep=2)

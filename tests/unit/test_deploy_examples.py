@@ -47,7 +47,7 @@ def test_sbatch_flags_exist() -> None:
 def _replica_options() -> set[str]:
     import argparse
 
-    from p2pft.deploy.job_args import add_job_args
+    from p2pft.trainer.job.cli import add_job_args
     from p2pft.deploy.replica_args import add_replica_args
     from p2pft.trainer.examples import replica
     p = argparse.ArgumentParser()

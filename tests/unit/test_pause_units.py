@@ -11,7 +11,7 @@ import pytest
 
 from p2pft.core.step import IDLE_BACKOFF_MAX_S, IDLE_PAUSE_S, idle_backoff
 from p2pft.trainer.recovery.donor import SnapshotRequests
-from p2pft.trainer.recovery.recent import RecentSteps, step_signature
+from p2pft.trainer.kernel.recent import RecentSteps, step_signature
 from p2pft.trainer.kernel.retry import LogLimiter
 from p2pft.transport.stream import StateSnapshot
 

@@ -29,7 +29,8 @@ from ...runtime import Runtime
 from ...transport.base import Communicator
 from ..kernel.algorithm import Round
 from ..kernel.attempt import StepResult
-from ..kernel.engine import StepEngine, data_server_of
+from ..compose import kernel
+from ..kernel.engine import data_server_of
 from ..kernel.group import LocalGroup
 from ..kernel.options import Options, UpdateRule
 from ..kernel.optstep import GradHook, OptimizerStep
@@ -139,7 +140,7 @@ class DiLoCo(Front):
         update = UpdateRule(lr_policy=opts.lr_policy or "none", nominal_replicas=opts.nominal_replicas,
                             grad_hook=outer_grad_hook,
                             lr_scheduler=outer_lr_scheduler(outer) if outer_lr_scheduler is not None else None)
-        self.kernel = StepEngine(glob, outer, self.algorithm, group=LocalGroup(), runtime=runtime,
+        self.kernel = kernel(glob, outer, self.algorithm, group=LocalGroup(), runtime=runtime,
                                  data_server=data_server_of(runtime), state_io=WHOLE_STATE,
                                  options=opts.engine(comm_timeout=runtime.comm_timeout, secret=runtime.secret,
                                                      span=s.span, update=update))

@@ -16,7 +16,8 @@ import torch
 from ...runtime import Runtime
 from ..kernel.algorithm import MeanGradient
 from ..kernel.attempt import StepResult
-from ..kernel.engine import StepEngine, data_server_of
+from ..compose import kernel
+from ..kernel.engine import data_server_of
 from ..kernel.errors import (InitialStateMismatch, JobConfigError, JobError, JobFinished, MissingStateError,
                              StepTimeout, Stopped)
 from ..kernel.group import LocalGroup
@@ -42,7 +43,7 @@ class FaultTolerant(Front):
                  options: Options | None = None, **overrides: Any) -> None:
         opts = Options.of(options, **overrides)   # checked first: one error before anything is served
         buf = StepBuffer([p for p in model.parameters() if p.requires_grad], max_slots=opts.max_slots)
-        self.kernel = StepEngine(model, optimizer, MeanGradient(buf), group=LocalGroup(), runtime=runtime,
+        self.kernel = kernel(model, optimizer, MeanGradient(buf), group=LocalGroup(), runtime=runtime,
                                  data_server=data_server_of(runtime), state_io=WHOLE_STATE,
                                  options=opts.engine(comm_timeout=runtime.comm_timeout, secret=runtime.secret))
 

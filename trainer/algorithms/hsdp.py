@@ -20,7 +20,7 @@ from ...transport import DataServer
 from ...transport.addr import advertised, data_bind_host
 from ..kernel.algorithm import MeanGradient
 from ..kernel.attempt import StepResult
-from ..kernel.engine import StepEngine
+from ..compose import kernel
 from ..kernel.errors import StepTimeout, Stopped
 from ..kernel.group import DistGroup
 from ..kernel.options import Options
@@ -48,7 +48,7 @@ class HSDP(Front):
         opts = Options.of(options, **overrides)
         buf = StepBuffer([p for p in model.parameters() if p.requires_grad], max_slots=opts.max_slots)
         self.ds = data_server
-        self.kernel = StepEngine(
+        self.kernel = kernel(
             model, optimizer, MeanGradient(buf), group=DistGroup(group), runtime=runtime, data_server=data_server,
             state_io=SHARD_STATE, options=opts.engine(comm_timeout=runtime.comm_timeout if runtime else None,
                                                       secret=runtime.secret if runtime else None))

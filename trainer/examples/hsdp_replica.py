@@ -21,7 +21,7 @@ import signal
 import sys
 import time
 
-from p2pft.deploy.job_args import add_job_args, job_kwargs
+from p2pft.trainer.job.cli import add_job_args, job_kwargs
 from p2pft.deploy.replica_args import add_replica_args, require_replica_id
 from p2pft.trainer.examples.signals import StopOnSignal
 

@@ -16,7 +16,7 @@ def main() -> int:
     import sys
     import time
 
-    from p2pft.deploy.job_args import add_job_args, job_kwargs
+    from p2pft.trainer.job.cli import add_job_args, job_kwargs
     from p2pft.ops.log import setup_logging
     from p2pft.trainer.kernel.errors import JobError
 

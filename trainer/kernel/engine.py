@@ -19,7 +19,7 @@ import logging
 import threading
 import time
 from collections import deque
-from typing import Any, Iterator
+from typing import Any, Iterator, Protocol
 
 import torch
 
@@ -38,27 +38,39 @@ from ...transport.device import written_event
 from ...transport.stream import StateSnapshot
 from .algorithm import Algorithm, Round
 from .attempt import Attempt, Entry, Plan, StepResult, Verdict
-from ..recovery.catchup import Catchup
 from .comms import ShardComms
-from ..data.cursor import DataCursor
-from ..recovery.donor import Donor
+from .cursor import DataCursor
 from .group import ReplicaGroup
-from .options import EngineOptions, exit_replica
+from .options import CheckpointOptions, EngineOptions, JobOptions, exit_replica
+from .ports import CatchupControl, CheckpointControl, LifeHooks, PauseControl, Serving
 from .optstep import OptimizerStep
-from ..job.pause import Pauses
-from ..recovery.recent import RecentSteps, fast_forward
+from .recent import RecentSteps, fast_forward
 from .retry import LogLimiter, check_usable, recover
 from .errors import StepTimeout, Stopped
-from ..job.life import JobLife
-from ..state.checkpoints import Checkpoints
 from .state_io import StateIO
 from .stepbuf import StepBuffer
-from ..state.user import UserState
+from .user_state import UserState
 
 log = logging.getLogger(__name__)
 
 WAIT_ROLE_S = 1.0           # one look for a view that puts us on the data plane
 WAIT_SHARDS_S = 0.5
+
+
+class Parts(Protocol):
+    """The kernel's parts that live above it (catch-up, the donor, pauses, the job's life,
+    checkpoints), built by the composition root (``trainer/compose.py``) for the kernel it is
+    given: the kernel imports none of them, only their ports."""
+
+    def catchup(self, kernel: StepEngine, replay_cap_bytes: int, eager: bool) -> CatchupControl: ...
+
+    def serving(self, kernel: StepEngine) -> Serving: ...
+
+    def pause(self, kernel: StepEngine) -> PauseControl: ...
+
+    def life(self, kernel: StepEngine, options: JobOptions) -> LifeHooks: ...
+
+    def checkpoints(self, kernel: StepEngine, options: CheckpointOptions) -> CheckpointControl: ...
 
 
 def data_server_of(runtime: Runtime) -> DataServer:
@@ -73,8 +85,8 @@ class StepEngine:
     how, and how the mean is applied); its options come grouped in one ``EngineOptions``."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, algorithm: Algorithm, *,
-                 group: ReplicaGroup, runtime: Runtime | None, data_server: DataServer, state_io: StateIO,
-                 options: EngineOptions) -> None:
+                 parts: Parts, group: ReplicaGroup, runtime: Runtime | None, data_server: DataServer,
+                 state_io: StateIO, options: EngineOptions) -> None:
         batch_per_replica = options.batch_per_replica
         self.group = group
         self.rank = self.shard = group.rank
@@ -110,7 +122,7 @@ class StepEngine:
         self._synced = True            # see the synced property; written by mark_synced only
         self.events: deque[dict[str, Any]] = deque(maxlen=10_000)
         self.recent = RecentSteps(cap.recent_keep, cap.replay_cap_bytes)  # served to peers that fast-forward
-        self.catchup = Catchup(self, cap.replay_cap_bytes, eager=algorithm.sparse)
+        self.catchup: CatchupControl = parts.catchup(self, cap.replay_cap_bytes, algorithm.sparse)
         # The backend of every communicator, from the data plane asked for (argument, else the
         # runtime's, else $P2PFT_DATA_PLANE) and the step buffer's device: an impossible 'nccl'
         # fails here, before this rank serves state or opens its side channel.
@@ -123,10 +135,10 @@ class StepEngine:
                                 device=dev.index if dev.type == "cuda" else None)
         if algorithm.sparse:   # peers may still be in their span: a new ring waits for them that long
             self.comms.connect_timeout = self.comm_timeout
-        self.serving = Donor(self)     # snapshots, mean gradients and step signatures for peers
+        self.serving: Serving = parts.serving(self)   # snapshots, mean gradients and step signatures for peers
         self.in_step = False           # between begin() and the end of commit(): the loop mutates the state
-        self.pause = Pauses(self)      # ``with engine.pause("eval"):``
-        self.life = JobLife(self, options.job)   # forming, the same start, the end, the leader
+        self.pause: PauseControl = parts.pause(self)   # ``with kernel.pause("eval"):``
+        self.life: LifeHooks = parts.life(self, options.job)   # forming, the same start, the end, the leader
         self._idle_rounds = 0
         self._say = LogLimiter()
         self._stop = threading.Event()
@@ -141,11 +153,12 @@ class StepEngine:
         side = self.comms.listen(host) if self.rank != 0 else (host, 0)
         self._ranks: list[tuple[str, int]] = [(str(h), int(p)) for h, p in group.agree(side)[1:]]
         self._on_rank_lost = options.on_rank_lost
-        if self.life.options.target is not None and self.life.options.target.kind is TargetKind.STEPS:
-            self.catchup.end_step = self.life.options.target.n
+        if options.job.target is not None and options.job.target.kind is TargetKind.STEPS:
+            self.catchup.end_step = options.job.target.n
         # Disk checkpoints (every rank its shard, off the training thread); a replica that
         # finds one resumes from it before it serves or announces anything.
-        self.checkpoints = Checkpoints(self, options.checkpoint) if options.checkpoint is not None else None
+        self.checkpoints: CheckpointControl | None = (parts.checkpoints(self, options.checkpoint)
+                                                      if options.checkpoint is not None else None)
         if self.checkpoints is not None and options.checkpoint is not None and options.checkpoint.resume:
             self.checkpoints.resume()
         self._start_control()   # the state is final: serve it, announce it, follow views

@@ -19,7 +19,7 @@ from ...core.view import JobTarget, TargetKind
 from ...runtime import COMM_TIMEOUT_S
 from .lr import LRPolicy
 from .optstep import GradHook
-from ..state.user import Stateful
+from .user_state import Stateful
 
 RANK_TIMEOUT_S = 10.0       # a rank silent for this long takes its replica down
 

@@ -18,18 +18,45 @@ and the state in snapshots (optimizer, scheduler, scaler, the peak contributor c
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from collections.abc import Callable, Mapping
+from typing import Protocol, SupportsFloat
 
 import torch
 
 from .lr import LRPolicy, lr_scale
+from .user_state import Stateful
 
-GradHook = Callable[[], Any]
+#: a user hook called with no arguments; what it returns is ignored
+GradHook = Callable[[], object]
+
+
+class LRSchedulerLike(Stateful, Protocol):
+    """A learning-rate scheduler (``torch.optim.lr_scheduler.LRScheduler`` or the user's own):
+    stepped once per committed step, and registered as replica state. If it has an
+    ``optimizer`` attribute, that must be the optimizer p2pft steps."""
+
+    def step(self) -> object: ...
+
+
+class GradScalerLike(Stateful, Protocol):
+    """A gradient scaler (``torch.amp.GradScaler``): unscales the averaged gradients and skips a
+    step with inf/nan ones; registered as replica state."""
+
+    def scale(self, outputs: torch.Tensor) -> object: ...
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> object: ...
+
+    def step(self, optimizer: torch.optim.Optimizer) -> object: ...
+
+    def update(self) -> object: ...
+
+    def get_scale(self) -> SupportsFloat: ...
 
 
 class OptimizerStep:
     def __init__(self, optimizer: torch.optim.Optimizer, *, lr_policy: LRPolicy | str = "sqrt",
-                 nominal_replicas: int | None = None, lr_scheduler: Any = None, grad_scaler: Any = None,
+                 nominal_replicas: int | None = None, lr_scheduler: LRSchedulerLike | None = None,
+                 grad_scaler: GradScalerLike | None = None,
                  grad_hook: GradHook | None = None, after_step: GradHook | None = None) -> None:
         if nominal_replicas is not None and (isinstance(nominal_replicas, bool) or not isinstance(nominal_replicas, int)
                                              or nominal_replicas < 1):
@@ -94,10 +121,10 @@ class OptimizerStep:
         if self.after is not None:
             self.after()
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, int]:
         return {"peak": self.peak}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, int]) -> None:
         self.peak = int(state.get("peak", 0))
 
 
@@ -108,7 +135,7 @@ def _grad_device(opt: torch.optim.Optimizer) -> torch.device:
     return torch.device("cpu")
 
 
-def _set_lr(group: dict[str, Any], value: float) -> None:
+def _set_lr(group: dict[str, object], value: float) -> None:
     if not math.isfinite(value) or value < 0:
         raise ValueError(f"learning rate {value!r} is not a finite non-negative number")
     if isinstance(group["lr"], torch.Tensor):
@@ -117,4 +144,4 @@ def _set_lr(group: dict[str, Any], value: float) -> None:
         group["lr"] = value
 
 
-__all__ = ["GradHook", "OptimizerStep"]
+__all__ = ["GradHook", "GradScalerLike", "LRSchedulerLike", "OptimizerStep"]

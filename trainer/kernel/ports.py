@@ -19,8 +19,10 @@ if TYPE_CHECKING:
     from ...runtime import Runtime
     from ...transport import DataServer
     from ...transport.stream import StateSnapshot
-    from .attempt import Entry
-    from ..data.cursor import DataCursor
+    from ...core.view import View
+    from .attempt import Attempt, Entry
+    from .errors import Stopped
+    from .cursor import DataCursor
     from .group import ReplicaGroup
     from .requests import RequestKind, StateRequest
     from .state_io import StateIO
@@ -33,7 +35,10 @@ StateMeta = dict[str, object]
 
 
 class CatchupControl(Protocol):
-    """The catch-up of a replica, as the other parts drive it (``catchup.Catchup``)."""
+    """The catch-up of a replica, as the kernel and the other parts drive it (``catchup.Catchup``)."""
+
+    donor: tuple[str, tuple[str, ...]] | None   # the attempt's choice of a donor
+    end_step: int | None                       # the job's last step, when known
 
     def start(self, why: str, again: bool = False) -> None: ...
 
@@ -43,9 +48,71 @@ class CatchupControl(Protocol):
 
     def settle(self, step: int) -> bool: ...
 
+    def kick(self) -> None: ...
+
+    def ready_step(self) -> int | None: ...
+
+    def on_reduced(self, entry: Entry, all_ready: bool) -> bool: ...
+
+    def on_idle(self, all_ready: bool) -> bool: ...
+
+
+class PauseControl(Protocol):
+    """A replica's pauses (``job.pause.Pauses``): ``with kernel.pause("eval"):``."""
+
+    why: str | None
+
+    def __call__(self, why: str = "pause") -> AbstractContextManager[None]: ...
+
+
+class LifeHooks(Protocol):
+    """The job's life as the kernel calls it (``job.life.JobLife``): the start, the per-step
+    hooks, the end barrier."""
+
+    def start(self) -> None: ...
+
+    @property
+    def done(self) -> bool: ...
+
+    @property
+    def is_leader(self) -> bool: ...
+
+    @property
+    def leader(self) -> str | None: ...
+
+    def finish(self, timeout: float | None = None) -> int: ...
+
+    def before_begin(self) -> None: ...
+
+    def lead_now(self) -> tuple[bool, str | None]: ...
+
+    def on_begin(self, lead: tuple[bool, str | None], finished: int | None) -> None: ...
+
+    def stop_plan(self, view: View | None) -> Attempt | None: ...
+
+    def done_ahead(self, att: Attempt) -> tuple[tuple[int, int], ...]: ...
+
+    def stopped(self, att: Attempt) -> Stopped: ...
+
+    def on_commit(self, lead: bool) -> None: ...
+
+    def after_commit(self) -> None: ...
+
+
+class CheckpointControl(Protocol):
+    """Disk checkpoints (``state.checkpoints.Checkpoints``)."""
+
+    def resume(self) -> int | None: ...
+
+    def after_commit(self) -> None: ...
+
+    def close(self) -> None: ...
+
 
 class Serving(Protocol):
     """What the replica serves its peers (``donor.Donor``)."""
+
+    def provide(self, wire: dict[str, object]) -> StateSnapshot | None: ...
 
     def register(self, kind: RequestKind, provider: Callable[[StateRequest], StateSnapshot | None]) -> None: ...
 
@@ -200,5 +267,6 @@ class LifePort(RecoveryParts, Protocol):
         view (joiners still catching up at the end barrier finish theirs)."""
 
 
-__all__ = ["CatchupControl", "CatchupPort", "CommsState", "DonorPort", "Event", "FastForwardPort", "LifePort",
-           "PausePort", "RecentLog", "RecoveryParts", "ReplicaState", "Serving", "StateMeta"]
+__all__ = ["CatchupControl", "CatchupPort", "CheckpointControl", "CommsState", "DonorPort", "Event",
+           "FastForwardPort", "LifeHooks", "LifePort", "PauseControl", "PausePort", "RecentLog", "RecoveryParts",
+           "ReplicaState", "Serving", "StateMeta"]

@@ -7,7 +7,7 @@ import argparse
 import dataclasses
 from typing import Any
 
-from ..trainer.kernel.options import InitialState, OnFinished, Options
+from ..kernel.options import InitialState, OnFinished, Options
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(Options)}
 

@@ -18,9 +18,9 @@ from ...core.view import shard_addr
 from ...transport import CommError
 from ...transport.device import written_event
 from ...transport.stream import StateSnapshot, fetch_state
-from ..kernel.attempt import Attempt, Entry
-from ..kernel.ports import FastForwardPort
-from ..kernel.requests import StateRequest
+from .attempt import Attempt, Entry
+from .ports import FastForwardPort
+from .requests import StateRequest
 
 log = logging.getLogger(__name__)
 
