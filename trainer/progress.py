@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Any, TextIO
+from collections.abc import Mapping
+from typing import TextIO, cast
 
 from .kernel.attempt import StepResult
 
@@ -67,8 +68,8 @@ class Progress:
             self._say(" | ".join(parts))
             self.t_last, self.step_last = now, res.step
 
-    def event(self, ev: dict[str, Any]) -> None:
-        kind = ev.get("kind", "")
+    def event(self, ev: Mapping[str, object]) -> None:
+        kind = cast(str, ev.get("kind", ""))   # every event names its kind
         if kind == "catchup_done":
             self.catchups += 1
         text = EVENTS.get(kind)

@@ -14,7 +14,7 @@ import operator
 import random
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TypeVar
 
 import torch
 
@@ -53,16 +53,20 @@ _CONJUNCTIONS = ["and", "but", "so", "while", "because"]
 _SUBORDINATE = ["When", "After", "Before", "Because", "While", "Although"]
 
 
-def _zipf(words: Sequence[Any], s: float = 1.1) -> tuple[Sequence[Any], list[float]]:
+W = TypeVar("W")
+
+
+def _zipf(words: Sequence[W], s: float = 1.1) -> tuple[Sequence[W], list[float]]:
     """Words with cumulative Zipf weights, so frequent words dominate as in real text."""
     return words, list(itertools.accumulate(1.0 / (rank + 1) ** s for rank in range(len(words))))
 
 
+# Words, and (singular, plural) pairs: nouns and verbs.
 _W = {
-    "noun": _zipf(_NOUNS), "vi": _zipf(_INTRANSITIVE), "vt": _zipf(_TRANSITIVE), "adj": _zipf(_ADJECTIVES),
-    "adv": _zipf(_ADVERBS), "prep": _zipf(_PREPOSITIONS), "dsg": _zipf(_DET_SINGULAR), "dpl": _zipf(_DET_PLURAL),
-    "name": _zipf(_NAMES), "conj": _zipf(_CONJUNCTIONS), "sub": _zipf(_SUBORDINATE),
+    "adj": _zipf(_ADJECTIVES), "adv": _zipf(_ADVERBS), "prep": _zipf(_PREPOSITIONS), "dsg": _zipf(_DET_SINGULAR),
+    "dpl": _zipf(_DET_PLURAL), "name": _zipf(_NAMES), "conj": _zipf(_CONJUNCTIONS), "sub": _zipf(_SUBORDINATE),
 }
+_PAIRS = {"noun": _zipf(_NOUNS), "vi": _zipf(_INTRANSITIVE), "vt": _zipf(_TRANSITIVE)}
 
 
 class _Grammar:
@@ -71,9 +75,14 @@ class _Grammar:
     def __init__(self, rng: random.Random) -> None:
         self.rng = rng
 
-    def pick(self, kind: str) -> Any:
+    def pick(self, kind: str) -> str:
         words, cum = _W[kind]
         return self.rng.choices(words, cum_weights=cum)[0]
+
+    def pair(self, kind: str) -> tuple[str, str]:
+        """A (singular, plural) pair: a noun, or a verb's 3rd-person singular and plural forms."""
+        pairs, cum = _PAIRS[kind]
+        return self.rng.choices(pairs, cum_weights=cum)[0]
 
     def noun_phrase(self) -> tuple[str, bool]:
         """A noun phrase and whether it is plural."""
@@ -82,7 +91,7 @@ class _Grammar:
             return self.pick("name"), False
         plural = r > 0.6
         det = self.pick("dpl" if plural else "dsg")
-        noun = self.pick("noun")[1 if plural else 0]
+        noun = self.pair("noun")[1 if plural else 0]
         if self.rng.random() < 0.45:
             adj = self.pick("adj")
             if det == "a" and adj[0] in "aeiou":
@@ -92,9 +101,9 @@ class _Grammar:
 
     def verb_phrase(self, plural: bool) -> str:
         if self.rng.random() < 0.5:
-            vp = self.pick("vi")[plural]
+            vp = self.pair("vi")[plural]
         else:
-            vp = f"{self.pick('vt')[plural]} {self.noun_phrase()[0]}"
+            vp = f"{self.pair('vt')[plural]} {self.noun_phrase()[0]}"
         r = self.rng.random()
         if r < 0.3:
             vp = f"{vp} {self.pick('prep')} {self.noun_phrase()[0]}"
@@ -116,7 +125,7 @@ class _Grammar:
             text = f"{self.pick('sub').lower()} {self.clause()}, {self.clause()}."
         else:
             subject, plural = self.noun_phrase()
-            verb = self.pick("vi")[1]
+            verb = self.pair("vi")[1]
             text = f"{'do' if plural else 'does'} {subject} {verb}?"
         return text[0].upper() + text[1:]
 

@@ -23,11 +23,11 @@ import socket
 import struct
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable, Iterable
 
-from ...core.view import Role
+from ...core.view import Role, View
 from ...runtime import Runtime
-from ...transport import DataServer, SharedDevice
+from ...transport import Communicator, DataServer, SharedDevice
 from ...transport.backend import Backend
 
 log = logging.getLogger(__name__)
@@ -54,7 +54,7 @@ class ShardComms:
         # How long a new communicator's first operation waits for its ring neighbours to
         # connect; DiLoCo raises it to comm_timeout (a joiner reaches a sync a span early).
         self.connect_timeout = 5.0
-        self._comms: dict[int, Any] = {}
+        self._comms: dict[int, Communicator] = {}
         self._keys: dict[int, tuple[int, tuple[str, ...]]] = {}   # data epoch -> (rank, peers) it was built for
         self._build = threading.Lock()   # the training thread and the view thread may build the same epoch
         self._superseded_by = -1  # newest data epoch announced: older communicators are dead
@@ -68,7 +68,7 @@ class ShardComms:
         self._refused: SharedDevice | None = None
 
     # ------------------------------------------------------------------ communicators
-    def get(self, d: int, rank: int, peers: list[str]) -> Any:
+    def get(self, d: int, rank: int, peers: list[str]) -> Communicator:
         """The communicator of data epoch `d` (built once; a failed one is replaced)."""
         key = (rank, tuple(peers))
         with self._build:
@@ -99,7 +99,7 @@ class ShardComms:
                 self._keys[d] = key
             return comm
 
-    def prepare(self, view: Any, node: str, world: int) -> None:
+    def prepare(self, view: View, node: str, world: int) -> None:
         """Rank 0, when a view brings a new data epoch: build this shard's NCCL communicator of it
         now, with the rank and peers the engine's attempt will ask for (the same view), so that its
         set-up runs while the training thread still computes. The TCP ring connects lazily and
@@ -108,7 +108,7 @@ class ShardComms:
         if plan is not None:
             self._prepare(*plan)
 
-    def _plan(self, view: Any, node: str, world: int, shard: int) -> tuple[int, int, list[str]] | None:
+    def _plan(self, view: View, node: str, world: int, shard: int) -> tuple[int, int, list[str]] | None:
         """(data epoch, rank, peers) of `shard`'s communicator in `view`, when one is worth
         building ahead: NCCL, and this replica on the data plane with every rank's address."""
         if not self.backend.nccl or self._closed.is_set():
@@ -119,7 +119,7 @@ class ShardComms:
             return None
         return view.data_epoch, view.data_rank(node), view.shard_addrs(shard)
 
-    def _prepare(self, d: int, rank: int, peers: list[str]) -> Any:
+    def _prepare(self, d: int, rank: int, peers: list[str]) -> Communicator | None:
         """The communicator of data epoch `d`, built now; None when it could not be."""
         try:
             return self.get(d, rank, peers)
@@ -127,7 +127,7 @@ class ShardComms:
             log.debug("communicator of data epoch %d not prepared: %r", d, exc)
             return None
 
-    def prepare_frame(self, view: Any, node: str, world: int, shard: int) -> bytes:
+    def prepare_frame(self, view: View, node: str, world: int, shard: int) -> bytes:
         """Rank 0: what tells rank `shard` to build its communicator of `view`'s data epoch ahead
         (it does not see views); empty when there is nothing to prepare."""
         plan = self._plan(view, node, world, shard)
@@ -144,7 +144,7 @@ class ShardComms:
             self._keep_refusal(self._comms.values())
             return self._refused
 
-    def _keep_refusal(self, comms: Any) -> None:
+    def _keep_refusal(self, comms: Iterable[Communicator]) -> None:
         """Under the lock: remember the first SharedDevice refusal among `comms`."""
         if self._refused is None:
             self._refused = next((c.failed for c in comms if isinstance(c.failed, SharedDevice)), None)
@@ -255,7 +255,8 @@ class ShardComms:
                 # slots bound set-ups in progress, not just the calls that start them.
                 bound = time.monotonic() + 2 * self.connect_timeout + self.comm_timeout
                 wait_init = getattr(comm, "wait_init", None)
-                while wait_init is not None and time.monotonic() < bound and not self._closed.is_set():
+                while (comm is not None and wait_init is not None and time.monotonic() < bound
+                       and not self._closed.is_set()):
                     if wait_init(0.05) or comm.failed is not None:
                         break
             finally:

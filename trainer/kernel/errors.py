@@ -7,8 +7,6 @@ that reads the views) can hand the very same error to every rank of the replica.
 """
 from __future__ import annotations
 
-from typing import Any
-
 from ...core.view import JobTarget
 
 #: exit codes of the example replicas and of the README loop (docs/runtime.md lists them)
@@ -54,7 +52,7 @@ class JobFinished(Stopped):
             super().__init__(f"the job finished at step {step}{what} without this replica, which holds step "
                              f"{held}: its weights are not the job's final ones")
 
-    def __reduce__(self) -> tuple[Any, ...]:
+    def __reduce__(self) -> tuple[type[JobFinished], tuple[int, JobTarget | None, int | None]]:
         return (type(self), (self.step, self.target, self.held))
 
 
@@ -71,7 +69,7 @@ class MissingStateError(JobError):
             "refusing to train from step 0; start a replica with its checkpoint, or pass "
             "allow_restart_from_scratch=True (--allow-restart-from-scratch) to train a new model")
 
-    def __reduce__(self) -> tuple[Any, ...]:
+    def __reduce__(self) -> tuple[type[MissingStateError], tuple[int, int]]:
         return (type(self), (self.high_water, self.have_step))
 
 

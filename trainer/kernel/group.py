@@ -6,7 +6,10 @@ collectives on the replica's own ``torch.distributed`` process group.
 """
 from __future__ import annotations
 
-from typing import Any, Protocol, TypeVar, cast
+from typing import TYPE_CHECKING, Protocol, TypeVar, cast
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 T = TypeVar("T")
 
@@ -21,7 +24,7 @@ class ReplicaGroup(Protocol):
     def broadcast(self, obj: T | None) -> T:
         """Rank 0's object on every rank (the others pass None)."""
 
-    def side_group(self) -> Any:
+    def side_group(self) -> ProcessGroup | None:
         """Collective: a new gloo process group of the same ranks, for collectives run on
         another thread (checkpoint writes); None for a replica of one rank."""
 
@@ -38,14 +41,14 @@ class LocalGroup:
     def broadcast(self, obj: T | None) -> T:
         return cast(T, obj)   # rank 0's object, whatever it is (None included)
 
-    def side_group(self) -> Any:
+    def side_group(self) -> ProcessGroup | None:
         return None
 
 
 class DistGroup:
     """The ranks of an FSDP replica, over its torch.distributed process group."""
 
-    def __init__(self, group: Any = None) -> None:
+    def __init__(self, group: ProcessGroup | None = None) -> None:
         import torch.distributed as dist
         self._dist = dist
         self.group = group
@@ -53,16 +56,16 @@ class DistGroup:
         self.world = dist.get_world_size(group)
 
     def agree(self, obj: T) -> list[T]:
-        out: list[Any] = [None] * self.world
+        out: list[object] = [None] * self.world
         self._dist.all_gather_object(out, obj, group=self.group)
-        return out
+        return cast("list[T]", out)   # every rank's `obj`, filled in
 
     def broadcast(self, obj: T | None) -> T:
-        box: list[Any] = [obj]
+        box: list[object] = [obj]
         self._dist.broadcast_object_list(box, src=0, group=self.group)
-        return box[0]
+        return cast(T, box[0])   # rank 0's object, filled in
 
-    def side_group(self) -> Any:
+    def side_group(self) -> ProcessGroup | None:
         ranks = self._dist.get_process_group_ranks(self.group) if self.group is not None else None
         return self._dist.new_group(ranks=ranks, backend="gloo")
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any
 
 
 class RequestKind(str, enum.Enum):
@@ -57,8 +56,8 @@ class StateRequest:
         lead's verdict over every check (``JobLife``)."""
         return cls(RequestKind.CHECKED, shard=0, ok=ok, who=who)
 
-    def to_wire(self) -> dict[str, Any]:
-        d: dict[str, Any] = {"kind": self.kind.value, "shard": self.shard}
+    def to_wire(self) -> dict[str, object]:
+        d: dict[str, object] = {"kind": self.kind.value, "shard": self.shard}
         if self.kind is RequestKind.SNAPSHOT:
             d["min_step"] = self.min_step
         elif self.kind is RequestKind.GRADS:
@@ -72,7 +71,7 @@ class StateRequest:
         return d
 
     @classmethod
-    def from_wire(cls, d: Any) -> "StateRequest":
+    def from_wire(cls, d: object) -> "StateRequest":
         """Raises ValueError (or KeyError/TypeError) on a malformed request."""
         if not isinstance(d, dict):
             raise TypeError(f"a state request is a map, got {type(d).__name__}")
@@ -92,7 +91,7 @@ class StateRequest:
         return cls(kind, shard=shard, digest_only=bool(d.get("digest_only", False)))
 
 
-def _int(v: Any) -> int:
+def _int(v: object) -> int:
     if isinstance(v, bool) or not isinstance(v, int):
         raise TypeError(f"expected an integer, got {v!r}")
     return v

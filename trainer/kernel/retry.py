@@ -13,12 +13,16 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable
 
+from ...core.view import View
 from ...runtime import Runtime
 from ...core.step import FRESH_EPOCH_WAIT_S, NEXT_VIEW_WAIT_S
 from ...transport.backend import DataPlaneError
 from .attempt import Verdict
+
+if TYPE_CHECKING:
+    from .ports import Event
 
 log = logging.getLogger("p2pft.trainer.kernel.engine")
 
@@ -34,7 +38,7 @@ class LogLimiter:
         self._last: dict[str, float] = {}
         self._held: dict[str, int] = {}
 
-    def __call__(self, logger: logging.Logger, level: int, key: str, msg: str, *args: Any) -> bool:
+    def __call__(self, logger: logging.Logger, level: int, key: str, msg: str, *args: object) -> bool:
         """Log `msg % args` unless a line of `key` went out less than `every` seconds ago."""
         now = self.clock()
         last = self._last.get(key)
@@ -66,8 +70,8 @@ def check_usable(verdicts: list[Verdict], rank: int, data_epoch: int) -> None:
     raise err
 
 
-def recover(rt: Runtime, view: Any, bad: list[Verdict], step: int, deadline: float, stopping: Callable[[], bool],
-            loop_timeout: float | None, events: deque[dict[str, Any]], say: LogLimiter) -> None:
+def recover(rt: Runtime, view: View, bad: list[Verdict], step: int, deadline: float, stopping: Callable[[], bool],
+            loop_timeout: float | None, events: deque[Event], say: LogLimiter) -> None:
     """Report the peers the ranks blamed, then wait (bounded by `deadline`) for a newer data
     epoch; if none comes ask for a fresh one."""
     d = view.data_epoch
@@ -80,7 +84,7 @@ def recover(rt: Runtime, view: Any, bad: list[Verdict], step: int, deadline: flo
     say(log, logging.INFO, "failed", "step %d failed on data epoch %d (%s); waiting for the next view", step, d,
         "; ".join(v.error for v in bad)[:300])
 
-    def newer(v: Any) -> bool:
+    def newer(v: View) -> bool:
         return v.data_epoch > d or stopping()
 
     def left(cap: float) -> float:

@@ -6,7 +6,7 @@ an algorithm picks one (``WHOLE_STATE`` in ``ft.py``, ``SHARD_STATE`` in ``hsdp.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -15,9 +15,11 @@ import torch
 class StateIO:
     """How a kind of replica copies its state: whole (one rank) or this rank's shards (FSDP)."""
 
-    capture: Callable[[torch.nn.Module, torch.optim.Optimizer, dict[str, Any]],
-                      tuple[dict[str, Any], dict[str, torch.Tensor]]]
-    restore: Callable[[torch.nn.Module, torch.optim.Optimizer, dict[str, Any], dict[str, torch.Tensor]], None]
+    # (model, optimizer, extra meta) -> (msgpack-able meta, CPU tensors)
+    capture: Callable[[torch.nn.Module, torch.optim.Optimizer, dict[str, object]],
+                      tuple[dict[str, object], dict[str, torch.Tensor]]]
+    # (model, optimizer, a capture's meta as it arrives off the wire, its tensors)
+    restore: Callable[[torch.nn.Module, torch.optim.Optimizer, Mapping[str, object], dict[str, torch.Tensor]], None]
     digest: Callable[[torch.nn.Module, torch.optim.Optimizer], str]
     receive_into: Callable[[torch.nn.Module, torch.optim.Optimizer], dict[str, torch.Tensor]] | None = None
     # The state may be copied on a transport thread while the loop is outside a step. Not for

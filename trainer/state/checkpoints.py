@@ -29,13 +29,17 @@ import time
 import warnings
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, Iterator, Protocol
+from typing import TYPE_CHECKING, Iterator, Protocol, TypedDict, cast
 
 import msgpack
 import torch
 
 from ..kernel.options import CheckpointOptions
-from ..kernel.ports import ReplicaState
+from ..kernel.ports import ReplicaState, StateMeta
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+    from torch.distributed.checkpoint.state_dict import DictValueType, OptimizerStateType
 
 log = logging.getLogger(__name__)
 
@@ -46,10 +50,17 @@ SAVE_WAIT_S = 120.0     # close() waits this long for the write in flight
 class CheckpointPort(ReplicaState, Protocol):
     """What checkpoints read and load: the replica's extras besides model and optimizer."""
 
-    def extras(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    def extras(self) -> tuple[StateMeta, dict[str, torch.Tensor]]:
         """(msgpack-able meta, tensors) of the replicated state that is not model or optimizer."""
 
-    def load_extras(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None: ...
+    def load_extras(self, meta: StateMeta, tensors: dict[str, torch.Tensor]) -> None: ...
+
+
+class _Dist(TypedDict, total=False):
+    """DCP's keywords for where a save or load runs: its own process group, or no group at all."""
+
+    process_group: ProcessGroup
+    no_dist: bool
 
 
 # A replica of one rank saves without a process group on purpose; DCP says so on its writer
@@ -63,12 +74,7 @@ def _checkpoint_exception() -> type[BaseException]:
     return CheckpointException
 
 
-def _dcp() -> Any:
-    import torch.distributed.checkpoint as dcp
-    return dcp
-
-
-def model_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
+def model_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> tuple[DictValueType, OptimizerStateType]:
     from torch.distributed.checkpoint.state_dict import get_state_dict
     with _quiet():
         return get_state_dict(model, opt)
@@ -101,9 +107,9 @@ class Checkpoints:
                 shutil.rmtree(stale, ignore_errors=True)
         group.agree(None)    # the directory exists for every rank from here on
         # Its own group: DCP's collectives run on the writer thread, beside the loop's.
-        self._pg: Any = group.side_group()
+        self._pg: ProcessGroup | None = group.side_group()
 
-    def _dist(self) -> dict[str, Any]:
+    def _dist(self) -> _Dist:
         return {"process_group": self._pg} if self._pg is not None else {"no_dist": True}
 
     def path_for(self, step: int) -> Path:
@@ -133,13 +139,14 @@ class Checkpoints:
         tmp = self.directory / f".step-{step:012d}.tmp"
         t0 = time.monotonic()
         with _quiet():
-            fut = _dcp().async_save(state, checkpoint_id=str(tmp), **self._dist())
+            from torch.distributed.checkpoint import async_save
+            fut = async_save(state, checkpoint_id=str(tmp), **self._dist())
         if not isinstance(fut, Future):     # an AsyncSaveResponse: staging and upload
             fut = fut.upload_completion
         ended = threading.Event()
         self._inflight = ended
 
-        def written(f: Future[Any]) -> None:
+        def written(f: Future[None]) -> None:
             try:
                 self._written(f, step, tmp, t0)
             finally:
@@ -147,7 +154,7 @@ class Checkpoints:
         fut.add_done_callback(written)
         return True
 
-    def _written(self, fut: Future[Any], step: int, tmp: Path, t0: float) -> None:
+    def _written(self, fut: Future[None], step: int, tmp: Path, t0: float) -> None:
         """DCP's writer thread: on rank 0 (the coordinator, whose save ends after every rank's
         data and the metadata are written) the checkpoint gets its final name."""
         err = fut.exception()
@@ -202,23 +209,26 @@ class Checkpoints:
     def _try_load(self, step: int) -> tuple[bool, str]:
         p = self.port
         path = str(self.path_for(step))
-        dcp = _dcp()
+        from torch.distributed.checkpoint import load
         try:
             key = f"rank{p.rank}"
-            head: dict[str, Any] = {"p2pft": {key: {"meta": b""}}}
+            head: dict[str, dict[str, dict[str, bytes]]] = {"p2pft": {key: {"meta": b""}}}
             with _quiet():
-                dcp.load(head, checkpoint_id=path, **self._dist())
-                meta = msgpack.unpackb(head["p2pft"][key]["meta"], raw=False)
+                load(head, checkpoint_id=path, **self._dist())   # in place: DCP fills in the values
+                meta = cast(StateMeta, msgpack.unpackb(head["p2pft"][key]["meta"], raw=False))
                 if meta.get("world") != p.group.world or meta.get("step") != step:
                     return False, f"written by {meta.get('world')} rank(s) at step {meta.get('step')}"
                 _, tensors = p.extras()
                 msd, osd = model_state(p.model, p.opt)
-                state = {"model": msd, "optim": osd,
-                         "p2pft": {key: {"tensors": {k: torch.empty_like(v) for k, v in tensors.items()}}}}
-                dcp.load(state, checkpoint_id=path, **self._dist())
+                state: dict[str, object] = {
+                    "model": msd, "optim": osd,
+                    "p2pft": {key: {"tensors": {k: torch.empty_like(v) for k, v in tensors.items()}}}}
+                load(state, checkpoint_id=path, **self._dist())
                 from torch.distributed.checkpoint.state_dict import set_state_dict
-                set_state_dict(p.model, p.opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-            p.load_extras(meta, state["p2pft"][key]["tensors"])
+                set_state_dict(p.model, p.opt, model_state_dict=cast("DictValueType", state["model"]),
+                               optim_state_dict=cast("OptimizerStateType", state["optim"]))
+            loaded = cast("dict[str, dict[str, dict[str, torch.Tensor]]]", state["p2pft"])
+            p.load_extras(meta, loaded[key]["tensors"])
         except (Exception, _checkpoint_exception()) as exc:  # damaged, foreign, another model: the next older one
             return False, f"{type(exc).__name__}: {str(exc)[:300]}"
         mine = p.digest()

@@ -10,7 +10,8 @@ mean gradients: each rank can restore and replay its own shard independently.
 """
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
+from typing import cast
 
 import torch
 from torch import nn
@@ -23,18 +24,18 @@ _GROUP_SKIP = ("params", "param_names")
 
 
 def capture_shard(model: nn.Module, optimizer: torch.optim.Optimizer,
-                  extra: dict[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+                  extra: dict[str, object]) -> tuple[dict[str, object], dict[str, torch.Tensor]]:
     """CPU copies of this rank's parameter and optimizer shards (call at a step boundary)."""
     tensors: dict[str, torch.Tensor] = {}
     for name, p in model.named_parameters():
         tensors[f"param/{name}"] = _cpu_copy(local(p))
-    groups: list[dict[str, Any]] = []
-    state: dict[str, dict[str, Any]] = {}
+    groups: list[dict[str, object]] = []
+    state: dict[str, dict[str, object]] = {}
     for group, names in zip(optimizer.param_groups, _group_names(model, optimizer)):
         groups.append({k: _plain(v) for k, v in group.items() if k not in _GROUP_SKIP
                        and not isinstance(v, torch.Tensor)})
         for p, name in zip(group["params"], names):
-            plain: dict[str, Any] = {}
+            plain: dict[str, object] = {}
             for key, value in optimizer.state.get(p, {}).items():
                 if isinstance(value, torch.Tensor):
                     tensors[f"optim/{name}/{key}"] = _cpu_copy(local(value))
@@ -42,12 +43,12 @@ def capture_shard(model: nn.Module, optimizer: torch.optim.Optimizer,
                 else:
                     plain[key] = _plain(value)
             state[name] = plain
-    meta = {"format": FORMAT, "groups": groups, "state": state, "extra": extra}
+    meta: dict[str, object] = {"format": FORMAT, "groups": groups, "state": state, "extra": extra}
     _msgpack_check("shard snapshot meta", meta)
     return meta, tensors
 
 
-def restore_shard(model: nn.Module, optimizer: torch.optim.Optimizer, meta: dict[str, Any],
+def restore_shard(model: nn.Module, optimizer: torch.optim.Optimizer, meta: Mapping[str, object],
                   tensors: dict[str, torch.Tensor]) -> None:
     """Load a capture_shard snapshot in place: bitwise equal to the donor's shard afterwards."""
     if meta.get("format") != FORMAT:
@@ -60,12 +61,13 @@ def restore_shard(model: nn.Module, optimizer: torch.optim.Optimizer, meta: dict
     with torch.no_grad():
         for name, p in params.items():
             local(p).copy_(tensors[f"param/{name}"])
-        for group, saved, names in zip(optimizer.param_groups, meta["groups"], _group_names(model, optimizer)):
+        saved_groups = cast("list[dict[str, object]]", meta["groups"])   # as capture_shard wrote them
+        for group, saved, names in zip(optimizer.param_groups, saved_groups, _group_names(model, optimizer)):
             for k, v in saved.items():
                 group[k] = _tuples(v)
             for p, name in zip(group["params"], names):
-                entry: dict[str, Any] = {}
-                for key, kind in meta["state"].get(name, {}).items():
+                entry: dict[str, object] = {}
+                for key, kind in cast("dict[str, dict[str, object]]", meta["state"]).get(name, {}).items():
                     if kind in ("dtensor", "tensor"):
                         src = tensors[f"optim/{name}/{key}"]
                         if kind == "dtensor":

@@ -10,7 +10,8 @@ weights" bitwise.
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Callable
+from collections.abc import Callable, Iterable, Mapping
+from typing import TypedDict, cast
 
 import msgpack
 import torch
@@ -21,6 +22,15 @@ from ...transport.buffers import dtype_name, host_empty
 FORMAT_VERSION = 1
 _GROUP_SKIP = ("params", "param_names")
 
+# The optimizer part of a snapshot's meta: per group its hyperparameters (plain values) and
+# "params" (the parameter names); per parameter name the plain (non-tensor) state values.
+OptimizerMeta = TypedDict("OptimizerMeta", {
+    "class": str,
+    "param_groups": list[dict[str, object]],
+    "state": dict[str, dict[str, object]],
+    "step": int,
+})
+
 
 def _cpu_copy(t: torch.Tensor) -> torch.Tensor:
     """A contiguous CPU copy that later in-place updates of `t` cannot touch."""
@@ -29,14 +39,14 @@ def _cpu_copy(t: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _msgpack_check(what: str, value: Any) -> None:
+def _msgpack_check(what: str, value: object) -> None:
     try:
         msgpack.packb(value, use_bin_type=True)
     except (TypeError, ValueError, OverflowError) as exc:
         raise ValueError(f"{what} is not msgpack-able: {exc}") from None
 
 
-def _plain(value: Any) -> Any:
+def _plain(value: object) -> object:
     """Tuples become lists (as they come back out of msgpack)."""
     if isinstance(value, tuple):
         return [_plain(v) for v in value]
@@ -68,8 +78,8 @@ def _optimizer_step(optimizer: torch.optim.Optimizer) -> int:
 
 
 def capture(
-    model: nn.Module, optimizer: torch.optim.Optimizer | None, extra_meta: dict[str, Any] | None = None
-) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    model: nn.Module, optimizer: torch.optim.Optimizer | None, extra_meta: dict[str, object] | None = None
+) -> tuple[dict[str, object], dict[str, torch.Tensor]]:
     """Copy parameters, buffers and optimizer state to CPU; call it at a step boundary.
 
     Tensor keys: "param/<name>", "buffer/<name>", "optim/<param name>/<state key>",
@@ -87,12 +97,12 @@ def capture(
         tensors[f"param/{name}"] = _cpu_copy(p)
     for name, b in model.named_buffers():
         tensors[f"buffer/{name}"] = _cpu_copy(b)
-    optim_meta: dict[str, Any] | None = None
+    optim_meta: OptimizerMeta | None = None
     if optimizer is not None:
-        groups_meta: list[dict[str, Any]] = []
-        state_meta: dict[str, dict[str, Any]] = {}
+        groups_meta: list[dict[str, object]] = []
+        state_meta: dict[str, dict[str, object]] = {}
         for g, (group, names) in enumerate(zip(optimizer.param_groups, _group_names(model, optimizer))):
-            hyper: dict[str, Any] = {"params": names}
+            hyper: dict[str, object] = {"params": names}
             for key, value in group.items():
                 if key in _GROUP_SKIP:
                     continue
@@ -102,7 +112,7 @@ def capture(
                     hyper[key] = _plain(value)
             groups_meta.append(hyper)
             for p, name in zip(group["params"], names):
-                plain: dict[str, Any] = {}
+                plain: dict[str, object] = {}
                 for key, value in optimizer.state.get(p, {}).items():
                     if isinstance(value, torch.Tensor):
                         tensors[f"optim/{name}/{key}"] = _cpu_copy(value)
@@ -115,7 +125,7 @@ def capture(
             "state": state_meta,
             "step": _optimizer_step(optimizer),
         }
-    meta = {
+    meta: dict[str, object] = {
         "format": FORMAT_VERSION,
         "params": param_names,
         "buffers": buffer_names,
@@ -140,7 +150,7 @@ def _check_same(key: str, src: torch.Tensor, dst: torch.Tensor) -> None:
         )
 
 
-def _tuples(value: Any) -> Any:
+def _tuples(value: object) -> object:
     """Lists back to tuples for hyperparameters (torch keeps e.g. betas as a tuple)."""
     if isinstance(value, list):
         return tuple(_tuples(v) for v in value)
@@ -148,14 +158,15 @@ def _tuples(value: Any) -> Any:
 
 
 def restore(
-    model: nn.Module, optimizer: torch.optim.Optimizer | None, meta: dict[str, Any], tensors: dict[str, torch.Tensor]
+    model: nn.Module, optimizer: torch.optim.Optimizer | None, meta: Mapping[str, object],
+    tensors: dict[str, torch.Tensor]
 ) -> None:
     """Load a `capture` snapshot so that params and optimizer state are bitwise equal to the source."""
     if meta.get("format") != FORMAT_VERSION:
         raise ValueError(f"snapshot format {meta.get('format')!r} is not supported (expected {FORMAT_VERSION})")
     for kind, own in (("params", [n for n, _ in model.named_parameters()]),
                       ("buffers", [n for n, _ in model.named_buffers()])):
-        theirs = list(meta.get(kind, []))
+        theirs = list(cast("Iterable[str]", meta.get(kind, [])))
         if sorted(theirs) != sorted(own):
             missing = sorted(set(own) - set(theirs))
             unexpected = sorted(set(theirs) - set(own))
@@ -179,32 +190,32 @@ def restore(
 
 
 def _optimizer_state_dict(
-    model: nn.Module, optimizer: torch.optim.Optimizer, meta: dict[str, Any], tensors: dict[str, torch.Tensor]
-) -> dict[str, Any]:
+    model: nn.Module, optimizer: torch.optim.Optimizer, meta: Mapping[str, object], tensors: dict[str, torch.Tensor]
+) -> dict[str, object]:
     """Build a positional torch optimizer state_dict for `optimizer` from the name-keyed snapshot."""
-    om = meta.get("optimizer")
+    om = cast("OptimizerMeta | None", meta.get("optimizer"))   # as capture wrote it, read back off the wire
     if om is None:
         raise ValueError("snapshot has no optimizer state but an optimizer was given")
     if om.get("class") != type(optimizer).__name__:
         raise ValueError(f"snapshot optimizer is {om.get('class')!r}, target is {type(optimizer).__name__!r}")
     own_groups = _group_names(model, optimizer)
     saved_groups = om["param_groups"]
-    if [list(g["params"]) for g in saved_groups] != own_groups:
+    if [list(cast("list[str]", g["params"])) for g in saved_groups] != own_groups:
         raise ValueError("optimizer param groups do not list the same parameters in the same order as the snapshot")
     params_by_name = dict(model.named_parameters())
     index: dict[str, int] = {name: i for i, name in enumerate(n for row in own_groups for n in row)}
-    groups: list[dict[str, Any]] = []
+    groups: list[dict[str, object]] = []
     prefix_state = "optim/"
     for g, saved in enumerate(saved_groups):
         group = {k: _tuples(v) for k, v in saved.items() if k != "params"}
         for key, t in tensors.items():
             if key.startswith(f"group/{g}/"):
                 group[key[len(f"group/{g}/"):]] = t.clone()
-        group["params"] = [index[n] for n in saved["params"]]
+        group["params"] = [index[n] for n in cast("list[str]", saved["params"])]
         groups.append(group)
-    state: dict[int, dict[str, Any]] = {}
+    state: dict[int, dict[str, object]] = {}
     for name, plain in om["state"].items():
-        entry: dict[str, Any] = {k: _tuples(v) for k, v in plain.items()}
+        entry: dict[str, object] = {k: _tuples(v) for k, v in plain.items()}
         state[index[name]] = entry
     for key, t in tensors.items():
         if not key.startswith(prefix_state):
@@ -218,12 +229,12 @@ def _optimizer_state_dict(
     return {"state": state, "param_groups": groups}
 
 
-def _hash_tensor(h: Any, label: str, t: torch.Tensor) -> None:
+def _hash_tensor(h: hashlib.blake2b, label: str, t: torch.Tensor) -> None:
     h.update(f"{label}|{t.dtype}|{list(t.shape)}|".encode())
     data = t.detach().reshape(-1).contiguous()
     if data.device.type != "cpu":
         data = data.cpu()
-    h.update(data.view(torch.uint8).numpy())
+    h.update(data.view(torch.uint8).numpy().data)
 
 
 def params_digest(params: dict[str, torch.Tensor]) -> str:
