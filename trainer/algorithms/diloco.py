@@ -1,18 +1,11 @@
 """``DiLoCo``: semi-synchronous training on the step protocol (DiLoCo and Streaming DiLoCo).
 
-A composition: an algorithm (``FragmentMean``: each sync reduces one fragment's pseudo-gradient
-through a codec and applies its mean with the outer optimizer), the step kernel, and the kernel's
-``Spans`` (a round every ``span`` inner steps, beats included). The kernel's model is a copy of
-the user's model holding the *global* weights and its optimizer is the *outer* optimizer; one
-kernel step is one *sync*. Between two syncs every contributing replica runs ``span`` inner
-steps on its own (the user's) model with the user's optimizer; at the sync it packs the
-pseudo-gradient (global minus local) of the sync's fragment as the step's "gradient". The
-engine then does what it does for any step: the contributor count and mask travel in the
-reduced header, a failed allreduce is retried with the saved pseudo-gradient on the next data
-epoch, the mean is applied by the outer optimizer identically on every replica, the cursor
-commits the samples of the contributors' inner steps (the others' become holes), and a
-restarted replica catches up the global weights, the outer optimizer and the cursor from a
-snapshot in the background while taking part in each sync with zeros. See docs/diloco.md.
+A composition: ``FragmentMean`` (each sync reduces one fragment's pseudo-gradient, global minus
+local, through a codec and applies its mean with the outer optimizer), the step kernel, whose
+model is a copy holding the *global* weights and whose optimizer is the *outer* one (a kernel
+step is a *sync*), and the kernel's ``Spans`` (a sync every ``span`` inner steps on the user's
+model and optimizer). The kernel does the rest as for any step: retries with the saved
+pseudo-gradient, exactly-once data, catch-up of a restarted replica. See docs/diloco.md.
 """
 from __future__ import annotations
 
@@ -127,7 +120,7 @@ class DiLoCo(Front):
         codec = Compression.parse(compression)
         if not callable(outer_optimizer):
             raise TypeError("outer_optimizer must be a factory: params -> torch.optim.Optimizer")
-        self.local_model, self.inner_opt = model, inner_optimizer
+        self.inner_opt = inner_optimizer
         self.global_model = glob = copy.deepcopy(model)  # the global weights: what syncs update and snapshots carry
         for p in glob.parameters():
             p.grad = None
@@ -186,18 +179,19 @@ class DiLoCo(Front):
     def commit(self) -> DiLoCoResult:
         """The inner optimizer step; at the end of a span, the sync (its allreduce in the
         background during the last `overlap` inner steps)."""
-        k = self.kernel
+        k, s = self.kernel, self.schedule
         if not self._contributing:
             was_synced = k.synced
             res = self.spans.round()
             self._fresh, self._base = True, k.step
             if k.synced and not was_synced:
                 self._await_promotion()
-            return DiLoCoResult(self.inner_step, k.step, False, self._fragment_of(res), res)
+            frag = s.fragment(res.step - 1) if res.committed and res.step > 0 else None
+            return DiLoCoResult(self.inner_step, k.step, False, frag, res)
         self.inner_step_fn(1)
         self.inner_steps_run += 1
         self._sched_steps += self.inner_scheduler is not None
-        due, s = self.spans.stepped(), self.schedule
+        due = self.spans.stepped()
         if s.overlap and self.spans.k == s.send_at:
             self.spans.send(self.algorithm.load(k.step, self._local))
         if not due:
@@ -210,14 +204,9 @@ class DiLoCo(Front):
         self._base = k.step
         return DiLoCoResult(self.inner_step, k.step, True, frag, res)
 
-    def _fragment_of(self, res: StepResult) -> int | None:
-        """The fragment of the sync a result committed (None when it committed nothing)."""
-        return self.schedule.fragment(res.step - 1) if res.committed and res.step > 0 else None
-
     def _await_promotion(self) -> None:
-        """Just caught up (a hand-over at this sync): the leader makes a ready joiner a
-        participant within a view change, tens of ms. Waiting that long for it, bounded, lets
-        this replica contribute at the next sync instead of sitting out a whole span first."""
+        """Just caught up at this sync: the leader makes a ready joiner a participant within tens
+        of ms; waiting that long lets it contribute at the next sync, not one span later."""
         rt = self.kernel.rt
         if rt is None:
             return
@@ -252,10 +241,6 @@ class DiLoCo(Front):
                     self.inner_scheduler.step()
                     self._sched_steps += 1
         self._fresh = False
-
-    def bytes_reduced(self) -> int:
-        """Payload bytes this replica handed to the ring over all syncs (header excluded)."""
-        return sum(c.payload_bytes for c in self.algorithm.codecs)
 
     def close(self) -> None:
         self.spans.close()

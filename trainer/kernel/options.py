@@ -255,7 +255,10 @@ class Options:
                                                   or self.nominal_replicas < 1):
             raise ValueError(f"nominal_replicas must be a positive int, got {self.nominal_replicas!r}")
         self.job(1)                                          # the job's values and their combinations
-        self.timeouts(self.comm_timeout or COMM_TIMEOUT_S)   # loop_timeout > comm_timeout
+        if self.loop_timeout is not None and not self.loop_timeout > 0:
+            raise ValueError(f"loop_timeout must be positive or None, got {self.loop_timeout!r}")
+        if self.comm_timeout is not None:   # else checked against the Runtime's, in ``engine``
+            self.timeouts(self.comm_timeout)   # loop_timeout > comm_timeout
         CheckpointOptions.of(self.checkpoint_dir, self.checkpoint_every, self.resume, self.checkpoint_keep)
 
     @classmethod
