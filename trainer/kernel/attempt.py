@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
-
 import torch
 
-from ...core.view import JobTarget, shard_addr
+from ...core.view import JobTarget, Role, shard_addr
+from ...transport.device import Event
 from .errors import StepTimeout, Stopped
 
 
@@ -33,7 +32,7 @@ class Attempt:
     addrs: tuple[tuple[str, ...], ...] = ()      # every data member's shard addresses, rank order
     contribute: bool = False
     demote: bool = False                          # our gradients must not count (re-slotted, left out)
-    role: str = "?"
+    role: Role | None = None                      # this replica's role in the attempt's view
     rejoin: bool = False                          # left out after being a participant: catch up
     node: str = ""                                # rank 0's node id
     donor: tuple[str, tuple[str, ...]] | None = None            # catch-up source: node, shard addresses
@@ -74,10 +73,10 @@ class Entry:
     flat: torch.Tensor             # reduced (summed) buffer, as every contributor saw it
     count: int
     mask: list[bool]
-    extra: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, object] = field(default_factory=dict)
     #: device tensors: an event recorded once `flat` was written (``written_event``), so a donor
     #: serving it to a peer that fast-forwards does not wait behind this rank's next collective
-    ready: Any = None
+    ready: Event | None = None
 
     @property
     def nbytes(self) -> int:

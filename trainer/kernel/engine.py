@@ -57,6 +57,11 @@ WAIT_ROLE_S = 1.0           # one look for a view that puts us on the data plane
 WAIT_SHARDS_S = 0.5
 
 
+def _role(att: Attempt) -> str:
+    """The attempt's role as a ``StepResult`` names it ("?" before any view)."""
+    return att.role.value if att.role is not None else "?"
+
+
 class Parts(Protocol):
     """The kernel's parts that live above it (catch-up, the donor, pauses, the job's life,
     checkpoints), built by the composition root (``trainer/compose.py``) for the kernel it is
@@ -370,7 +375,7 @@ class StepEngine:
                 # they reduce no more, so take the steps from their log.
                 ahead = dict(att.done_ahead)
                 n, mine = fast_forward(self, max(ahead.values()), att, ahead, slot)
-                return self._trained(StepResult(self.step, False, 0, retries, att.role, fast_forwarded=n), mine)
+                return self._trained(StepResult(self.step, False, 0, retries, _role(att), fast_forwarded=n), mine)
             if att.rejoin and self.synced:
                 log.warning("left out of view %d after being a participant at step %d: catching up from a "
                             "snapshot before contributing again", att.epoch, self.step)
@@ -515,7 +520,7 @@ class StepEngine:
             return Attempt(Plan.WAIT)
         self._attempt_view = view
         return Attempt(Plan.ALLREDUCE, epoch=d.epoch, data_epoch=d.data_epoch, rank=d.rank, addrs=d.addrs,
-                       contribute=d.contribute, demote=d.demote, role=d.role.value, rejoin=d.rejoin, node=d.node,
+                       contribute=d.contribute, demote=d.demote, role=d.role, rejoin=d.rejoin, node=d.node,
                        donor=d.donor, behind=d.behind, nodes=d.nodes, hold_from=d.hold_from,
                        slot_ranks=d.slot_ranks)
 
@@ -555,7 +560,7 @@ class StepEngine:
 
     def _decide(self, att: Attempt, verdicts: list[Verdict], retries: int, slot: int | None) -> StepResult | None:
         """Identical on every rank: a function of the gathered verdicts and replicated state."""
-        role = att.role
+        role = _role(att)
         bad = [v for v in verdicts if not v.ok]
         if not bad and any((v.steps, v.count, v.held) != (verdicts[0].steps, verdicts[0].count, verdicts[0].held)
                            for v in verdicts):
@@ -609,17 +614,17 @@ class StepEngine:
         back off (bounded rounds per second) and try again until the step timeout."""
         if not self.synced:
             if self.catchup.on_idle(all(v.ready is not None and v.ready == self.step for v in verdicts)):
-                return StepResult(self.step, False, 0, retries, att.role)
+                return StepResult(self.step, False, 0, retries, _role(att))
         elif att.behind:
             log.info("at step %d while the donor holds a later one and nobody contributes: catching up from a "
                      "snapshot", self.step)
             self.catchup.start("behind")
             self.catchup.on_idle(False)
-        if att.role == Role.PARTICIPANT.value:  # promoted since begin(): begin again, with a slot
-            return StepResult(self.step, False, 0, retries, att.role)
+        if att.role is Role.PARTICIPANT:  # promoted since begin(): begin again, with a slot
+            return StepResult(self.step, False, 0, retries, _role(att))
         self._idle_rounds += 1
         self._say(log, logging.INFO, "idle", "step %d: nobody contributes on data epoch %d (%s); waiting up to "
-                  "%.0f s", self.step, att.data_epoch, att.role, max(0.0, self._deadline - time.monotonic()))
+                  "%.0f s", self.step, att.data_epoch, _role(att), max(0.0, self._deadline - time.monotonic()))
         time.sleep(idle_backoff(self._idle_rounds))
         return None
 
