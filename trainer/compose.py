@@ -29,7 +29,7 @@ class ReplicaParts:
     def catchup(self, kernel: StepEngine, replay_cap_bytes: int, eager: bool) -> Catchup:
         return Catchup(kernel, replay_cap_bytes, eager=eager)
 
-    def serving(self, kernel: StepEngine) -> Donor:
+    def donor(self, kernel: StepEngine) -> Donor:
         return Donor(kernel)
 
     def pause(self, kernel: StepEngine) -> Pauses:

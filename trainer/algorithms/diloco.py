@@ -162,7 +162,7 @@ class DiLoCo(Front):
             # Inner steps touch only the local model: the global weights and the outer optimizer
             # (the state a joiner pulls) stay a committed state until the sync, so donors may copy
             # them meanwhile. (A pause still waits for the span's end: ``in_step`` stays set.)
-            self.kernel.serving.idle()
+            self.kernel.donor.idle()
             self._base = self.kernel.step
             was, self._contributing = self._contributing, bool(self.spans.samples)
             if self._contributing and (self._fresh or not was):

@@ -65,7 +65,7 @@ class EndBarrier:
                     raise Stopped("stop requested at the end barrier")
                 if word is EndWord.TIMEOUT:
                     raise StepTimeout(f"the job did not finish within {limit} s of reaching step {p.step}")
-                p.serving.serve_queued()
+                p.donor.serve_queued()
                 if word is EndWord.ROUND:
                     p.idle_round(IDLE_ROUND_TIMEOUT_S)   # the one re-entry into the kernel (module docstring)
         finally:

@@ -46,8 +46,8 @@ class SameStart:
         self.ranks = ranks
         self._held: tuple[StateSnapshot, str] | None = None   # the lead's step-0 state and its digest
         self._checks = InitialChecks()         # the lead's record of the others' digest checks
-        port.serving.register(RequestKind.INITIAL, self._initial_state)
-        port.serving.register(RequestKind.CHECKED, self._checks.report)
+        port.donor.register(RequestKind.INITIAL, self._initial_state)
+        port.donor.register(RequestKind.CHECKED, self._checks.report)
 
     def plan(self) -> InitialPlan:
         """Rank 0: how the state at step 0 is agreed (``initial_fetch``)."""
@@ -112,7 +112,7 @@ class SameStart:
         if self._held is not None and self.options.initial_state is InitialState.CHECK:
             self.ranks.decided(lambda: self._collect_checks(deadline))
 
-    def after_commit(self) -> None:
+    def on_step(self) -> None:
         if self._held is not None and self.port.step > 0:
             self._held = None  # every first participant is past step 0: nobody pulls it any more
 

@@ -137,7 +137,7 @@ class JobLife:
         mine = lead is not None and lead.node == self.rt.node_id and self.port.synced
         return mine, (lead.replica_id if lead is not None else None)
 
-    def on_commit(self, lead: bool) -> None:
+    def note_lead(self, lead: bool) -> None:
         """Every rank, for each step it commits: does this replica lead that step (the lowest
         contributing slot of its committed mask)? One replica per committed step does."""
         self._lead = lead
@@ -188,8 +188,8 @@ class JobLife:
             return JobFinished(att.finished, att.target)
         return Stopped(f"stopped while committing step {self.port.step}")
 
-    def after_commit(self) -> None:
-        self._same_start.after_commit()
+    def on_step(self) -> None:
+        self._same_start.on_step()
 
     # ------------------------------------------------------------------ the end
     def finish(self, timeout: float | None = None) -> int:

@@ -109,7 +109,7 @@ class Pauses:
             raise RuntimeError("pause() between begin() and commit(): pause after a commit, before the next begin")
         e.beat()
         self.why, self._t0 = why, time.monotonic()
-        e.serving.idle()  # requests queued during the last step: answered now
+        e.donor.idle()  # requests queued during the last step: answered now
         if not e.synced:
             e.catchup.stop()  # its state is not a committed one: it catches up again afterwards
         rt: Runtime | None = e.rt
@@ -138,7 +138,7 @@ class Pauses:
         if rt is not None and e.synced and e.step > 0 and not e.stopping:
             ok = last_step_agreed(rt, e.recent.signature(e.step - 1), e.step - 1, e.secret, e.ds.host)
         ok = bool(e.group.broadcast(ok if rt is not None else None))
-        e.serving.idle()  # what waited for the pause to end (FSDP shards are copied only here)
+        e.donor.idle()  # what waited for the pause to end (FSDP shards are copied only here)
         e.rejoined_after_pause()
         seconds = time.monotonic() - self._t0
         if not e.synced:

@@ -42,7 +42,7 @@ from .comms import ShardComms
 from .cursor import DataCursor
 from .group import ReplicaGroup
 from .options import CheckpointOptions, EngineOptions, JobOptions, exit_replica
-from .ports import CatchupControl, CheckpointControl, LifeHooks, PauseControl, Serving
+from .ports import CatchupControl, CheckpointControl, DonorControl, LifeHooks, PauseControl
 from .optstep import OptimizerStep
 from .recent import RecentSteps, fast_forward
 from .retry import LogLimiter, check_usable, recover
@@ -69,7 +69,7 @@ class Parts(Protocol):
 
     def catchup(self, kernel: StepEngine, replay_cap_bytes: int, eager: bool) -> CatchupControl: ...
 
-    def serving(self, kernel: StepEngine) -> Serving: ...
+    def donor(self, kernel: StepEngine) -> DonorControl: ...
 
     def pause(self, kernel: StepEngine) -> PauseControl: ...
 
@@ -140,7 +140,7 @@ class StepEngine:
                                 device=dev.index if dev.type == "cuda" else None)
         if algorithm.sparse:   # peers may still be in their span: a new ring waits for them that long
             self.comms.connect_timeout = self.comm_timeout
-        self.serving: Serving = parts.serving(self)   # snapshots, mean gradients and step signatures for peers
+        self.donor: DonorControl = parts.donor(self)   # snapshots, mean gradients and step signatures for peers
         self.in_step = False           # between begin() and the end of commit(): the loop mutates the state
         self.pause: PauseControl = parts.pause(self)   # ``with kernel.pause("eval"):``
         self.life: LifeHooks = parts.life(self, options.job)   # forming, the same start, the end, the leader
@@ -153,7 +153,7 @@ class StepEngine:
         self._plan_memory = PlanMemory()   # rank 0: what one look at the views leaves for the next
         self._attempt_view: Any = None
         self._deadline = 0.0
-        data_server.serve_state(self.serving.provide)
+        data_server.serve_state(self.donor.provide)
         host = parse_hostport(data_server.addr, "data address").host
         side = self.comms.listen(host) if self.rank != 0 else (host, 0)
         self._ranks: list[tuple[str, int]] = [(str(h), int(p)) for h, p in group.agree(side)[1:]]
@@ -208,7 +208,7 @@ class StepEngine:
     def _start_control(self) -> None:
         """Every rank, once the replica's state is final (after a resume): donors may copy it from
         now on. Rank 0 also announces it and follows views."""
-        self.serving.idle()
+        self.donor.idle()
         if self.rt is None:
             return
         self.rt.set_status(Status.FRESH, self.step)  # 'ready' once it commits, or catches up
@@ -292,7 +292,7 @@ class StepEngine:
         if any(g[0] for g in got):
             raise Stopped("stop requested")
         self.life.on_begin(got[0][2], got[0][3])
-        self.serving.busy()  # from here on forward passes and the update mutate the state
+        self.donor.busy()  # from here on forward passes and the update mutate the state
         self.in_step = True
         self._slot = got[0][1]
         if self._slot is None:
@@ -342,13 +342,13 @@ class StepEngine:
         """Collective. Allreduce this rank's shard, agree in-replica, retry across views, apply:
         the round's commit (every step for ``FaultTolerant`` and ``HSDP``, every sync for
         ``DiLoCo`` and local SGD)."""
-        self.serving.busy()
+        self.donor.busy()
         self.in_step = True
         try:
             return self._attempts()
         finally:
             self.in_step = False
-            self.serving.idle()
+            self.donor.idle()
 
     def _attempts(self) -> StepResult:
         slot = self._slot
@@ -439,11 +439,11 @@ class StepEngine:
     def state_mutation(self) -> Iterator[None]:
         """Around a change of the replica's state outside a step (e.g. loading a state before
         step 0): no donor copies it half-changed."""
-        self.serving.busy()
+        self.donor.busy()
         try:
             yield
         finally:
-            self.serving.idle()
+            self.donor.idle()
 
     def load_state(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
         """Load a ``capture_state`` snapshot (a donor's, or the lead's initial state)."""
@@ -585,8 +585,8 @@ class StepEngine:
         ranks = {s: r for s, r in att.slot_ranks if s < len(mask) and mask[s]}
         if d.action is Action.LOG:
             if self.catchup.on_reduced(entry, all(v.ready == d.step for v in verdicts)):
-                self.life.on_commit(False)
-                self.after_commit()
+                self.life.note_lead(False)
+                self.committed()
                 return StepResult(self.step, True, entry.count, retries, role, slot_ranks=ranks, data_rank=rank,
                                   data_world=world)
             return StepResult(self.step, False, entry.count, retries, role, data_rank=rank, data_world=world)
@@ -602,9 +602,9 @@ class StepEngine:
             mine = entry
         # The leader of a committed step is its lowest contributing slot: every replica that
         # committed it read the same mask, so exactly one of them leads it.
-        self.life.on_commit(leads_step(mask, slot))
+        self.life.note_lead(leads_step(mask, slot))
         self.apply(entry)
-        self.after_commit()
+        self.committed()
         return self._trained(StepResult(self.step, True, entry.count, retries, role, fast_forwarded=n,
                                         slot_ranks=ranks, data_rank=rank, data_world=world), mine)
 
@@ -649,19 +649,19 @@ class StepEngine:
         self.step += 1
         self.recent.append(e)
 
-    def after_commit(self) -> None:
+    def committed(self) -> None:
         """After every committed step (a live one, a fast-forward, a hand-over): publish it,
         then the parts that act on commits (the job's life, checkpoints)."""
-        self.life.after_commit()
+        self.life.on_step()
         if self.checkpoints is not None:
-            self.checkpoints.after_commit()
+            self.checkpoints.on_step()
         if self.rt is not None:
             self.rt.publish_step(self.step)
             if self.rt.status is Status.FRESH:  # it committed with the others: it holds their state
                 self.rt.set_status(Status.READY, self.step)
         else:
             set_context(step=self.step)
-        self.serving.serve_queued()
+        self.donor.serve_queued()
 
     def restore_snapshot(self, snap: StateSnapshot) -> None:
         """Catch-up worker: load a donor's snapshot (the training thread does not touch the

@@ -94,9 +94,11 @@ class LifeHooks(Protocol):
 
     def stopped(self, att: Attempt) -> Stopped: ...
 
-    def on_commit(self, lead: bool) -> None: ...
+    def note_lead(self, lead: bool) -> None:
+        """The step just committed is led by this replica (or not)."""
 
-    def after_commit(self) -> None: ...
+    def on_step(self) -> None:
+        """After every committed step (a live one, a fast-forward, a hand-over)."""
 
 
 class CheckpointControl(Protocol):
@@ -104,12 +106,12 @@ class CheckpointControl(Protocol):
 
     def resume(self) -> int | None: ...
 
-    def after_commit(self) -> None: ...
+    def on_step(self) -> None: ...
 
     def close(self) -> None: ...
 
 
-class Serving(Protocol):
+class DonorControl(Protocol):
     """What the replica serves its peers (``donor.Donor``)."""
 
     def provide(self, wire: dict[str, object]) -> StateSnapshot | None: ...
@@ -217,7 +219,7 @@ class RecoveryParts(ReplicaState, Protocol):
     def catchup(self) -> CatchupControl: ...
 
     @property
-    def serving(self) -> Serving: ...
+    def donor(self) -> DonorControl: ...
 
     @property
     def recent(self) -> RecentLog: ...
@@ -244,7 +246,7 @@ class FastForwardPort(RecoveryParts, Protocol):
 
     def apply(self, e: Entry) -> None: ...
 
-    def after_commit(self) -> None: ...
+    def committed(self) -> None: ...
 
 
 class PausePort(RecoveryParts, Protocol):
@@ -269,4 +271,4 @@ class LifePort(RecoveryParts, Protocol):
 
 __all__ = ["CatchupControl", "CatchupPort", "CheckpointControl", "CommsState", "DonorPort", "Event",
            "FastForwardPort", "LifeHooks", "LifePort", "PauseControl", "PausePort", "RecentLog", "RecoveryParts",
-           "ReplicaState", "Serving", "StateMeta"]
+           "ReplicaState", "DonorControl", "StateMeta"]

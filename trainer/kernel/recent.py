@@ -176,7 +176,7 @@ def fast_forward(e: FastForwardPort, target: int, att: Attempt, held: dict[int, 
         e.apply(entry)
     e.events.append({"t": time.time(), "kind": "fast_forward", "from": want_from, "to": e.step})
     log.info("fast-forwarded %d step(s) to %d from %s", len(entries), e.step, donor)
-    e.after_commit()
+    e.committed()
     return len(entries), ours
 
 

@@ -116,7 +116,7 @@ class Checkpoints:
         return self.directory / f"step-{step:012d}"
 
     # ------------------------------------------------------------------ writing
-    def after_commit(self) -> None:
+    def on_step(self) -> None:
         every = self.options.every
         if every and self.port.step % every == 0:
             self.save()
