@@ -2,7 +2,7 @@
 step 0 is agreed, whether it leads a committed step, and what each look at the end barrier
 means. Pure functions of a view and the trainer's own facts: no clock, no I/O.
 
-``p2pft/core/job.py`` is the leader's half (what the next view says of the job); this is the
+``p2pft/core/jobplan.py`` is the leader's half (what the next view says of the job); this is the
 trainer's half. The trainer (``trainer/job/life.py``) and the simulator's trainers
 (``p2pft/sim/job.py``) call the same functions, so the simulator's job-level invariants check
 the decisions production makes.

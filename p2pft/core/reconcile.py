@@ -13,7 +13,7 @@ from typing import Any
 
 from .config import Profile
 from .gossip.swim import Gossip, GossipMember
-from .job import HOLDS_STATE, RESUME_GRACE_S, JobPlanner, Trainer
+from .jobplan import HOLDS_STATE, RESUME_GRACE_S, JobPlanner, Trainer
 from .messages import ALIVE, SUSPECT
 from .meta import Kind, Status
 from .raft import Raft

@@ -34,7 +34,7 @@ from typing import Callable
 
 import pytest
 
-from p2pft.core import job as planner_mod
+from p2pft.core import jobplan as planner_mod
 from p2pft.core import reconcile as reconcile_mod
 from p2pft.core.meta import Status
 from p2pft.core.node import TRAINER_KIND, WITNESS_KIND
@@ -229,7 +229,7 @@ def test_job_invariants_hold_over_seeded_schedules(chunk: int) -> None:
 
 def _old_finished(self: planner_mod.JobPlanner, cur: View, trainers: list[planner_mod.Trainer],
                   now: float) -> int | None:
-    """``JobPlanner._finished`` before paused members counted (p2pft/core/job.py at 891486c)."""
+    """``JobPlanner._finished`` before paused members counted (p2pft/core/job.py at 891486c, now jobplan.py)."""
     by_node = {t.node: t for t in trainers}
     parts = [by_node[m.node] for m in cur.participants if m.node in by_node]
     ends = {t.step for t in parts if t.status is Status.DONE}
@@ -295,7 +295,7 @@ def test_a_pause_across_the_end_returns_the_final_state(seed: int) -> None:
 
 
 def test_old_end_barrier_without_paused_members_fails_the_pause_schedule(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The end barrier before paused members counted (p2pft/core/job.py at 891486c): the job
+    """The end barrier before paused members counted (p2pft/core/job.py at 891486c, now jobplan.py): the job
     finished while one was paused, and it left without the job's final weights."""
     monkeypatch.setattr(planner_mod.JobPlanner, "_finished", _old_finished)
     with pytest.raises(InvariantViolation, match="was in the job when it finished"):

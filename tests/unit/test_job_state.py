@@ -1,5 +1,5 @@
 """The job's state where it is pure: its wire form (views, deltas, member metadata), and the
-leader's decisions (p2pft/core/job.py) on the target, the end barrier and a headless resume."""
+leader's decisions (p2pft/core/jobplan.py) on the target, the end barrier and a headless resume."""
 from __future__ import annotations
 
 from collections import Counter
@@ -9,7 +9,7 @@ import msgpack
 import pytest
 
 from p2pft.core import codec
-from p2pft.core.job import FINISH_GRACE_S, RESUME_GRACE_S, JobPlanner, Trainer
+from p2pft.core.jobplan import FINISH_GRACE_S, RESUME_GRACE_S, JobPlanner, Trainer
 from p2pft.core.messages import ViewDelta, ViewFull
 from p2pft.core.meta import Kind, MemberMeta, Status
 from p2pft.core.reconcile import canonical
