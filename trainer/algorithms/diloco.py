@@ -13,7 +13,7 @@ import copy
 import logging
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 
@@ -26,7 +26,7 @@ from ..compose import kernel
 from ..kernel.engine import data_server_of
 from ..kernel.group import LocalGroup
 from ..kernel.options import Options, UpdateRule
-from ..kernel.optstep import GradHook, OptimizerStep
+from ..kernel.optstep import GradHook, LRSchedulerLike, OptimizerStep
 from ..kernel.span import Spans
 from ..kernel.stepbuf import StepBuffer
 from ..state.layouts import WHOLE_STATE
@@ -113,8 +113,8 @@ class DiLoCo(Front):
     def __init__(self, runtime: Runtime, model: torch.nn.Module, inner_optimizer: torch.optim.Optimizer,
                  options: Options | None = None, *, sync_every: int, outer_optimizer: OuterFactory = outer_sgd,
                  fragments: int = 1, overlap: int = 0, alpha: float = 0.0, compression: str = "none",
-                 outer_lr_scheduler: Callable[[Any], Any] | None = None, outer_grad_hook: GradHook | None = None,
-                 **overrides: Any) -> None:
+                 outer_lr_scheduler: Callable[[torch.optim.Optimizer], LRSchedulerLike] | None = None,
+                 outer_grad_hook: GradHook | None = None, **overrides: object) -> None:
         opts = Options.of(options, **overrides)
         self.schedule = s = FragmentSchedule(sync_every, fragments, overlap, alpha)
         codec = Compression.parse(compression)

@@ -9,8 +9,6 @@ retries with the saved local gradients: no recomputation, no restart. It is the 
 from __future__ import annotations
 
 import logging
-from typing import Any
-
 import torch
 
 from ...runtime import Runtime
@@ -40,7 +38,7 @@ class FaultTolerant(Front):
     kernel's (``start()``, ``done``, ``finish()``, ``is_leader``, ``pause()``)."""
 
     def __init__(self, runtime: Runtime, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 options: Options | None = None, **overrides: Any) -> None:
+                 options: Options | None = None, **overrides: object) -> None:
         opts = Options.of(options, **overrides)   # checked first: one error before anything is served
         buf = StepBuffer([p for p in model.parameters() if p.requires_grad], max_slots=opts.max_slots)
         self.kernel = kernel(model, optimizer, MeanGradient(buf), group=LocalGroup(), runtime=runtime,

@@ -10,10 +10,11 @@ behind catches up shard by shard.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
 
 from ...runtime import Runtime
 from ...transport import DataServer
@@ -30,8 +31,10 @@ from .front import Front
 
 __all__ = ["HSDP", "StepResult", "StepTimeout", "Stopped", "agree"]
 
+T = TypeVar("T")
 
-def agree(obj: Any, group: Any = None) -> list[Any]:
+
+def agree(obj: T, group: ProcessGroup | None = None) -> list[T]:
     """All-gather one small picklable object per rank of the replica (in rank order)."""
     return DistGroup(group).agree(obj)
 
@@ -43,8 +46,8 @@ class HSDP(Front):
     process group (None: the default one)."""
 
     def __init__(self, runtime: Runtime | None, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 options: Options | None = None, *, data_server: DataServer, group: Any = None,
-                 **overrides: Any) -> None:
+                 options: Options | None = None, *, data_server: DataServer,
+                 group: ProcessGroup | None = None, **overrides: object) -> None:
         opts = Options.of(options, **overrides)
         buf = StepBuffer([p for p in model.parameters() if p.requires_grad], max_slots=opts.max_slots)
         self.ds = data_server
@@ -56,8 +59,8 @@ class HSDP(Front):
     @classmethod
     def launch(cls, model: torch.nn.Module, optimizer: torch.optim.Optimizer, options: Options | None = None, *,
                replica_id: str, listen: str, seeds: list[str], secret: bytes | None = None,
-               data_host: str | None = None, runtime_kw: dict[str, Any] | None = None, group: Any = None,
-               **overrides: Any) -> "HSDP":
+               data_host: str | None = None, runtime_kw: dict[str, Any] | None = None,
+               group: ProcessGroup | None = None, **overrides: object) -> "HSDP":
         """Collective over the replica: every rank opens its data server and reports the address
         to rank 0, which starts the Runtime announcing all of them (one per shard). The data
         ports bind the host of `listen` unless `data_host` says otherwise."""

@@ -23,9 +23,10 @@ from __future__ import annotations
 
 import enum
 import math
-from typing import Any
 
 import torch
+
+from ...transport.base import Communicator
 
 INT8_BLOCK = 256
 _NORM_P = 8
@@ -126,7 +127,7 @@ class PseudoGradCodec:
         per_value = {Compression.NONE: 4.0, Compression.BF16: 2.0, Compression.INT8: 1.0}[self.kind]
         return int(math.ceil(self.n * per_value))
 
-    def reduce(self, comm: Any, flat: torch.Tensor, *, contribute: bool, timeout: float, world: int,
+    def reduce(self, comm: Communicator, flat: torch.Tensor, *, contribute: bool, timeout: float, world: int,
                header: bool | None = None) -> None:
         """Sum `flat` over the ring in place; the header part always exactly. `contribute`: this
         rank's payload counts; `header` (default: the same): its header goes into the sum (a

@@ -47,7 +47,7 @@ class LocalSGD(Front):
     takes the local optimizer step and, every ``sync_every`` of them, averages the weights."""
 
     def __init__(self, runtime: Runtime, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 options: Options | None = None, *, sync_every: int, **overrides: Any) -> None:
+                 options: Options | None = None, *, sync_every: int, **overrides: object) -> None:
         opts = Options.of(options, **overrides)   # total_steps counts local steps: a multiple of sync_every
         self.local_opt = optimizer
         self.weights = StepBuffer([p for p in model.parameters() if p.requires_grad], max_slots=opts.max_slots)

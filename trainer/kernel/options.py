@@ -18,7 +18,7 @@ from typing import Any, Callable, Mapping
 from ...core.view import JobTarget, TargetKind
 from ...runtime import COMM_TIMEOUT_S
 from .lr import LRPolicy
-from .optstep import GradHook
+from .optstep import GradHook, GradScalerLike, LRSchedulerLike
 from .user_state import Stateful
 
 RANK_TIMEOUT_S = 10.0       # a rank silent for this long takes its replica down
@@ -112,8 +112,8 @@ class UpdateRule:
 
     lr_policy: str = "sqrt"
     nominal_replicas: int | None = None
-    lr_scheduler: Any = None
-    grad_scaler: Any = None
+    lr_scheduler: LRSchedulerLike | None = None
+    grad_scaler: GradScalerLike | None = None
     grad_hook: GradHook | None = None
     after_step: GradHook | None = None
 
@@ -218,8 +218,8 @@ class Options:
     # the update rule: what one optimizer step does with the mean (a replay runs the same)
     lr_policy: str | None = None
     nominal_replicas: int | None = None
-    lr_scheduler: Any = None
-    grad_scaler: Any = None
+    lr_scheduler: LRSchedulerLike | None = None
+    grad_scaler: GradScalerLike | None = None
     grad_hook: GradHook | None = None
     after_step: GradHook | None = None
     state: Mapping[str, Stateful] = field(default_factory=dict)

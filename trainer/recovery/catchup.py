@@ -17,7 +17,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any
 
 
 from ...core.meta import Status
@@ -306,7 +305,7 @@ class Catchup:
         snap.meta["_fetch_s"] = time.monotonic() - t0
         return snap
 
-    def held_bytes(self) -> dict[str, Any]:
+    def held_bytes(self) -> dict[str, int]:
         with self.lock:
             return {"entries": len(self.log), "bytes": self.log.nbytes}
 
