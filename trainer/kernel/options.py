@@ -59,10 +59,25 @@ class JobOptions:
     initial_state: InitialState = InitialState.BROADCAST
     finish_timeout: float = 300.0
 
+    def __post_init__(self) -> None:
+        """Checked however built (ValueError names the bad one)."""
+        mr = self.min_replicas
+        if isinstance(mr, bool) or not isinstance(mr, int) or mr < 1:
+            raise ValueError(f"min_replicas must be a positive int, got {mr!r}")
+        for name in ("start_timeout", "resume_grace", "finish_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
+        try:
+            object.__setattr__(self, "on_finished", OnFinished(self.on_finished))
+            object.__setattr__(self, "initial_state", InitialState(self.initial_state))
+        except ValueError as exc:
+            raise ValueError(f"{exc}: on_finished is one of {[o.value for o in OnFinished]}, initial_state one "
+                             f"of {[o.value for o in InitialState]}") from None
+
     @classmethod
     def make(cls, *, total_steps: int | None = None, total_samples: int | None = None,
              **kw: Any) -> JobOptions:
-        """Checked options (ValueError names the bad one)."""
+        """The options with the job's target from `total_steps` or `total_samples`."""
         if total_steps is not None and total_samples is not None:
             raise ValueError("declare total_steps or total_samples, not both")
         target = None
@@ -72,18 +87,6 @@ class JobOptions:
                 if isinstance(n, bool) or not isinstance(n, int) or n < 1:
                     raise ValueError(f"{name} must be a positive int, got {n!r}")
                 target = JobTarget(kind, n)
-        mr = kw.get("min_replicas", 1)
-        if isinstance(mr, bool) or not isinstance(mr, int) or mr < 1:
-            raise ValueError(f"min_replicas must be a positive int, got {mr!r}")
-        for name in ("start_timeout", "resume_grace", "finish_timeout"):
-            if name in kw and not kw[name] > 0:
-                raise ValueError(f"{name} must be positive, got {kw[name]!r}")
-        try:
-            kw["on_finished"] = OnFinished(kw.get("on_finished", OnFinished.EXIT))
-            kw["initial_state"] = InitialState(kw.get("initial_state", InitialState.BROADCAST))
-        except ValueError as exc:
-            raise ValueError(f"{exc}: on_finished is one of {[o.value for o in OnFinished]}, initial_state one "
-                             f"of {[o.value for o in InitialState]}") from None
         return cls(target=target, **kw)
 
 
