@@ -1,5 +1,5 @@
-"""What each step trains on: the replicated data cursor, ``StepLoader``, token files, and the
-generated training text of tests and examples.
+"""What each step trains on: ``StepLoader`` over the kernel's replicated data cursor, token files,
+and the generated training text of tests and examples.
 
 ``p2pft.trainer.data`` itself is the generated text's public path (``TextDataset``,
 ``ByteTokenizer``, ``generate_corpus``), re-exported here from ``text.py``.

@@ -1,7 +1,11 @@
-"""``StepEngine``: the step protocol for one rank of a replica, whatever its number of ranks.
+"""``StepEngine``, the step kernel: the step protocol for one rank of a replica, whatever its
+number of ranks, driving an ``Algorithm`` (``algorithm.py``).
 
-``FaultTolerant`` (a replica of one rank) and ``HSDP`` (an FSDP replica of many) are this
-engine with a different ``ReplicaGroup`` and state layout. Per attempt (docs/architecture.md):
+Every algorithm is a composition over it: ``FaultTolerant`` (a replica of one rank) and ``HSDP``
+(an FSDP replica of many) differ in their ``ReplicaGroup`` and state layout, ``DiLoCo`` and local
+SGD in their algorithm and a ``Spans`` front. Its parts above it (catch-up, the donor, pauses,
+the job's life, checkpoints) come from the composition root (``trainer/compose.py``) and are
+called through ports. Per attempt (docs/architecture.md):
 
 1. rank 0 turns the current view into an ``Attempt`` and broadcasts it in-replica;
 2. every rank allreduces its shard of the step buffer on ``(data epoch, shard = its rank)``;
@@ -42,7 +46,8 @@ from .comms import ShardComms
 from .cursor import DataCursor
 from .group import ReplicaGroup
 from .options import CheckpointOptions, EngineOptions, JobOptions, exit_replica
-from .ports import CatchupControl, CheckpointControl, DonorControl, LifeHooks, PauseControl
+from .ports import (CatchupControl, CheckpointControl, CommFactory, DataServerPort, DonorControl, LifeHooks,
+                    PauseControl, RuntimePort)
 from .optstep import OptimizerStep
 from .recent import RecentSteps, fast_forward
 from .retry import LogLimiter, check_usable, recover
@@ -90,8 +95,8 @@ class StepEngine:
     how, and how the mean is applied); its options come grouped in one ``EngineOptions``."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, algorithm: Algorithm, *,
-                 parts: Parts, group: ReplicaGroup, runtime: Runtime | None, data_server: DataServer,
-                 state_io: StateIO, options: EngineOptions) -> None:
+                 parts: Parts, group: ReplicaGroup, runtime: RuntimePort | None, data_server: DataServerPort,
+                 state_io: StateIO, options: EngineOptions, comm_factory: CommFactory | None = None) -> None:
         batch_per_replica = options.batch_per_replica
         self.group = group
         self.rank = self.shard = group.rank
@@ -137,7 +142,7 @@ class StepEngine:
         dev = self.buf.flat.device
         self.backend = choose_backend(plane, dev.type)
         self.comms = ShardComms(data_server, self.shard, self.comm_timeout, backend=self.backend,
-                                device=dev.index if dev.type == "cuda" else None)
+                                device=dev.index if dev.type == "cuda" else None, factory=comm_factory)
         if algorithm.sparse:   # peers may still be in their span: a new ring waits for them that long
             self.comms.connect_timeout = self.comm_timeout
         self.donor: DonorControl = parts.donor(self)   # snapshots, mean gradients and step signatures for peers
@@ -486,7 +491,7 @@ class StepEngine:
                 return dataclasses.replace(att, done_ahead=ahead)
         return att
 
-    def _view_plan(self, rt: Runtime, slot: int | None) -> Attempt:
+    def _view_plan(self, rt: RuntimePort, slot: int | None) -> Attempt:
         """Rank 0: the attempt the current view allows (the job's life aside). The decision is
         ``p2pft.core.viewplan.plan_view`` (the simulator's trainers take the same); the clock,
         the beat and the waits for a view stay here."""

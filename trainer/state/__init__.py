@@ -1,2 +1,2 @@
-"""The replica's state: whole-model and shard-local snapshots, restore and digests, the objects a
-user registers, and disk checkpoints."""
+"""The replica's state: whole-model and shard-local snapshots, restore and digests (the two
+layouts: ``layouts.py``), and disk checkpoints."""
