@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import torch
 
-from ..runtime import Runtime
-from ..transport import DataServer
 from .job.life import JobLife
 from .job.pause import Pauses
 from .kernel.algorithm import Algorithm
 from .kernel.engine import StepEngine
 from .kernel.group import ReplicaGroup
 from .kernel.options import CheckpointOptions, EngineOptions, JobOptions
+from .kernel.ports import CommFactory, DataServerPort, RuntimePort
 from .kernel.state_io import StateIO
 from .recovery.catchup import Catchup
 from .recovery.donor import Donor
@@ -43,12 +42,15 @@ class ReplicaParts:
 
 
 def kernel(model: torch.nn.Module, optimizer: torch.optim.Optimizer, algorithm: Algorithm, *,
-           group: ReplicaGroup, runtime: Runtime | None, data_server: DataServer, state_io: StateIO,
-           options: EngineOptions) -> StepEngine:
+           group: ReplicaGroup, runtime: RuntimePort | None, data_server: DataServerPort, state_io: StateIO,
+           options: EngineOptions, comm_factory: CommFactory | None = None) -> StepEngine:
     """A step kernel driving `algorithm` over `model` and `optimizer`, with every part wired: it
-    resumes from a checkpoint when one is found, then serves its state and follows views."""
+    resumes from a checkpoint when one is found, then serves its state and follows views.
+    `runtime` and `data_server` are the ports the kernel reads (the algorithms hand it the
+    ``Runtime`` and ``DataServer``); `comm_factory` builds its communicators instead of
+    ``data_server.communicator`` (a test's in-memory ones)."""
     return StepEngine(model, optimizer, algorithm, parts=ReplicaParts(), group=group, runtime=runtime,
-                      data_server=data_server, state_io=state_io, options=options)
+                      data_server=data_server, state_io=state_io, options=options, comm_factory=comm_factory)
 
 
 __all__ = ["ReplicaParts", "kernel"]

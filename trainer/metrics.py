@@ -17,8 +17,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from ..ops.metrics import ROLES, DataCollector
 from ..runtime import Runtime
-from ..transport import DataServer
 from .kernel.attempt import StepResult
+from .kernel.ports import DataServerPort
 
 STEP_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 STALL_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -39,7 +39,7 @@ class Trainer(Protocol):
     def synced(self) -> bool: ...
 
     @property
-    def ds(self) -> DataServer | None:
+    def ds(self) -> DataServerPort | None:
         """Its data server (HSDP: one per rank, not the runtime's)."""
 
 

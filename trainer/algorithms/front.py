@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import deque
 from contextlib import AbstractContextManager
+from typing import cast
 
 from ..kernel.engine import StepEngine
 from ..kernel.ports import Event
@@ -67,7 +68,9 @@ class Front:
     @property
     def rt(self) -> Runtime | None:
         """The control plane (rank 0; None on the other ranks of an FSDP replica)."""
-        return self.kernel.rt
+        # The kernel holds it as the port it reads (``RuntimePort``); every algorithm's
+        # constructor takes, and hands its kernel, the Runtime itself.
+        return cast("Runtime | None", self.kernel.rt)
 
     @property
     def events(self) -> deque[Event]:

@@ -14,10 +14,9 @@ import time
 from ...core.lifecycle import EndWord, end_word
 from ...core.meta import Status
 from ...core.view import View
-from ...runtime import Runtime
 from ..kernel.errors import JobFinished, StepTimeout, Stopped
 from ..kernel.options import JobOptions
-from ..kernel.ports import LifePort
+from ..kernel.ports import LifePort, RuntimePort
 from .ranks import POLL_S, Ranks, log
 
 IDLE_ROUND_TIMEOUT_S = 5.0  # one round with the joiners at the end barrier
@@ -106,7 +105,7 @@ class EndBarrier:
         return True
 
 
-def _settle_look(rt: Runtime, end: float, loop_timeout: float | None) -> bool:
+def _settle_look(rt: RuntimePort, end: float, loop_timeout: float | None) -> bool:
     """Rank 0: wait a little for the worker; False when settling is over (time, or the end)."""
     if time.monotonic() >= end:
         return False

@@ -21,11 +21,10 @@ from typing import Callable, TypeVar
 from ...core.lifecycle import Fetch
 from ...core.meta import Status
 from ...core.view import TargetKind, View
-from ...runtime import Runtime
 from ..kernel.attempt import Attempt, Plan
 from ..kernel.errors import (InitialStateMismatch, JobConfigError, JobFinished, MissingStateError, Stopped)
 from ..kernel.options import InitialState, JobOptions, OnFinished
-from ..kernel.ports import LifePort
+from ..kernel.ports import LifePort, RuntimePort
 from .barrier import EndBarrier
 from .formation import Formation
 from .initial import InitialPlan, SameStart
@@ -51,7 +50,7 @@ class JobLife:
         self._barrier = EndBarrier(port, options, self._ranks)
 
     @property
-    def rt(self) -> Runtime:
+    def rt(self) -> RuntimePort:
         return self._ranks.rt
 
     @property

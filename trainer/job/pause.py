@@ -29,11 +29,10 @@ import time
 from typing import Iterator
 
 from ...core.meta import Status
-from ...runtime import Runtime
 from ...transport import CommError
 from ...transport.stream import fetch_state
 from ...core.view import Role
-from ..kernel.ports import PausePort
+from ..kernel.ports import PausePort, RuntimePort
 from ..kernel.requests import StateRequest
 
 log = logging.getLogger("p2pft.trainer.kernel.engine")
@@ -45,7 +44,7 @@ SIG_PEERS = 4           # peers asked at most, in view order, until one knows th
 class PauseBeat:
     """Beats the loop from a thread while the loop itself is in a pause."""
 
-    def __init__(self, rt: Runtime, loop_timeout: float) -> None:
+    def __init__(self, rt: RuntimePort, loop_timeout: float) -> None:
         self.rt = rt
         self.loop_timeout = loop_timeout
         self._stop = threading.Event()
@@ -62,7 +61,7 @@ class PauseBeat:
         self._th.join(timeout=2.0)
 
 
-def last_step_agreed(rt: Runtime, mine: str | None, step: int, secret: bytes | None,
+def last_step_agreed(rt: RuntimePort, mine: str | None, step: int, secret: bytes | None,
                      source_host: str | None = None) -> bool:
     """Rank 0: does the first peer that knows committed step `step` hold the same signature?
     True when no peer knows it (nobody redid it: the others are behind, they fast-forward
@@ -112,7 +111,7 @@ class Pauses:
         e.donor.idle()  # requests queued during the last step: answered now
         if not e.synced:
             e.catchup.stop()  # its state is not a committed one: it catches up again afterwards
-        rt: Runtime | None = e.rt
+        rt: RuntimePort | None = e.rt
         if rt is not None:
             self._status_before = rt.status
             rt.set_status(Status.PAUSED, e.step if e.synced else -1)
@@ -133,7 +132,7 @@ class Pauses:
             self._beat.stop()
             self._beat = None
         e.beat()
-        rt: Runtime | None = e.rt
+        rt: RuntimePort | None = e.rt
         ok = True
         if rt is not None and e.synced and e.step > 0 and not e.stopping:
             ok = last_step_agreed(rt, e.recent.signature(e.step - 1), e.step - 1, e.secret, e.ds.host)

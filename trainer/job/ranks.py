@@ -8,10 +8,9 @@ from __future__ import annotations
 import logging
 from typing import Callable, TypeVar, cast
 
-from ...runtime import Runtime
 from ...transport.backend import DataPlaneError
 from ..kernel.errors import JobError
-from ..kernel.ports import RecoveryParts, ReplicaState
+from ..kernel.ports import RecoveryParts, ReplicaState, RuntimePort
 
 #: the job's life logs under one name, whichever of its modules says it (as before the split)
 log = logging.getLogger("p2pft.trainer.job.life")
@@ -29,7 +28,7 @@ class Ranks:
         self.port = port
 
     @property
-    def rt(self) -> Runtime:
+    def rt(self) -> RuntimePort:
         rt = self.port.rt
         assert rt is not None, "rank 0 decides the job's life"
         return rt

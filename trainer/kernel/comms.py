@@ -26,9 +26,9 @@ import time
 from collections.abc import Callable, Iterable
 
 from ...core.view import Role, View
-from ...runtime import Runtime
-from ...transport import Communicator, DataServer, SharedDevice
+from ...transport import Communicator, SharedDevice
 from ...transport.backend import Backend
+from .ports import CommFactory, DataServerPort, RuntimePort
 
 log = logging.getLogger(__name__)
 
@@ -44,9 +44,12 @@ PREPARE_THREADS = 2             # communicators a rank other than 0 builds ahead
 class ShardComms:
     """Communicator cache of one rank; rank 0 also drives aborts and rank liveness."""
 
-    def __init__(self, ds: DataServer, shard: int, comm_timeout: float, backend: Backend = Backend.TCP,
-                 device: int | None = None) -> None:
+    def __init__(self, ds: DataServerPort, shard: int, comm_timeout: float, backend: Backend = Backend.TCP,
+                 device: int | None = None, factory: CommFactory | None = None) -> None:
         self.ds = ds
+        # What builds a communicator: the data server's (TCP ring or NCCL), unless one is given
+        # (a test's in-memory communicators); either way built here only, on the same keywords.
+        self._make: CommFactory = factory if factory is not None else ds.communicator
         self.backend = backend    # every communicator of this rank: tcp, nccl or nccl-auto (transport.backend)
         self.device = device      # CUDA device index for nccl
         self.shard = shard
@@ -86,8 +89,8 @@ class ShardComms:
             for c in old:
                 c.abort(f"replaced by data epoch {d}")
                 c.close()
-            comm = self.ds.communicator(d, self.shard, rank, peers, timeout=self.comm_timeout, backend=self.backend,
-                                        device=self.device, connect_timeout=self.connect_timeout)
+            comm = self._make(d, self.shard, rank, peers, timeout=self.comm_timeout, backend=self.backend,
+                              device=self.device, connect_timeout=self.connect_timeout)
             with self._lock:
                 if d < self._superseded_by:
                     # A newer data epoch was announced while this attempt was being planned: the new
@@ -265,11 +268,11 @@ class ShardComms:
         return True
 
     # ------------------------------------------------------------------ rank 0
-    def follow_views(self, rt: Runtime, ranks: list[tuple[str, int]]) -> None:
+    def follow_views(self, rt: RuntimePort, ranks: list[tuple[str, int]]) -> None:
         """Rank 0: abort older communicators of every rank at each new data epoch."""
         threading.Thread(target=self._follow, args=(rt, ranks), daemon=True, name="p2pft-views").start()
 
-    def _follow(self, rt: Runtime, ranks: list[tuple[str, int]]) -> None:
+    def _follow(self, rt: RuntimePort, ranks: list[tuple[str, int]]) -> None:
         seen = -1
         socks: dict[int, socket.socket] = {}
         while not rt.closed and not self._closed.is_set():
@@ -292,7 +295,7 @@ class ShardComms:
                         if old is not None:
                             old.close()
 
-    def watch_ranks(self, rt: Runtime, ranks: list[tuple[str, int]], rank_timeout: float,
+    def watch_ranks(self, rt: RuntimePort, ranks: list[tuple[str, int]], rank_timeout: float,
                     stopping: Callable[[], bool], on_lost: Callable[[int, float], None]) -> None:
         """Rank 0: past `rank_timeout` of silence from a rank, leave the view at once and take
         the replica down (`on_lost`), to be restarted whole."""
@@ -300,7 +303,7 @@ class ShardComms:
             threading.Thread(target=self._watch, args=(rt, ranks, rank_timeout, stopping, on_lost),
                              daemon=True, name="p2pft-watch").start()
 
-    def _watch(self, rt: Runtime, ranks: list[tuple[str, int]], rank_timeout: float,
+    def _watch(self, rt: RuntimePort, ranks: list[tuple[str, int]], rank_timeout: float,
                stopping: Callable[[], bool], on_lost: Callable[[int, float], None]) -> None:
         conns: dict[int, socket.socket] = {}
         last_ok = {i: time.monotonic() for i in range(len(ranks))}

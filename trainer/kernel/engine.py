@@ -92,7 +92,10 @@ def data_server_of(runtime: Runtime) -> DataServer:
 
 class StepEngine:
     """One rank's step protocol, driving an ``Algorithm`` (``algorithm.py``: what a round reduces,
-    how, and how the mean is applied); its options come grouped in one ``EngineOptions``."""
+    how, and how the mean is applied); its options come grouped in one ``EngineOptions``. It reads
+    the control plane and its data server through ports (``RuntimePort``, ``DataServerPort``) and
+    builds its communicators with ``comm_factory`` (default: the data server's), so a test runs
+    it in one process (tests/trainer/test_kernel_inprocess.py)."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, algorithm: Algorithm, *,
                  parts: Parts, group: ReplicaGroup, runtime: RuntimePort | None, data_server: DataServerPort,

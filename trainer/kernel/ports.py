@@ -16,10 +16,11 @@ from typing import TYPE_CHECKING, Callable, Protocol, Union
 import torch
 
 if TYPE_CHECKING:
-    from ...runtime import Runtime
-    from ...transport import DataServer
+    from ...core.meta import MemberMeta, Status
+    from ...core.view import JobTarget, Member, View
+    from ...transport.backend import Backend, DataPlane
+    from ...transport.base import Communicator
     from ...transport.stream import StateSnapshot
-    from ...core.view import View
     from .attempt import Attempt, Entry
     from .errors import Stopped
     from .cursor import DataCursor
@@ -32,6 +33,90 @@ if TYPE_CHECKING:
 Event = dict[str, Union[str, int, float, bool, None]]
 #: the msgpack-able half of a state snapshot (``capture_state``); its tensors travel beside it
 StateMeta = dict[str, object]
+
+
+class RuntimePort(Protocol):
+    """The control plane as the kernel and its parts read it (``p2pft.runtime.Runtime``, rank 0
+    only): the committed view and the members' gossip, this trainer's status, step and beats,
+    and the data-plane evidence it reports. Nothing else of the Runtime is read below the
+    algorithms, so a test drives the kernel with a fake of these members (no sockets)."""
+
+    @property
+    def node_id(self) -> str: ...
+
+    @property
+    def replica_id(self) -> str: ...
+
+    @property
+    def view(self) -> View | None: ...
+
+    @property
+    def closed(self) -> bool: ...
+
+    @property
+    def status(self) -> Status: ...
+
+    @property
+    def data_plane(self) -> DataPlane: ...       # the data plane asked for, when the options leave it
+
+    @property
+    def data_dir(self) -> str | None: ...        # named in the job's refusal to restart from scratch
+
+    @property
+    def recorded_step(self) -> int | None: ...   # the job's furthest step recorded in data_dir
+
+    @property
+    def failure_view_wait(self) -> float: ...    # how long a view that drops a failed peer may take
+
+    def wait_view(self, pred: Callable[[View], bool], timeout: float,
+                  loop_timeout: float | None = None) -> View | None: ...
+
+    def me(self) -> Member | None: ...
+
+    def member_step(self, node: str) -> int: ...
+
+    def member_meta(self, node: str) -> MemberMeta | None: ...
+
+    def set_status(self, status: Status, step: int | None = None) -> None: ...
+
+    def publish_step(self, step: int) -> None: ...
+
+    def loop_beat(self, timeout: float) -> None: ...
+
+    def declare_job(self, target: JobTarget | None, allow_scratch: bool = False) -> None: ...
+
+    def report_failure(self, node: str) -> None: ...
+
+    def request_new_data_epoch(self, failed_data_epoch: int) -> None: ...
+
+    def close(self, leave: bool = True, timeout: float = 2.0) -> None: ...   # a lost rank takes the replica down
+
+
+class CommFactory(Protocol):
+    """What builds one communicator of `(epoch, shard)` in which this rank is `rank` of
+    `peers` (``DataServer.communicator``, the default; a test hands in-memory ones)."""
+
+    def __call__(self, epoch: int, shard: int, rank: int, peers: list[str], *, timeout: float,
+                 connect_timeout: float, backend: Backend, device: int | None) -> Communicator: ...
+
+
+class DataServerPort(Protocol):
+    """This rank's data server as the kernel and its parts use it (``p2pft.transport.DataServer``):
+    its address (the source host of outgoing state requests), the donor callback it serves,
+    and the communicators it builds (``comms.ShardComms``, unless given a ``CommFactory``)."""
+
+    @property
+    def addr(self) -> str: ...
+
+    @property
+    def host(self) -> str: ...
+
+    def serve_state(self, provider: Callable[[dict[str, object]], StateSnapshot | None]) -> None: ...
+
+    def communicator(self, epoch: int, shard: int, rank: int, peers: list[str], *, timeout: float,
+                     connect_timeout: float, backend: Backend, device: int | None) -> Communicator: ...
+
+    def close(self) -> None: ...
 
 
 class CatchupControl(Protocol):
@@ -143,7 +228,7 @@ class ReplicaState(Protocol):
     """The replica's state and where it stands: read by every part."""
 
     @property
-    def rt(self) -> Runtime | None: ...    # rank 0 only: the control plane
+    def rt(self) -> RuntimePort | None: ...    # rank 0 only: the control plane
 
     @property
     def group(self) -> ReplicaGroup: ...
@@ -182,7 +267,7 @@ class ReplicaState(Protocol):
     def loop_timeout(self) -> float | None: ...
 
     @property
-    def ds(self) -> DataServer: ...
+    def ds(self) -> DataServerPort: ...
 
     def beat(self) -> None:
         """Tell the control plane the loop runs (rank 0; a no-op elsewhere)."""
@@ -269,6 +354,6 @@ class LifePort(RecoveryParts, Protocol):
         view (joiners still catching up at the end barrier finish theirs)."""
 
 
-__all__ = ["CatchupControl", "CatchupPort", "CheckpointControl", "CommsState", "DonorPort", "Event",
-           "FastForwardPort", "LifeHooks", "LifePort", "PauseControl", "PausePort", "RecentLog", "RecoveryParts",
-           "ReplicaState", "DonorControl", "StateMeta"]
+__all__ = ["CatchupControl", "CatchupPort", "CheckpointControl", "CommFactory", "CommsState", "DataServerPort",
+           "DonorPort", "Event", "FastForwardPort", "LifeHooks", "LifePort", "PauseControl", "PausePort", "RecentLog",
+           "RecoveryParts", "ReplicaState", "DonorControl", "RuntimePort", "StateMeta"]

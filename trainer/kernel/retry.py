@@ -16,13 +16,12 @@ from collections import deque
 from typing import TYPE_CHECKING, Callable
 
 from ...core.view import View
-from ...runtime import Runtime
 from ...core.step import FRESH_EPOCH_WAIT_S, NEXT_VIEW_WAIT_S
 from ...transport.backend import DataPlaneError
 from .attempt import Verdict
 
 if TYPE_CHECKING:
-    from .ports import Event
+    from .ports import Event, RuntimePort
 
 log = logging.getLogger("p2pft.trainer.kernel.engine")
 
@@ -70,7 +69,7 @@ def check_usable(verdicts: list[Verdict], rank: int, data_epoch: int) -> None:
     raise err
 
 
-def recover(rt: Runtime, view: View, bad: list[Verdict], step: int, deadline: float, stopping: Callable[[], bool],
+def recover(rt: RuntimePort, view: View, bad: list[Verdict], step: int, deadline: float, stopping: Callable[[], bool],
             loop_timeout: float | None, events: deque[Event], say: LogLimiter) -> None:
     """Report the peers the ranks blamed, then wait (bounded by `deadline`) for a newer data
     epoch; if none comes ask for a fresh one."""
