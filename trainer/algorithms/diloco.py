@@ -22,15 +22,12 @@ from ...runtime import Runtime
 from ...transport.base import Communicator
 from ..kernel.algorithm import Round
 from ..kernel.attempt import StepResult
-from ..compose import kernel
-from ..kernel.engine import data_server_of
-from ..kernel.group import LocalGroup
 from ..kernel.options import Options, UpdateRule
 from ..kernel.optstep import GradHook, LRSchedulerLike, OptimizerStep
 from ..kernel.span import Spans
 from ..kernel.stepbuf import StepBuffer
-from ..state.layouts import WHOLE_STATE
 from .front import Front
+from .shape import Shape
 from .outer import FragmentSchedule, merge, outer_sgd, pseudo_gradient, split_fragments
 from .pgcodec import Compression, PseudoGradCodec
 
@@ -133,10 +130,7 @@ class DiLoCo(Front):
         update = UpdateRule(lr_policy=opts.lr_policy or "none", nominal_replicas=opts.nominal_replicas,
                             grad_hook=outer_grad_hook,
                             lr_scheduler=outer_lr_scheduler(outer) if outer_lr_scheduler is not None else None)
-        self.kernel = kernel(glob, outer, self.algorithm, group=LocalGroup(), runtime=runtime,
-                                 data_server=data_server_of(runtime), state_io=WHOLE_STATE,
-                                 options=opts.engine(comm_timeout=runtime.comm_timeout, secret=runtime.secret,
-                                                     span=s.span, update=update))
+        self.kernel = Shape.one_rank(runtime).kernel(glob, outer, self.algorithm, opts, span=s.span, update=update)
         self.inner_step_fn = OptimizerStep(inner_optimizer, lr_policy="none", lr_scheduler=opts.lr_scheduler,
                                            grad_scaler=opts.grad_scaler, grad_hook=opts.grad_hook,
                                            after_step=opts.after_step)

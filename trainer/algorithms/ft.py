@@ -9,20 +9,18 @@ retries with the saved local gradients: no recomputation, no restart. It is the 
 from __future__ import annotations
 
 import logging
+
 import torch
 
 from ...runtime import Runtime
 from ..kernel.algorithm import MeanGradient
 from ..kernel.attempt import StepResult
-from ..compose import kernel
-from ..kernel.engine import data_server_of
 from ..kernel.errors import (InitialStateMismatch, JobConfigError, JobError, JobFinished, MissingStateError,
                              StepTimeout, Stopped)
-from ..kernel.group import LocalGroup
 from ..kernel.options import Options
-from ..kernel.stepbuf import StepBuffer
 from ..state.layouts import WHOLE_STATE
 from .front import Front
+from .shape import Shape
 
 log = logging.getLogger(__name__)
 
@@ -40,10 +38,7 @@ class FaultTolerant(Front):
     def __init__(self, runtime: Runtime, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  options: Options | None = None, **overrides: object) -> None:
         opts = Options.of(options, **overrides)   # checked first: one error before anything is served
-        buf = StepBuffer([p for p in model.parameters() if p.requires_grad], max_slots=opts.max_slots)
-        self.kernel = kernel(model, optimizer, MeanGradient(buf), group=LocalGroup(), runtime=runtime,
-                                 data_server=data_server_of(runtime), state_io=WHOLE_STATE,
-                                 options=opts.engine(comm_timeout=runtime.comm_timeout, secret=runtime.secret))
+        self.kernel = Shape.one_rank(runtime).kernel(model, optimizer, MeanGradient.of(model, opts.max_slots), opts)
 
     def begin(self, stop: bool = False) -> list[int]:
         """Collective. This step's sample indices ([] while this replica contributes nothing)."""

@@ -21,13 +21,11 @@ from ...transport import DataServer
 from ...transport.addr import advertised, data_bind_host
 from ..kernel.algorithm import MeanGradient
 from ..kernel.attempt import StepResult
-from ..compose import kernel
 from ..kernel.errors import StepTimeout, Stopped
 from ..kernel.group import DistGroup
 from ..kernel.options import Options
-from ..kernel.stepbuf import StepBuffer
-from ..state.layouts import SHARD_STATE
 from .front import Front
+from .shape import Shape
 
 __all__ = ["HSDP", "StepResult", "StepTimeout", "Stopped", "agree"]
 
@@ -49,12 +47,9 @@ class HSDP(Front):
                  options: Options | None = None, *, data_server: DataServer,
                  group: ProcessGroup | None = None, **overrides: object) -> None:
         opts = Options.of(options, **overrides)
-        buf = StepBuffer([p for p in model.parameters() if p.requires_grad], max_slots=opts.max_slots)
         self.ds = data_server
-        self.kernel = kernel(
-            model, optimizer, MeanGradient(buf), group=DistGroup(group), runtime=runtime, data_server=data_server,
-            state_io=SHARD_STATE, options=opts.engine(comm_timeout=runtime.comm_timeout if runtime else None,
-                                                      secret=runtime.secret if runtime else None))
+        self.kernel = Shape.sharded(runtime, data_server, group).kernel(
+            model, optimizer, MeanGradient.of(model, opts.max_slots), opts)
 
     @classmethod
     def launch(cls, model: torch.nn.Module, optimizer: torch.optim.Optimizer, options: Options | None = None, *,

@@ -20,12 +20,8 @@ from p2pft.runtime import Runtime
 from p2pft.trainer import Front, Options
 from p2pft.trainer.kernel.algorithm import MeanGradient
 from p2pft.trainer.kernel.attempt import StepResult
-from p2pft.trainer.compose import kernel
-from p2pft.trainer.kernel.engine import data_server_of
-from p2pft.trainer.kernel.group import LocalGroup
+from p2pft.trainer.algorithms.shape import Shape
 from p2pft.trainer.kernel.span import Spans
-from p2pft.trainer.kernel.stepbuf import StepBuffer
-from p2pft.trainer.state.layouts import WHOLE_STATE
 
 
 class AverageWeights(torch.optim.Optimizer):
@@ -50,11 +46,10 @@ class LocalSGD(Front):
                  options: Options | None = None, *, sync_every: int, **overrides: object) -> None:
         opts = Options.of(options, **overrides)   # total_steps counts local steps: a multiple of sync_every
         self.local_opt = optimizer
-        self.weights = StepBuffer([p for p in model.parameters() if p.requires_grad], max_slots=opts.max_slots)
-        self.kernel = kernel(model, AverageWeights(model.parameters()), MeanGradient(self.weights, sparse=True),
-                                 group=LocalGroup(), runtime=runtime, data_server=data_server_of(runtime),
-                                 state_io=WHOLE_STATE, options=opts.engine(comm_timeout=runtime.comm_timeout,
-                                                                           secret=runtime.secret, span=sync_every))
+        mean = MeanGradient.of(model, opts.max_slots, sparse=True)   # of the weights, packed as gradients
+        self.weights = mean.buf
+        self.kernel = Shape.one_rank(runtime).kernel(model, AverageWeights(model.parameters()), mean, opts,
+                                                     span=sync_every)
         self.spans = Spans(self.kernel, sync_every, self.weights)
 
     def begin(self, stop: bool = False) -> list[int]:

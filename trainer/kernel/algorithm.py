@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+import torch
+
 from ...transport.base import Communicator
 from .optstep import OptimizerStep
 from .stepbuf import StepBuffer
@@ -57,6 +59,11 @@ class MeanGradient:
     def __init__(self, buf: StepBuffer, *, sparse: bool = False) -> None:
         self.buf = buf
         self.sparse = sparse
+
+    @classmethod
+    def of(cls, model: torch.nn.Module, max_slots: int, *, sparse: bool = False) -> MeanGradient:
+        """The mean over `model`'s trainable parameters (their gradients become views of one buffer)."""
+        return cls(StepBuffer([p for p in model.parameters() if p.requires_grad], max_slots=max_slots), sparse=sparse)
 
     def buffer(self, step: int) -> StepBuffer:
         return self.buf
