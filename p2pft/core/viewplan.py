@@ -119,6 +119,26 @@ def track_membership(memory: PlanMemory, view: View | None, me: Member | None) -
     return memory, None
 
 
+def sole_holder(rejoin: bool, donor: Member | None, synced: bool) -> bool:
+    """Left out, and nobody else holds the committed state (the others died, and we were left
+    out, e.g. falsely under load): ours is the job's. A snapshot from nobody would be waited for
+    until the step timeout, while the leader waits for a holder of the high-water step to
+    resume from. So stay ready; catch up once someone else holds a state."""
+    return rejoin and donor is None and synced
+
+
+def gradients_count(slot: int | None, synced: bool, rejoin: bool, me: Member) -> bool:
+    """Do the gradients of the step we began count? Only when we still hold the committed state
+    and the slot we began with (not left out, not demoted or re-slotted while computing)."""
+    return slot is not None and synced and not rejoin and me.role is Role.PARTICIPANT and me.slot == slot
+
+
+def is_behind(me: Member, donor: Member | None, synced: bool, step: int, member_step: StepOf) -> bool:
+    """A synced joiner whose donor holds a later step: when nobody contributes (the others
+    paused), it takes the donor's state instead of waiting for the step timeout."""
+    return synced and me.role is Role.JOINER and donor is not None and member_step(donor.node) > step
+
+
 def paused_donor(view: View, me: str, member_step: StepOf) -> Member | None:
     """With no participant, a paused member holds the committed state: the furthest one (ties:
     the highest node id, the same choice everywhere)."""
@@ -163,17 +183,13 @@ def plan_view(memory: PlanMemory, view: View | None, node: str | None, *, slot: 
         return ViewPlan(Wait(WaitFor.EPOCH, view.epoch, bad), memory, notes)
     rejoin, memory = memory.rejoin_pending, replace(memory, rejoin_pending=False)
     donor = view.donor(exclude=me.node) or paused_donor(view, me.node, member_step)
-    if rejoin and donor is None and synced:
-        # Nobody else holds the committed state (the others died, and we were left out, e.g.
-        # falsely under load): ours is the job's. A snapshot from nobody would be waited for
-        # until the step timeout, while the leader waits for a holder of the high-water step to
-        # resume from. So stay ready; catch up once someone else holds a state.
-        if me.role is Role.JOINER:
+    if sole_holder(rejoin, donor, synced):
+        if me.role is Role.JOINER:      # catch up once someone else holds a state
             memory = replace(memory, rejoin_pending=True)
             notes += (Note(NoteKind.SOLE_HOLDER, view.epoch),)
         rejoin = False
-    still_mine = slot is not None and synced and not rejoin and me.role is Role.PARTICIPANT and me.slot == slot
-    behind = synced and me.role is Role.JOINER and donor is not None and member_step(donor.node) > step
+    still_mine = gradients_count(slot, synced, rejoin, me)
+    behind = is_behind(me, donor, synced, step, member_step)
     returning, hold = hold_from(memory.returning, view, me.node, member_meta)
     memory = replace(memory, returning=returning)
     return ViewPlan(Reduce(epoch=view.epoch, data_epoch=view.data_epoch, rank=view.data_rank(me.node),
@@ -187,4 +203,4 @@ def plan_view(memory: PlanMemory, view: View | None, node: str | None, *, slot: 
 
 
 __all__ = ["MetaOf", "Note", "NoteKind", "PlanMemory", "Reduce", "StepOf", "ViewPlan", "Wait", "WaitFor",
-           "hold_from", "paused_donor", "plan_view", "track_membership"]
+           "gradients_count", "hold_from", "is_behind", "paused_donor", "plan_view", "sole_holder", "track_membership"]

@@ -3,17 +3,25 @@
 Each ``SimTrainer`` runs the README's loop (``start()``, ``while not done: begin/commit``, a
 pause after some commits, ``finish()``) as a state machine on the virtual clock. What it
 decides, it decides with ``p2pft/core/lifecycle.py`` (``admit``, ``initial_fetch``,
-``leads_step``, ``end_word``): the functions ``trainer/job/life.py`` calls. The leader's half
-(``JobPlanner``) runs inside each ``Node`` as in production. The data plane is modelled, not
-run: a step commits when every participant of a view holds that view, is at the same step and
-is not paused; its state is a digest chain (``digest(s+1) = H(digest(s), s+1, contributors)``),
-so two trainers hold the same weights exactly when they hold the same digest. A catch-up takes
-``SNAPSHOT_S`` and ends with the donor's state; a joiner at most ``RECENT_KEEP`` steps behind
-the head replays them at once (the fast-forward log).
+``leads_step``, ``end_word``): the functions ``trainer/job/life.py`` calls; and each look before
+a reduce is ``p2pft/core/viewplan.py``'s ``plan_view``, as in the engine (rejoin, demote, the
+donor, behind, the log held for a member back from a pause). The leader's half (``JobPlanner``)
+runs inside each ``Node`` as in production. The data plane is modelled, not run: one round per
+communicator (data epoch) every ``STEP_S``, where a step commits when every participant of the
+newest view has its allreduce under way (planned, not paused or busy, no link down), each
+counting as its own plan says. A state is a digest chain (``digest(s+1) = H(digest(s), s+1,
+contributors)``), so two trainers hold the same weights exactly when they hold the same digest,
+and a step applied onto another state (a log replayed, a reduced step received) gives another.
+A catch-up takes ``SNAPSHOT_S`` and ends with the donor's state; a trainer whose steps a peer's
+log still holds (its last ``RECENT_KEEP``, or from a paused member's ``hold_from``) replays them
+at once (the fast-forward log). Faults beside kills and pauses: a long backward (``busy``: the
+loop neither looks nor beats) and a step whose allreduce finished at one trainer only
+(``SimJob.splits``).
 
 ``JobChecker`` holds the job-level invariants (see ``tests/sim/test_job_invariants.py``):
 
-- one state per step: the contributors of a step hold the same state;
+- one state per step: the replicas that commit a step hold the same state, and every gradient
+  in its mean was computed on that state, for the slot it is counted as;
 - the end: every trainer that returns from ``finish()`` holds the job's final step and state,
   and every trainer listed as a participant or paused in the first view that says the job
   finished returns it (a pause across the end comes back to the final state);
@@ -32,9 +40,10 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ..core.lifecycle import Admit, Declared, EndWord, Fetch, admit, end_word, initial_fetch, leads_step
-from ..core.meta import Status
+from ..core.meta import MemberMeta, Status
 from ..core.node import Node
-from ..core.view import JobTarget, Role, View
+from ..core.view import JobTarget, Member, Role, View
+from ..core.viewplan import PlanMemory, Reduce, plan_view
 from .cluster import InvariantViolation, SimEvent, Simulator, ViewCommitted
 
 TICK_S = 0.05          # one look of each trainer's loop
@@ -114,6 +123,15 @@ class SimTrainer:
         self.outcome: Outcome | None = None
         self.alive = True
         self._reported: set[tuple[int, str]] = set()
+        self.history: dict[int, str] = {self.step: self.digest}   # step -> digest, along the state it holds
+        self.log_from = self.step          # the oldest step whose reduced buffer its log still holds
+        self.memory = PlanMemory()         # the view plan's memory of earlier looks (the engine's)
+        self.began: tuple[int, str, int | None] | None = None   # the step begun: (step, digest, slot)
+        self.attempt: tuple[View, Reduce] | None = None          # the last look's plan, for this step
+        self.in_flight = False             # its allreduce waits for the next round of the data plane
+        self.holding: int | None = None    # the plan's hold_from: keep the log from this step on
+        self.catch_from: str | None = None  # the plan's donor (the engine's catchup.donor)
+        self.busy_until = 0.0              # a long backward: the loop neither looks nor beats
 
     @property
     def node(self) -> Node | None:
@@ -146,7 +164,7 @@ class SimTrainer:
     # ------------------------------------------------------------------ the loop
     def tick(self, now: float) -> None:
         node = self.node
-        if node is None or self.phase is Phase.OVER:
+        if node is None or self.phase is Phase.OVER or now < self.busy_until:
             return
         if self.phase is not Phase.PAUSED or self.pause_until > now:   # the pause's thread beats too
             self.call(lambda n, t: n.loop_beat(t, LOOP_TIMEOUT))
@@ -214,6 +232,7 @@ class SimTrainer:
                 how = Fetch.CATCH_UP       # the lead went on without us
             else:
                 self.digest, self.root = src.digest, src.root
+                self.history = {0: src.digest}
         if how is Fetch.NONE and self.step > 0 and self._redone():
             how = Fetch.CATCH_UP           # the others redid our last step without us (``_resumed_agrees``)
         if how is Fetch.CATCH_UP:
@@ -241,23 +260,53 @@ class SimTrainer:
             return
         if self._admit(now, at_start=False) is not None:
             return
-        view, me = self.view, self.node_id
-        if view is None or me is None:
+        view, node = self.view, self.node
+        if view is None or node is None:
             return
-        role = view.role_of(me)
+        if self.in_flight and self.attempt is not None and self.attempt[1].data_epoch == view.data_epoch:
+            if not self.synced:       # in the allreduce (not aborted by a new data epoch): no look
+                self._catch_up(now, self.catch_from)
+            return
+        if self.began is None:        # begin(): a synced participant trains for its slot
+            me = view.member(node.id)
+            slot = me.slot if self.synced and me is not None and me.role is Role.PARTICIPANT else None
+            self.began = (self.step, self.digest, slot)
+        # commit(): the engine's look at the view (StepEngine._view_plan)
+        plan = plan_view(self.memory, view, node.id, slot=self.began[2], synced=self.synced, step=self.step,
+                         world=1, member_step=node.member_step, member_meta=lambda n: _meta_of(node, n))
+        self.memory = plan.memory
+        self.job.stats.update(f"note:{n.kind.value}" for n in plan.notes)
+        att = plan.decision
+        if not isinstance(att, Reduce):
+            if not self.synced:       # the catch-up goes on in the background meanwhile
+                self._catch_up(now, self.catch_from)
+            return
+        self.attempt, self.in_flight = (view, att), True
+        self.holding = att.hold_from
+        self.catch_from = att.donor[0] if att.donor is not None else None
+        if att.rejoin and self.synced:
+            self.job.stats["rejoin"] += 1
+            self._unsync()                # left out: a snapshot before contributing again
         if not self.synced:
-            self._catch_up(now, view)
+            self._catch_up(now, self.catch_from)
             return
-        if role is Role.JOINER:
+        if att.role is Role.JOINER:
             head = self.job.head(view)
             if head is not None and head.step > self.step:
                 if self._follow(head):
                     self.job.stats["fast_forward"] += 1
                 else:
                     return
+            elif head is None and att.behind:
+                # Nobody contributes and the donor holds a later step (a paused member): take
+                # its state (the engine's _idle, "behind").
+                self.job.stats["behind"] += 1
+                self._unsync()
+                self._catch_up(now, self.catch_from)
+                return
             if head is not None:      # at the head: current (with nobody training, nothing to say)
                 self.set_status(Status.READY, self.step)
-        elif role is Role.PARTICIPANT:
+        else:
             # Peers at the end barrier past our step reduce no more: take their last steps
             # from their log (the kernel's ``done_ahead``), or a snapshot when too far behind.
             ahead = [t for m in view.participants if (t := self.job.by_node(m.node)) is not None
@@ -265,22 +314,57 @@ class SimTrainer:
             if ahead:
                 if self._follow(max(ahead, key=lambda t: t.step)):
                     self.job.stats["fast_forward"] += 1
-            elif now - self.last_commit > self.cfg.step_timeout:
-                self._end(now, "StepTimeout")
+                return
+        if now - self.last_commit > self.cfg.step_timeout:
+            self._end(now, "StepTimeout")     # the engine's deadline of one commit()
 
     def _follow(self, src: SimTrainer) -> bool:
-        """Take `src`'s newer state: replayed from its log when at most RECENT_KEEP steps behind
-        on its lineage (True), else this trainer catches up by a snapshot (False)."""
-        if src.step - self.step <= RECENT_KEEP and src.root == self.root:
-            self._copy(src)
+        """Take `src`'s newer state: replayed from its log when that log still holds our step,
+        on its lineage (True), else this trainer catches up by a snapshot (False). A replay
+        applies the steps onto the state we hold: where `src` held another state at our step
+        (we hold a step the others redid without us), the result is another state again."""
+        if src.log_from <= self.step < src.step and src.root == self.root:
+            if src.history.get(self.step) == self.digest:
+                self._copy(src, replay=True)
+            else:
+                self.job.stats["replayed_onto_another_state"] += 1
+                digest = self.digest
+                for s in range(self.step + 1, src.step + 1):
+                    digest = _h("replayed", digest, s)
+                    self.history[s] = digest
+                self._set_state(src.step, digest)
             return True
-        self.synced = False
-        self.set_status(Status.JOINING, self.step)
+        self._unsync()
         return False
 
-    def _copy(self, src: SimTrainer) -> None:
-        self.step, self.digest, self.root = src.step, src.digest, src.root
+    def _unsync(self) -> None:
+        """Catch up from a snapshot: no longer holding the committed state."""
+        self.synced = False
+        self.transfer = None
+        self.set_status(Status.JOINING, self.step)
+
+    def _copy(self, src: SimTrainer, replay: bool = False) -> None:
+        """Take `src`'s state: by a replay of its log (ours goes on), or a snapshot (no log)."""
+        self.root = src.root
+        self.history = dict(src.history)
+        self._set_state(src.step, src.digest, keep_log=replay)
+
+    def _set_state(self, step: int, digest: str, keep_log: bool = True) -> None:
+        """A new state: the step begun is over (begin() again, and look again before reducing)."""
+        self.step, self.digest = step, digest
+        self.history[step] = digest
+        if not keep_log:
+            self.log_from = step
+        self.began = self.attempt = None
+        self.last_commit = self.job.sim.now
         self.publish_step()
+
+    def applied(self, step: int, digest: str) -> None:
+        """A reduced step applied onto our state: the log keeps the last RECENT_KEEP steps, or
+        from the step held for a member back from a pause (``RecentSteps.hold``)."""
+        keep = step - RECENT_KEEP if self.holding is None else min(step - RECENT_KEEP, self.holding)
+        self.log_from = max(self.log_from, keep)
+        self._set_state(step, digest)
 
     def publish_step(self) -> None:
         step = self.step
@@ -290,7 +374,8 @@ class SimTrainer:
         """The data plane could not reach `node` (a reset on loopback: certain)."""
         self.call(lambda n, now: n.report_failure(node, now, True))
 
-    def _catch_up(self, now: float, view: View) -> None:
+    def _catch_up(self, now: float, donor_node: str | None) -> None:
+        """A snapshot from the plan's donor (the end barrier's replicas when it names none)."""
         if self.transfer is not None:
             done_at, donor_id = self.transfer
             donor = self.job.by_node(donor_id)
@@ -300,17 +385,23 @@ class SimTrainer:
             if now < done_at:
                 return
             self.transfer = None
+            att = self.attempt
             self._copy(donor)
+            if self.in_flight:        # its allreduce goes on: the next reduced step is applied by it
+                self.attempt = att
             self.job.stats["snapshot"] += 1
             self.synced = True
-            self.last_commit = now
             self.set_status(Status.READY, self.step)
             return
-        donor = self.job.donor(view, exclude=self.node_id)
+        donor = self.job.donor(donor_node, exclude=self.node_id)
         if donor is not None:
             self.transfer = (now + SNAPSHOT_S, donor.node_id or "")
 
     # ------------------------------------------------------------------ pauses
+    def busy(self, now: float, seconds: float) -> None:
+        """A long backward (or a loop starved of CPU): no look at the views, no beat."""
+        self.busy_until = max(self.busy_until, now + seconds)
+
     def after_commit(self, now: float, lead: bool) -> None:
         """commit() returned: the user's code after it runs at the loop's next look."""
         self.last_commit = now
@@ -334,6 +425,7 @@ class SimTrainer:
     def pause(self, now: float, seconds: float) -> None:
         if self.phase is not Phase.ACTIVE:
             return
+        self.began = self.attempt = None
         self.transfer = None              # its catch-up stops: it catches up again afterwards
         self.set_status(Status.PAUSED, self.step if self.synced else -1)
         self.phase = Phase.PAUSED
@@ -342,6 +434,8 @@ class SimTrainer:
     def _leave_pause(self, now: float) -> None:
         self.phase = Phase.ACTIVE
         self.last_commit = now
+        self.memory = self.memory.after_pause()     # the engine's rejoined_after_pause
+        self.began = self.attempt = None
         if self.synced:
             self.set_status(Status.READY, self.step)
         else:
@@ -390,18 +484,30 @@ class JobChecker:
     claims: dict[tuple[int, str], str] = field(default_factory=dict)   # (step, its state) -> the leader
     regress_at: float | None = None         # when the views' high water first went back (a resume below it)
     max_high_water: int = 0
+    orphans: set[int] = field(default_factory=set)   # steps committed by one trainer only (a split)
     violations: list[str] = field(default_factory=list)
 
     def fail(self, msg: str) -> None:
         self.violations.append(msg)
         raise InvariantViolation(msg)
 
-    def on_commit(self, group: list[SimTrainer], step: int, now: float) -> None:
+    def on_commit(self, group: list[SimTrainer], step: int, now: float,
+                  contributions: list[tuple[SimTrainer, tuple[int, str, int | None] | None, int | None]]
+                  | None = None, base: str | None = None) -> None:
+        """`group` committed `step` from the state `base`; `contributions`: each contributor, the
+        step it began (step, state, slot) and the slot its gradients count as."""
         states = {(t.digest, t.root) for t in group}
         if len(states) != 1:
             self.fail(f"t={now:.2f}: step {step} committed by trainers holding {len(states)} states: "
                       f"{[(t.addr, t.digest) for t in group]}")
         digest, root = states.pop()
+        for t, began, slot in contributions or ():
+            if began is None or began[:2] != (step - 1, base):
+                self.fail(f"t={now:.2f}: {t.addr}'s gradients in step {step} were computed on another state "
+                          f"({began}) than the one the step applies to ({step - 1}, {base})")
+            elif began[2] != slot:
+                self.fail(f"t={now:.2f}: {t.addr}'s gradients for slot {began[2]} counted as slot {slot} in step "
+                          f"{step}")
         if step == 1 and self.root is not None and root != self.root:
             assert self.job is not None
             evidence = self.job.evidence(self.root)
@@ -416,6 +522,9 @@ class JobChecker:
                 self.regress_at, self.max_high_water = None, 0
             self.root = root
         prev = self.states.get(step)
+        if step in self.orphans:     # the others redo (or adopt) a step one trainer alone committed
+            self.orphans.discard(step)
+            prev = None
         if prev is not None and prev[0] != digest:
             # A step committed again with another state: only when nobody holds the first one
             # any more (a resume from an older checkpoint, said loudly); else progress was thrown away.
@@ -430,6 +539,13 @@ class JobChecker:
                 self.fail(f"t={now:.2f}: step {step} committed again by {[t.addr for t in group]} while {ahead} "
                           f"hold the job at step {step} or later")
         self.states[step] = (digest, root)
+
+    def on_orphan(self, t: SimTrainer, step: int) -> None:
+        """`t` alone committed `step` (its allreduce finished, the others' failed): the job's
+        state of that step, unless the others commit it again without it."""
+        if step not in self.states:
+            self.states[step] = (t.digest, t.root)
+            self.orphans.add(step)
 
     def forget_views(self) -> None:
         """Every member lost with its data directory: no view of the old job exists any more."""
@@ -473,6 +589,7 @@ class SimJob:
         self.trainers: dict[str, SimTrainer] = {}
         self.checkpoints: dict[str, Checkpoint] = {}    # addr -> its newest checkpoint (a disk: survives a kill)
         self.incarnations: dict[str, int] = {}
+        self.splits: dict[int, str] = {}     # step -> the addr whose allreduce of it alone finishes
         self.leader_rule = leader_rule
         self.stats: Counter[str] = Counter()
         self.checker = JobChecker(job=self)
@@ -530,13 +647,12 @@ class SimJob:
         ts = [t for m in view.participants if (t := self.by_node(m.node)) is not None and t.synced]
         return max(ts, key=lambda t: t.step, default=None)
 
-    def donor(self, view: View, exclude: str | None) -> SimTrainer | None:
-        """Who serves a snapshot: a participant, else a paused member, else one at the end barrier."""
-        cands = [m for m in (*view.participants, *view.paused) if m.node != exclude]
-        for m in cands:
-            t = self.by_node(m.node)
-            if t is not None and t.synced and t.phase is not Phase.FORMING:
-                return t
+    def donor(self, node: str | None, exclude: str | None) -> SimTrainer | None:
+        """Who serves a snapshot: the view plan's donor, when it holds a state; else, when the
+        plan names none, a replica at the end barrier."""
+        if node is not None:
+            t = self.by_node(node)
+            return t if t is not None and t.synced and t.phase is not Phase.FORMING else None
         for t in self.trainers.values():
             if t.alive and t.phase is Phase.FINISHING and t.synced and t.node_id != exclude:
                 return t
@@ -557,19 +673,32 @@ class SimJob:
 
     # ------------------------------------------------------------------ driving
     def _plane(self) -> None:
-        """Every STEP_S: each view's participants commit a step when all of them can."""
+        """Every STEP_S, one round per communicator (data epoch): its participants commit a
+        step when all of them reduce in it."""
         now = self.sim.now
-        groups: dict[int, tuple[View, list[SimTrainer]]] = {}
+        rounds: dict[int, View] = {}
         for t in self.trainers.values():
-            v = t.view
-            if t.alive and v is not None and t.phase is Phase.ACTIVE and v.role_of(t.node_id) is Role.PARTICIPANT:
-                groups.setdefault(v.epoch, (v, []))[1].append(t)
-        for view, _ in groups.values():
+            a = t.attempt
+            if t.alive and t.phase is Phase.ACTIVE and a is not None and a[1].role is Role.PARTICIPANT:
+                v = rounds.get(a[1].data_epoch)
+                if v is None or a[0].epoch > v.epoch:
+                    rounds[a[1].data_epoch] = a[0]       # the newest view of that communicator
+        for view in rounds.values():
             self._commit(view, now)
+        for t in self.trainers.values():
+            t.in_flight = False     # every allreduce of the round returned (or failed): look again
         self.sim.at(now + STEP_S, self._plane)
 
+    def _reducing(self, t: SimTrainer, data_epoch: int, now: float) -> bool:
+        """Is `t`'s allreduce on the communicator of `data_epoch` under way (not aborted by a
+        newer data epoch, its loop not elsewhere)?"""
+        a, v = t.attempt, t.view
+        return (t.alive and t.phase is Phase.ACTIVE and t.side_work is None and now >= t.busy_until
+                and t.in_flight and a is not None and a[1].data_epoch == data_epoch
+                and v is not None and v.data_epoch == data_epoch)
+
     def _commit(self, view: View, now: float) -> None:
-        group: list[SimTrainer] = []
+        d = view.data_epoch
         for m in view.participants:
             t = self.by_node(m.node)
             if t is None:
@@ -580,39 +709,83 @@ class SimJob:
                         s._reported.add(key)
                         s.report_failure(m.node)
                 return
-            if (t.phase is not Phase.ACTIVE or not t.synced or t.side_work is not None or t.view is None
-                    or t.view.epoch != view.epoch):
-                return                      # paused, catching up, or on another view: no step this round
-            group.append(t)
+            if not self._reducing(t, d, now):
+                return          # paused, computing, or not reducing on this communicator: no step this round
+        # Everyone whose allreduce as a participant is on this communicator: the view's
+        # participants, and a member whose attempt began in an earlier view of the same data
+        # epoch (one that listed it a participant); each counts as its own attempt says.
+        members: list[tuple[Member, SimTrainer, Reduce]] = []
+        for t in self.trainers.values():
+            a = t.attempt
+            me = a[0].member(t.node_id) if a is not None else None
+            if a is not None and me is not None and a[1].role is Role.PARTICIPANT and self._reducing(t, d, now):
+                members.append((me, t, a[1]))
+        if any((a.addr, b.addr) in self.sim.blocked for _, a, _ in members for _, b, _ in members):
+            return              # a link between them is down: the allreduce cannot finish
+        group = [t for _, t, _ in members if t.synced]     # the others catch up: they log the step
         if not group:
             return
         src = max(group, key=lambda x: x.step)
         head = src.step
-        for t in group:
-            if t.step < head and not t._follow(src):
+        contributors = [(m, t) for m, t, att in members if att.contribute]
+        behind = [t for t in group if t.step < head]
+        for t in behind:
+            if not t._follow(src):
                 return
+        if any(t in behind or (t.began is not None and t.began[0] != head) for _, t in contributors):
+            return              # contributors at different steps: the round is discarded (step.decide)
         if head >= group[0].cfg.target.n:
             return
+        if not contributors:
+            for _, t, _ in members:
+                t.began = t.attempt = None     # nobody contributed: begin again (a promoted joiner, with its slot)
+            return
         step = head + 1
-        ids = sorted(m.replica_id for m in view.participants)
-        digest = _h(group[0].digest, step, tuple(ids))
-        slots = sorted(m.slot for m in view.participants if m.slot is not None)
-        mask = [False] * ((max(slots) + 1) if slots else 0)
-        for sl in slots:
-            mask[sl] = True
-        for t in group:
-            t.step, t.digest = step, digest
-        self.checker.on_commit(group, step, now)
-        for m, t in zip(view.participants, group):
-            t.set_status(Status.READY, step)
-            t.after_commit(now, leads_step(mask, m.slot))
-        # Joiners at the head receive the step too (they log what is reduced).
+        ids = tuple(sorted(m.replica_id for m, _ in contributors))
+        mask = [False] * (max(m.slot or 0 for m, _ in contributors) + 1)
+        for m, _ in contributors:
+            if m.slot is not None:
+                mask[m.slot] = True
+        split = self.splits.pop(step, None)
+        cut = next((t for t in group if t.addr == split), None) if len(group) > 1 else None
+        if cut is not None:
+            # The allreduce finished at `cut` only (it got the last frames, its own were lost): it
+            # applies the step, the others do not and report it; they redo the step without it.
+            self.stats["split"] += 1
+            cut.applied(step, _h(cut.digest, step, ids))
+            self.checker.on_orphan(cut, step)
+            cut.set_status(Status.READY, step)
+            cut.after_commit(now, False)
+            for t in group:
+                if t is not cut:
+                    t.report_failure(cut.node_id or "")
+            return
+        gradients = [(t, t.began, m.slot) for m, t in contributors]
+        base = group[0].digest
+        for _, t, _ in members:
+            if t.synced:
+                t.applied(step, _h(t.digest, step, ids))
+            else:
+                t.began = t.attempt = None     # logged: its commit() returned
+        self.checker.on_commit(group, step, now, gradients, base)
+        for m, t, _ in members:
+            if t.synced:
+                t.set_status(Status.READY, step)
+                t.after_commit(now, leads_step(mask, m.slot))
+        # Joiners at the head receive the step too (they apply what is reduced, onto their state).
         for t in self.trainers.values():
             v = t.view
-            if (t.alive and t.synced and t.phase is Phase.ACTIVE and v is not None and v.epoch == view.epoch
-                    and v.role_of(t.node_id) is Role.JOINER and t.step == step - 1 and t.root == group[0].root):
-                t.step, t.digest = step, digest
-                t.publish_step()
+            joiner = (t.attempt is not None and t.attempt[1].role is Role.JOINER and self._reducing(t, d, now)) or \
+                (v is not None and v.data_epoch == d and v.role_of(t.node_id) is Role.JOINER)
+            if (t.alive and t.synced and t.phase is Phase.ACTIVE and joiner and t.step == step - 1
+                    and t.root == group[0].root and (t.addr, group[0].addr) not in self.sim.blocked):
+                t.applied(step, _h(t.digest, step, ids))
+
+
+def _meta_of(node: Node, member: str) -> MemberMeta | None:
+    """What `node`'s gossip says of `member` (``Runtime.member_meta``)."""
+    m = node.gossip.members.get(member)
+    return m.meta if m is not None else None
 
 
 __all__ = ["Checkpoint", "JobChecker", "Outcome", "Phase", "SimJob", "SimTrainer", "TrainerConfig", "mask_lead_rule",
