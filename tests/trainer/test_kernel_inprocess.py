@@ -579,7 +579,7 @@ class World:
         torch.manual_seed(0)
         self.base = torch.nn.Linear(4, 2)    # every replica starts from these weights
 
-    def make(self, n: int, step_timeout: float = STEP_TIMEOUT) -> list[Replica]:
+    def make(self, n: int, step_timeout: float = STEP_TIMEOUT, clip_norm: float | None = None) -> list[Replica]:
         """`n` replicas, participants of view 1 (slot i), kernels built, nothing begun."""
         reps = []
         for i in range(n):
@@ -592,7 +592,8 @@ class World:
             opt = torch.optim.SGD(model.parameters(), lr=LR)
             group = RecordingGroup()
             options = Options(batch_per_replica=2, lr_policy="none", initial_state="off", start_timeout=2.0,
-                              step_timeout=step_timeout, comm_timeout=COMM_TIMEOUT, loop_timeout=4.0, max_slots=8)
+                              step_timeout=step_timeout, comm_timeout=COMM_TIMEOUT, loop_timeout=4.0, max_slots=8,
+                              clip_norm=clip_norm)
             buf = StepBuffer(list(model.parameters()), max_slots=options.max_slots)
             k = build_kernel(model, opt, MeanGradient(buf), group=group, runtime=rt, data_server=ds,
                              state_io=WHOLE_STATE, options=options.engine(comm_timeout=None, secret=None),
@@ -726,3 +727,46 @@ def test_a_replica_not_in_the_view_waits_then_times_out(world: World) -> None:
     assert a.rt.waits and max(a.rt.waits) <= WAIT_ROLE_S
     assert world.fabric.epochs_of(a.addr) == []             # no communicator: it was on no data plane
     assert a.kernel.step == 0 and len(a.backwards) == 1
+
+
+# ---------------------------------------------------------------------------------- clipping
+def test_the_global_norm_is_clipped_on_the_mean_and_rides_with_the_entry(world: World) -> None:
+    """With ``clip_norm`` the kernel measures the mean gradient's norm once, as the entry is made,
+    and the step clips by it: both replicas equal a plain-torch step whose mean gradient went
+    through ``clip_grad_norm_``; the entry a peer fast-forwards or a joiner replays carries it."""
+    a, b = world.make(2, clip_norm=0.05)
+    ra, rb = run_all(a.step, b.step)
+    assert ra.committed and rb.committed and ra.contributors == 2
+    assert a.kernel.digest() == b.kernel.digest()
+    want = copy.deepcopy(world.base)
+    grads = [a.grad(world.base), b.grad(world.base)]
+    for p, *gs in zip(want.parameters(), *grads):
+        p.grad = torch.stack(gs).sum(0) / len(gs)
+    norm = float(torch.nn.utils.clip_grad_norm_(want.parameters(), 0.05))
+    torch.optim.SGD(want.parameters(), lr=LR).step()
+    same_weights(a.model, want)
+    same_weights(b.model, want)
+    assert norm > 0.05, "the test's gradients must be clipped"
+    entry = a.kernel.recent._entries[-1]
+    assert entry.norm is not None and abs(entry.norm - norm) < 1e-5 * norm
+    assert a.kernel.optimizer_step.last_clip < 1.0
+
+
+def test_the_norm_is_measured_over_every_shard_of_the_replica() -> None:
+    """Rank 0 of a two-rank replica: the norm is over both ranks' shards (their squared norms
+    agreed in rank order), divided by the contributors."""
+    from types import SimpleNamespace
+
+    from p2pft.trainer.kernel.attempt import Entry
+    flat = torch.tensor([3.0, 4.0, 0.0, 0.0])                 # this shard's summed gradient: norm 5
+    other = 12.0 ** 2                                         # the other rank's shard: norm 12
+    buf = SimpleNamespace(grad_numel=2)
+    fake = SimpleNamespace(optimizer_step=SimpleNamespace(clip_norm=1.0), algo=SimpleNamespace(buffer=lambda s: buf),
+                           group=SimpleNamespace(agree=lambda mine: [mine, other]))
+    e = Entry(step=0, flat=flat, count=1, mask=[True])
+    StepEngine.measure(fake, e)   # type: ignore[arg-type]
+    assert e.norm == pytest.approx(13.0)
+    e2 = Entry(step=0, flat=flat * 2, count=2, mask=[True, True])   # two contributors: the mean's norm
+    fake.group = SimpleNamespace(agree=lambda mine: [mine, other * 4])
+    StepEngine.measure(fake, e2)  # type: ignore[arg-type]
+    assert e2.norm == pytest.approx(13.0)

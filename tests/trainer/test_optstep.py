@@ -134,3 +134,52 @@ def test_user_state_registration_errors_are_clear() -> None:
         u.register("opt", torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1))
     with pytest.raises(ValueError, match="no state for"):
         u.restore({}, {})
+
+
+# ---------------------------------------------------------------------------------- clipping
+def _clipped_pair(clip: float, scaler: bool) -> tuple[torch.nn.Module, torch.nn.Module, OptimizerStep]:
+    """The same gradients through p2pft's clip and through torch's own recipe."""
+    torch.manual_seed(0)
+    ours, ref = torch.nn.Linear(6, 3), torch.nn.Linear(6, 3)
+    ref.load_state_dict(ours.state_dict())
+    opt_o, opt_r = torch.optim.SGD(ours.parameters(), lr=0.5), torch.optim.SGD(ref.parameters(), lr=0.5)
+    sc_o = torch.amp.GradScaler("cpu", init_scale=1024.0) if scaler else None
+    sc_r = torch.amp.GradScaler("cpu", init_scale=1024.0) if scaler else None
+    x = torch.randn(5, 6) * 10
+    for m, sc in ((ours, sc_o), (ref, sc_r)):
+        loss = m(x).pow(2).sum()
+        (sc.scale(loss) if sc is not None else loss).backward()
+    step = OptimizerStep(opt_o, lr_policy="none", grad_scaler=sc_o, clip_norm=clip)
+    step(1)
+    if sc_r is not None:
+        sc_r.unscale_(opt_r)
+    torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+    (sc_r.step(opt_r) if sc_r is not None else opt_r.step())
+    return ours, ref, step
+
+
+@pytest.mark.parametrize("scaler", [False, True])
+def test_clipping_is_torchs_global_norm_clip(scaler: bool) -> None:
+    ours, ref, step = _clipped_pair(1.0, scaler)
+    for p, q in zip(ours.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    assert step.last_norm is not None and step.last_norm > 1.0 and step.last_clip < 1.0
+
+
+def test_a_norm_under_the_limit_is_left_alone() -> None:
+    ours, ref, step = _clipped_pair(1e9, False)
+    assert step.last_clip == 1.0
+    for p, q in zip(ours.parameters(), ref.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_a_measured_norm_is_used_as_given() -> None:
+    """The kernel hands the norm measured over every shard: the step clips by it, not by the
+    (partial) gradients it sees."""
+    m = torch.nn.Linear(2, 1)
+    for p in m.parameters():
+        p.grad = torch.ones_like(p)
+    before = [p.detach().clone() for p in m.parameters()]
+    OptimizerStep(torch.optim.SGD(m.parameters(), lr=1.0), lr_policy="none", clip_norm=1.0)(1, norm=10.0)
+    for p, b in zip(m.parameters(), before):
+        torch.testing.assert_close(b - p.detach(), torch.full_like(b, 0.1), rtol=1e-5, atol=1e-6)

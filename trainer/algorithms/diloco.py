@@ -73,13 +73,13 @@ class FragmentMean:
         self.codecs[self.bufs.index(buf)].reduce(comm, buf.flat, contribute=r.contribute, timeout=r.timeout,
                                                  world=r.world, header=r.header)
 
-    def apply(self, step: int, buf: StepBuffer, update: OptimizerStep, count: int) -> None:
+    def apply(self, step: int, buf: StepBuffer, update: Callable[[], None]) -> None:
         mine = set(self.groups[self.schedule.fragment(step)])
         others = [(p, p.grad) for i, p in enumerate(self.params) if i not in mine]
         for p, _ in others:
             p.grad = None
         try:
-            update(count)
+            update()
         finally:
             for p, g in others:
                 p.grad = g
@@ -133,7 +133,7 @@ class DiLoCo(Front):
         self.kernel = Shape.one_rank(runtime).kernel(glob, outer, self.algorithm, opts, span=s.span, update=update)
         self.inner_step_fn = OptimizerStep(inner_optimizer, lr_policy="none", lr_scheduler=opts.lr_scheduler,
                                            grad_scaler=opts.grad_scaler, grad_hook=opts.grad_hook,
-                                           after_step=opts.after_step)
+                                           after_step=opts.after_step, clip_norm=opts.clip_norm)
         self.inner_scheduler = opts.lr_scheduler
         self.spans = Spans(self.kernel, s.span, self.algorithm.bufs[0])
         self._sched_steps = 0

@@ -11,12 +11,11 @@ replica's shape (one rank, R FSDP ranks: ``group.py`` and a ``StateIO``) are sep
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 
 from ...transport.base import Communicator
-from .optstep import OptimizerStep
 from .stepbuf import StepBuffer
 
 
@@ -45,9 +44,10 @@ class Algorithm(Protocol):
     def reduce(self, comm: Communicator, buf: StepBuffer, r: Round) -> None:
         """Sum `buf` over the communicator (its flat tensor, header included)."""
 
-    def apply(self, step: int, buf: StepBuffer, update: OptimizerStep, count: int) -> None:
-        """The update of round `step` from the mean of `count` contributions, already unpacked
-        into `buf`'s gradients: identical on every replica and in a replay."""
+    def apply(self, step: int, buf: StepBuffer, update: Callable[[], None]) -> None:
+        """The update of round `step` from the mean, already unpacked into `buf`'s gradients:
+        identical on every replica and in a replay. `update()` is the kernel's optimizer step
+        with the round's contributor count and measured norm bound (``OptimizerStep``)."""
 
 
 class MeanGradient:
@@ -71,8 +71,8 @@ class MeanGradient:
     def reduce(self, comm: Communicator, buf: StepBuffer, r: Round) -> None:
         comm.allreduce(buf.flat, contribute=r.header, timeout=r.timeout)
 
-    def apply(self, step: int, buf: StepBuffer, update: OptimizerStep, count: int) -> None:
-        update(count)
+    def apply(self, step: int, buf: StepBuffer, update: Callable[[], None]) -> None:
+        update()
 
 
 __all__ = ["Algorithm", "MeanGradient", "Round"]

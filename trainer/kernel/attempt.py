@@ -77,6 +77,10 @@ class Entry:
     #: device tensors: an event recorded once `flat` was written (``written_event``), so a donor
     #: serving it to a peer that fast-forwards does not wait behind this rank's next collective
     ready: Event | None = None
+    #: with clipping, the L2 norm of the mean gradient over the replica's shards: measured once,
+    #: every rank in lockstep, when the entry is made (``StepEngine.measure``), so that a replay
+    #: on a background thread applies the same clip coefficient without a collective
+    norm: float | None = None
 
     @property
     def nbytes(self) -> int:

@@ -17,6 +17,8 @@ called through ports. Per attempt (docs/architecture.md):
 from __future__ import annotations
 
 import contextlib
+import functools
+import math
 import dataclasses
 import hashlib
 import logging
@@ -123,7 +125,8 @@ class StepEngine:
         self.cursor = DataCursor(batch_per_replica, cap.max_slots)
         self.optimizer_step = OptimizerStep(optimizer, lr_policy=upd.lr_policy, nominal_replicas=upd.nominal_replicas,
                                             lr_scheduler=upd.lr_scheduler, grad_scaler=upd.grad_scaler,
-                                            grad_hook=upd.grad_hook, after_step=upd.after_step)
+                                            grad_hook=upd.grad_hook, after_step=upd.after_step,
+                                            clip_norm=upd.clip_norm)
         self.user_state = UserState()
         if upd.lr_scheduler is not None:
             self.user_state.register("lr_scheduler", upd.lr_scheduler)
@@ -590,6 +593,7 @@ class StepEngine:
         mask = [i in reduced.steps for i in range(self.buf.max_slots)]
         flat = self.buf.flat.clone()
         entry = Entry(d.step, flat, reduced.count, mask, ready=written_event(flat))
+        self.measure(entry)
         ranks = {s: r for s, r in att.slot_ranks if s < len(mask) and mask[s]}
         if d.action is Action.LOG:
             if self.catchup.on_reduced(entry, all(v.ready == d.step for v in verdicts)):
@@ -651,11 +655,21 @@ class StepEngine:
             raise AssertionError(f"applying step {e.step} at step {self.step}")
         buf = self.algo.buffer(e.step)
         buf.unpack(float(e.count), source=e.flat)
-        self.algo.apply(e.step, buf, self.optimizer_step, e.count)
+        self.algo.apply(e.step, buf, functools.partial(self.optimizer_step, e.count, e.norm))
         self._clear_grads(buf)
         self.cursor.commit(e.mask)
         self.step += 1
         self.recent.append(e)
+
+    def measure(self, e: Entry) -> None:
+        """Collective, every rank in lockstep, as an entry is made (a commit, a logged step, a
+        fast-forwarded one): with clipping, the mean gradient's global norm over the replica's
+        shards, kept on the entry so that applying it, now or in a replay, clips alike."""
+        if self.optimizer_step.clip_norm is None or e.norm is not None:
+            return
+        n = self.algo.buffer(e.step).grad_numel
+        mine = float(torch.linalg.vector_norm(e.flat[:n], dtype=torch.float64)) ** 2
+        e.norm = math.sqrt(sum(self.group.agree(mine))) / e.count
 
     def committed(self) -> None:
         """After every committed step (a live one, a fast-forward, a hand-over): publish it,

@@ -119,6 +119,7 @@ class UpdateRule:
     grad_scaler: GradScalerLike | None = None
     grad_hook: GradHook | None = None
     after_step: GradHook | None = None
+    clip_norm: float | None = None
 
 
 @dataclass(frozen=True)
@@ -225,6 +226,7 @@ class Options:
     grad_scaler: GradScalerLike | None = None
     grad_hook: GradHook | None = None
     after_step: GradHook | None = None
+    clip_norm: float | None = None      # clip the mean gradient's global norm (over every shard) to this
     state: Mapping[str, Stateful] = field(default_factory=dict)
     # memory
     max_slots: int = Capacity.max_slots
@@ -253,6 +255,9 @@ class Options:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
         if self.lr_policy is not None:
             LRPolicy.parse(self.lr_policy)
+        c = self.clip_norm
+        if c is not None and (isinstance(c, bool) or not isinstance(c, (int, float)) or not 0 < c < float("inf")):
+            raise ValueError(f"clip_norm must be a positive finite number or None, got {c!r}")
         if self.nominal_replicas is not None and (isinstance(self.nominal_replicas, bool)
                                                   or not isinstance(self.nominal_replicas, int)
                                                   or self.nominal_replicas < 1):
@@ -296,7 +301,7 @@ class Options:
         """The update rule of the kernel's optimizer step (`lr_policy`: the algorithm's default)."""
         return UpdateRule(lr_policy=self.lr_policy or lr_policy, nominal_replicas=self.nominal_replicas,
                           lr_scheduler=self.lr_scheduler, grad_scaler=self.grad_scaler, grad_hook=self.grad_hook,
-                          after_step=self.after_step)
+                          after_step=self.after_step, clip_norm=self.clip_norm)
 
     def engine(self, *, comm_timeout: float | None, secret: bytes | None, span: int = 1,
                update: UpdateRule | None = None) -> EngineOptions:

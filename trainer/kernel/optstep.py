@@ -57,7 +57,8 @@ class OptimizerStep:
     def __init__(self, optimizer: torch.optim.Optimizer, *, lr_policy: LRPolicy | str = "sqrt",
                  nominal_replicas: int | None = None, lr_scheduler: LRSchedulerLike | None = None,
                  grad_scaler: GradScalerLike | None = None,
-                 grad_hook: GradHook | None = None, after_step: GradHook | None = None) -> None:
+                 grad_hook: GradHook | None = None, after_step: GradHook | None = None,
+                 clip_norm: float | None = None) -> None:
         if nominal_replicas is not None and (isinstance(nominal_replicas, bool) or not isinstance(nominal_replicas, int)
                                              or nominal_replicas < 1):
             raise ValueError(f"nominal_replicas must be a positive int or None, got {nominal_replicas!r}")
@@ -73,12 +74,15 @@ class OptimizerStep:
         self.scaler = grad_scaler
         self.hook = grad_hook
         self.after = after_step
+        self.clip_norm = clip_norm
         # The planned replica count when none is given: the most contributors any committed
         # step had (replicated: every replica sees the same headers, a joiner gets it in the
         # snapshot). With 3 replicas of which one died, 2 contributors then scale by sqrt(2/3).
         self.peak = 0
         self.last_lrs: list[float] = []   # the learning rates the last step ran with
         self.last_skipped = False         # GradScaler found inf/nan and skipped the last step
+        self.last_norm: float | None = None   # the global gradient norm the last step clipped by
+        self.last_clip = 1.0                  # the coefficient it applied (1.0: not clipped)
 
     def planned(self, contributors: int) -> int:
         return self.nominal if self.nominal is not None else max(self.peak, contributors)
@@ -87,15 +91,22 @@ class OptimizerStep:
         """The factor on the scheduler's learning rate for a step of `contributors`."""
         return lr_scale(self.policy, contributors, self.planned(contributors))
 
-    def __call__(self, contributors: int) -> None:
-        """Gradients hold the mean: take the step (see the module docstring)."""
+    def __call__(self, contributors: int, norm: float | None = None) -> None:
+        """Gradients hold the mean: take the step (see the module docstring). `norm`: the mean
+        gradient's global norm over the replica's shards, as measured in lockstep (with
+        ``clip_norm``; None: measured here, over this optimizer's gradients, for a whole model)."""
         factor = self.scale(contributors)
         self.peak = max(self.peak, contributors)
+        scale = 1.0
         if self.scaler is not None:
             # A replica that contributed nothing (a joiner, a replay) never called scale(): scale
             # a scalar on the gradients' device so the scaler holds its scale before unscaling.
             self.scaler.scale(torch.zeros((), device=_grad_device(self.opt)))
+            scale = float(self.scaler.get_scale())
             self.scaler.unscale_(self.opt)
+        if self.clip_norm is not None:
+            # a measured norm is of the scaled mean; one measured here, of the unscaled gradients
+            self._clip(norm, scale) if norm is not None else self._clip(grad_norm(_grads(self.opt)), 1.0)
         if self.hook is not None:
             self.hook()
         groups = self.opt.param_groups
@@ -121,11 +132,38 @@ class OptimizerStep:
         if self.after is not None:
             self.after()
 
+    def _clip(self, norm: float, scale: float) -> None:
+        """Scale the (unscaled) gradients so that their global norm is at most ``clip_norm``,
+        as ``torch.nn.utils.clip_grad_norm_`` does; `norm` was measured before unscaling."""
+        assert self.clip_norm is not None
+        total = norm / scale if scale != 1.0 else norm
+        self.last_norm, self.last_clip = total, 1.0
+        if not math.isfinite(total):   # inf/nan: a GradScaler skips this step; without one the step goes on
+            return
+        coef = self.clip_norm / (total + 1e-6)
+        if coef < 1.0:
+            self.last_clip = coef
+            for g in _grads(self.opt):
+                g.mul_(coef)
+
     def state_dict(self) -> dict[str, int]:
         return {"peak": self.peak}
 
     def load_state_dict(self, state: Mapping[str, int]) -> None:
         self.peak = int(state.get("peak", 0))
+
+
+def grad_norm(grads: list[torch.Tensor]) -> float:
+    """The L2 norm of `grads` as one vector, summed in float64 (their local parts for DTensors)."""
+    sq = 0.0
+    for g in grads:
+        t = getattr(g, "_local_tensor", g)
+        sq += float(torch.linalg.vector_norm(t, dtype=torch.float64)) ** 2
+    return math.sqrt(sq)
+
+
+def _grads(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None]
 
 
 def _grad_device(opt: torch.optim.Optimizer) -> torch.device:
@@ -144,4 +182,4 @@ def _set_lr(group: dict[str, object], value: float) -> None:
         group["lr"] = value
 
 
-__all__ = ["GradHook", "GradScalerLike", "LRSchedulerLike", "OptimizerStep"]
+__all__ = ["GradHook", "GradScalerLike", "LRSchedulerLike", "OptimizerStep", "grad_norm"]

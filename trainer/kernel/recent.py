@@ -173,6 +173,7 @@ def fast_forward(e: FastForwardPort, target: int, att: Attempt, held: dict[int, 
     for entry in entries:
         if entry.step == e.began_step and slot is not None and entry.mask[slot]:
             ours = entry
+        e.measure(entry)
         e.apply(entry)
     e.events.append({"t": time.time(), "kind": "fast_forward", "from": want_from, "to": e.step})
     log.info("fast-forwarded %d step(s) to %d from %s", len(entries), e.step, donor)
