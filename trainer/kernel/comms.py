@@ -17,8 +17,11 @@ computed instead of following it, and the engine's next attempt finds it built.
 """
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import logging
+import os
 import socket
 import struct
 import threading
@@ -38,6 +41,10 @@ _PREPARE_HEAD = struct.Struct(">qI")
 MAX_PREPARE_BYTES = 1 << 16     # a body's data addresses; a longer one is a broken peer
 SIDE_CONNECTIONS = 8            # only rank 0 connects (two connections); refuse a flood
 PING_EVERY_S = 0.5
+SIDE_NONCE = 16                 # a side-channel connection's challenge (bytes), fresh per connection
+SIDE_MAC = 32                   # HMAC-SHA256 of it under the cluster secret
+SIDE_AUTH_S = 5.0               # how long either end waits for the other's half of the handshake
+SIDE_TAG = b"p2pft-side-channel/1"
 PREPARE_THREADS = 2             # communicators a rank other than 0 builds ahead at once (views can come fast)
 
 
@@ -45,8 +52,9 @@ class ShardComms:
     """Communicator cache of one rank; rank 0 also drives aborts and rank liveness."""
 
     def __init__(self, ds: DataServerPort, shard: int, comm_timeout: float, backend: Backend = Backend.TCP,
-                 device: int | None = None, factory: CommFactory | None = None) -> None:
+                 device: int | None = None, factory: CommFactory | None = None, secret: bytes | None = None) -> None:
         self.ds = ds
+        self.secret = secret      # the cluster secret: rank 0 proves it on every side-channel connection
         # What builds a communicator: the data server's (TCP ring or NCCL), unless one is given
         # (a test's in-memory communicators); either way built here only, on the same keywords.
         self._make: CommFactory = factory if factory is not None else ds.communicator
@@ -64,6 +72,7 @@ class ShardComms:
         self._lock = threading.Lock()
         self._listener: socket.socket | None = None
         self._side_slots = threading.BoundedSemaphore(SIDE_CONNECTIONS)
+        self._refusals = 0        # side-channel connections refused for a wrong proof of the secret
         self._prepare_slots = threading.BoundedSemaphore(PREPARE_THREADS)
         self._closed = threading.Event()
         # The first refusal no retry can fix, kept after its communicator is replaced: a job
@@ -198,9 +207,12 @@ class ShardComms:
 
     def _serve_side(self, conn: socket.socket) -> None:
         """Abort communicators older than each data epoch rank 0 announces; build the new one
-        ahead when told to (NCCL); answer pings. A malformed frame ends the connection."""
+        ahead when told to (NCCL); answer pings. A malformed frame, or (with a secret) a
+        connection that does not prove it, ends the connection."""
         buf = b""
         try:
+            if not self._admit(conn):
+                return
             while True:
                 try:
                     chunk = conn.recv(4096)
@@ -235,6 +247,43 @@ class ShardComms:
         finally:
             conn.close()
             self._side_slots.release()
+
+    def _admit(self, conn: socket.socket) -> bool:
+        """With a secret: a fresh nonce out, its MAC back within `SIDE_AUTH_S` (rank 0's
+        ``_side_connect``), or the connection is refused; without one, every connection."""
+        if self.secret is None:
+            return True
+        nonce = os.urandom(SIDE_NONCE)
+        try:
+            conn.settimeout(SIDE_AUTH_S)
+            conn.sendall(nonce)
+            mac = _recv_exact(conn, SIDE_MAC)
+            conn.settimeout(None)
+        except OSError:
+            return False
+        if mac is not None and hmac.compare_digest(mac, _side_mac(self.secret, nonce)):
+            return True
+        self._refusals += 1
+        if self._refusals in (1, 10, 100) or self._refusals % 1000 == 0:
+            log.warning("side channel: refused a connection that does not hold the cluster secret (%d so far)",
+                        self._refusals)
+        return False
+
+    def _side_connect(self, addr: tuple[str, int]) -> socket.socket:
+        """Rank 0: a side-channel connection to another rank, proving the secret when there is one."""
+        sock = socket.create_connection(addr, timeout=1.0)
+        if self.secret is not None:
+            try:
+                sock.settimeout(SIDE_AUTH_S)
+                nonce = _recv_exact(sock, SIDE_NONCE)
+                if nonce is None:
+                    raise ConnectionError("side channel closed during the handshake")
+                sock.sendall(_side_mac(self.secret, nonce))
+                sock.settimeout(1.0)
+            except OSError:
+                sock.close()
+                raise
+        return sock
 
     def _start_prepare(self, body: bytes) -> bool:
         """Build the communicator rank 0 described, on a thread of its own (the side channel
@@ -287,7 +336,7 @@ class ShardComms:
                 for _ in range(2):  # one reconnect: the rank may have restarted its accept
                     try:
                         if i not in socks:
-                            socks[i] = socket.create_connection(addr, timeout=1.0)
+                            socks[i] = self._side_connect(addr)
                         socks[i].sendall(frame)
                         break
                     except OSError:
@@ -311,7 +360,7 @@ class ShardComms:
             for i, addr in enumerate(ranks):
                 try:
                     if i not in conns:
-                        conns[i] = socket.create_connection(addr, timeout=1.0)
+                        conns[i] = self._side_connect(addr)
                     conns[i].settimeout(1.0)
                     conns[i].sendall(_PING)
                     if not conns[i].recv(1):
@@ -331,6 +380,21 @@ class ShardComms:
             time.sleep(PING_EVERY_S)
         for c in conns.values():
             c.close()
+
+
+def _side_mac(secret: bytes, nonce: bytes) -> bytes:
+    return hmac.new(secret, SIDE_TAG + nonce, hashlib.sha256).digest()
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
+    """`n` bytes, or None when the peer closed first."""
+    out = b""
+    while len(out) < n:
+        chunk = sock.recv(n - len(out))
+        if not chunk:
+            return None
+        out += chunk
+    return out
 
 
 __all__ = ["ShardComms"]

@@ -148,7 +148,8 @@ class StepEngine:
         dev = self.buf.flat.device
         self.backend = choose_backend(plane, dev.type)
         self.comms = ShardComms(data_server, self.shard, self.comm_timeout, backend=self.backend,
-                                device=dev.index if dev.type == "cuda" else None, factory=comm_factory)
+                                device=dev.index if dev.type == "cuda" else None, factory=comm_factory,
+                                secret=options.plane.secret)
         if algorithm.sparse:   # peers may still be in their span: a new ring waits for them that long
             self.comms.connect_timeout = self.comm_timeout
         self.donor: DonorControl = parts.donor(self)   # snapshots, mean gradients and step signatures for peers
