@@ -16,6 +16,7 @@ from .kernel.errors import (InitialStateMismatch, JobConfigError, JobError, JobF
                             Stopped)
 from .algorithms.front import Front
 from .algorithms.ft import FaultTolerant, StepResult
+from .kernel.optimizers import Optimizers, Schedulers
 from .kernel.options import Options
 from .algorithms.hsdp import HSDP
 from .data.loader import StepLoader
@@ -30,6 +31,7 @@ for _old, _module in (("hsdp", _hsdp), ("outer", _outer), ("loader", _loader), (
     sys.modules.setdefault(f"{__name__}.{_old}", _module)
     globals()[_old] = _module
 
-__all__ = ["DiLoCo", "DiLoCoResult", "FaultTolerant", "Front", "HSDP", "Options", "StepResult", "StepTimeout",
-           "Stopped", "JobError", "JobFinished", "MissingStateError", "JobConfigError", "InitialStateMismatch",
-           "StepLoader", "DataCursor", "LRPolicy", "lr_scale", "capture", "restore", "state_digest"]
+__all__ = ["DiLoCo", "DiLoCoResult", "FaultTolerant", "Front", "HSDP", "Optimizers", "Options", "Schedulers",
+           "StepResult", "StepTimeout", "Stopped", "JobError", "JobFinished", "MissingStateError", "JobConfigError",
+           "InitialStateMismatch", "StepLoader", "DataCursor", "LRPolicy", "lr_scale", "capture", "restore",
+           "state_digest"]

@@ -79,6 +79,12 @@ class HSDP(Front):
         """Collective over the replica's ranks: allreduce every shard, agree, retry, apply."""
         return self.kernel.commit()
 
+    def replica_total(self, n: int) -> int:
+        """Collective over the replica's ranks: the sum of each rank's `n`. A loss normalised by
+        the replica's tokens (torchtitan's ``train_step`` sums the valid tokens over the ranks)
+        divides by this, not by one rank's count, which is off by the number of ranks."""
+        return sum(self.kernel.group.agree(int(n)))
+
     def digests(self) -> list[str]:
         """Collective: every rank's shard digest (parameters + optimizer state), in rank order."""
         return self.kernel.group.agree(self.digest())

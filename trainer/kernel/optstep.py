@@ -62,8 +62,11 @@ class OptimizerStep:
         if nominal_replicas is not None and (isinstance(nominal_replicas, bool) or not isinstance(nominal_replicas, int)
                                              or nominal_replicas < 1):
             raise ValueError(f"nominal_replicas must be a positive int or None, got {nominal_replicas!r}")
-        if lr_scheduler is not None and getattr(lr_scheduler, "optimizer", optimizer) is not optimizer:
-            raise ValueError("lr_scheduler drives another optimizer than the one p2pft steps")
+        if lr_scheduler is not None:
+            allowed = {id(optimizer), *(id(o) for o in getattr(optimizer, "optimizers", ()))}
+            for s in getattr(lr_scheduler, "schedulers", [lr_scheduler]):   # several: ``Schedulers``
+                if id(getattr(s, "optimizer", optimizer)) not in allowed:
+                    raise ValueError("lr_scheduler drives another optimizer than the one p2pft steps")
         for name, fn in (("grad_hook", grad_hook), ("after_step", after_step)):
             if fn is not None and not callable(fn):
                 raise TypeError(f"{name} must be callable")

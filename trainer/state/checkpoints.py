@@ -75,9 +75,17 @@ def _checkpoint_exception() -> type[BaseException]:
 
 
 def model_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> tuple[DictValueType, OptimizerStateType]:
+    """torch's distributed state dicts (FQN keys; one flat ``optim`` dict over the members of an
+    ``Optimizers``, as ``get_state_dict`` writes several optimizers)."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
     with _quiet():
-        return get_state_dict(model, opt)
+        return get_state_dict(model, members(opt))
+
+
+def members(opt: torch.optim.Optimizer) -> torch.optim.Optimizer | list[torch.optim.Optimizer]:
+    """The optimizers torch's state-dict API should see: an ``Optimizers``' members, else `opt`."""
+    inner = getattr(opt, "optimizers", None)
+    return list(inner) if isinstance(inner, list) else opt
 
 
 def checkpoint_steps(directory: str | os.PathLike[str]) -> list[int]:
@@ -225,7 +233,7 @@ class Checkpoints:
                     "p2pft": {key: {"tensors": {k: torch.empty_like(v) for k, v in tensors.items()}}}}
                 load(state, checkpoint_id=path, **self._dist())
                 from torch.distributed.checkpoint.state_dict import set_state_dict
-                set_state_dict(p.model, p.opt, model_state_dict=cast("DictValueType", state["model"]),
+                set_state_dict(p.model, members(p.opt), model_state_dict=cast("DictValueType", state["model"]),
                                optim_state_dict=cast("OptimizerStateType", state["optim"]))
             loaded = cast("dict[str, dict[str, dict[str, torch.Tensor]]]", state["p2pft"])
             p.load_extras(meta, loaded[key]["tensors"])
