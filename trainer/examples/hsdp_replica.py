@@ -10,7 +10,9 @@ or with the small local launcher built in (``--nproc-per-node 2`` without torchr
 environment): it spawns the ranks with RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and
 MASTER_PORT set and, when any rank dies, kills the others and exits non-zero: the replica fails
 and restarts as a whole (the test harness restarts it). Rank 0 appends one JSON line per step
-to ``--stats``, with every rank's shard digest every ``--digest-every`` steps.
+to ``--stats``, with every rank's shard digest every ``--digest-every`` steps, and what a replay of
+the run needs (``gpt.py``'s format: trained ranges, slot, the committed step's ring, the lr; with
+``--clip-norm``, the norm and the clip coefficient applied; docs/hsdp.md).
 """
 from __future__ import annotations
 
@@ -42,6 +44,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rank-timeout", type=float, default=10.0,
                    help="rank 0 takes the replica down when another rank has not answered its pings "
                         "for this long (a stopped or wedged rank)")
+    p.add_argument("--clip-norm", type=float, default=None,
+                   help="clip the mean gradient's global norm (over every shard) to this (default: off); "
+                        "the stats record each committed step's norm and clip coefficient")
+    p.add_argument("--pause-at-step", type=int, default=0,
+                   help="at this committed step, step out for --pause-s seconds (rep.pause): the others go on")
+    p.add_argument("--pause-s", type=float, default=0.0, help="length of the pause of --pause-at-step (s)")
     args = p.parse_args(argv)
     require_replica_id(p, args)
     return args
@@ -141,7 +149,7 @@ def worker(args: argparse.Namespace) -> int:
     rep = HSDP.launch(model, opt, replica_id=args.replica_id, listen=args.listen,
                      seeds=[s for s in args.seeds.split(",") if s], secret=load_secret(args.secret_file),
                      batch_per_replica=args.batch, nominal_replicas=args.replicas, lr_policy=args.lr_policy,
-                     rank_timeout=args.rank_timeout, **job_kwargs(args),
+                     rank_timeout=args.rank_timeout, clip_norm=args.clip_norm, **job_kwargs(args),
                      runtime_kw={"metrics_port": args.metrics_port, "max_participants": args.max_participants})
     stop.attach(rep)
     steps = StepMetrics.attach(rep.rt, rep.kernel)   # rank 0 with --metrics-port; a no-op otherwise
@@ -180,9 +188,18 @@ def worker(args: argparse.Namespace) -> int:
         rep.full_digest()
     deadline = time.monotonic() + args.duration if args.duration else float("inf")
     last_epoch = -1
+    paused = False
+    optstep = rep.kernel.optimizer_step
     while not code and not rep.done:
+        if args.pause_at_step and not paused and rep.step >= args.pause_at_step:
+            paused = True
+            with rep.pause("eval"):   # collective: every rank steps out; the other replicas commit meanwhile
+                pause_end = time.monotonic() + args.pause_s
+                while time.monotonic() < pause_end and not stop.flag:
+                    time.sleep(0.02)
         try:
             idx = rep.begin(stop=stop.flag or time.monotonic() > deadline)
+            slot = rep.kernel.current_slot   # the slot this step trains for (commit() clears it)
             rep.zero_grad()
             if idx:
                 model.loss(data.batch(idx).to("cuda" if cuda else "cpu")).backward()
@@ -201,8 +218,19 @@ def worker(args: argparse.Namespace) -> int:
             view = rep.rt.view
             rec = {"t": time.time(), "step": res.step, "c": int(res.committed), "role": res.role,
                    "n": res.contributors, "r": res.retries, "e": view.epoch if view else 0}
+            # What a replay needs (gpt.py's format, p2pft/chaos/oracle.py): the ranges we trained,
+            # our slot and the step they were in; the committed step's ring (slot -> data rank, its
+            # size); the lr it ran with and, with clipping, the norm and the coefficient applied.
             if res.trained:
-                rec["tr"] = res.trained
+                rec.update(tr=[list(x) for x in res.trained], slot=slot, ts=res.trained_step)
+            if res.fast_forwarded:
+                rec["ff"] = res.fast_forwarded
+            if res.committed and res.slot_ranks:
+                rec.update(sr=sorted([k, r] for k, r in res.slot_ranks.items()), dw=res.data_world)
+            if (res.committed or res.fast_forwarded) and optstep.last_lrs:
+                rec["lr"] = optstep.last_lrs[0]
+                if args.clip_norm is not None:
+                    rec.update(norm=optstep.last_norm, clip=optstep.last_clip)
             if digests:
                 rec["digest"] = ",".join(digests)  # shard digests in rank order
             if view is not None and view.epoch != last_epoch:
