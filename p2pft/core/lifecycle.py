@@ -122,22 +122,68 @@ class EndWord(enum.Enum):
     ROUND = "round"         # an idle reduce round for the joiners still catching up
     STOP = "stop"
     TIMEOUT = "timeout"
+    CHECK = "check"         # left out since our last commit: compare our last steps with a finished peer's
+    DONE = "done"           # ... they agree: our step is the job's, say done (``end_checked``)
+    REJOIN = "rejoin"       # ... the others redid one without us: catch up from a snapshot before done
+
+
+class SigCheck(enum.Enum):
+    """What a finished peer's signatures of our last steps say (``signatures_agree``)."""
+
+    SAME = "same"           # every step both know has the same contributors: our state is theirs
+    REDONE = "redone"       # one differs: the others redid it without us
+    UNKNOWN = "unknown"     # the peer knows none of them (or could not be asked)
+
+
+def signatures_agree(pairs: Sequence[tuple[str | None, str | None]]) -> SigCheck:
+    """(ours, the peer's) signature of each step checked (``viewplan.end_check_steps``). A step
+    we hold no signature of is not ours to check (our state came from a snapshot since): with
+    none of ours, there is nothing of ours the others could have redone."""
+    ours = [(m, t) for m, t in pairs if m is not None]
+    if not ours:
+        return SigCheck.SAME
+    both = [(m, t) for m, t in ours if t is not None]
+    if any(m != t for m, t in both):
+        return SigCheck.REDONE
+    return SigCheck.SAME if both else SigCheck.UNKNOWN
 
 
 def end_word(view: View | None, step: int, synced: bool, stopping: bool, timed_out: bool,
-             all_done: bool) -> EndWord:
+             all_done: bool, unchecked: bool = False, peer_done: bool = False) -> EndWord:
     """At the end barrier: the job's end is ours only when we hold its final committed state
     (synced, at the finished step); a trainer that did not get there (a joiner still catching
-    up, a pause that came back too late) is told so, never handed the end as its own."""
+    up, a pause that came back too late) is told so, never handed the end as its own.
+
+    `unchecked`: we were left out of the views since our last commit (``viewplan.must_check_end``)
+    and have not yet compared our last steps with a finished peer's: our step may be one the
+    others redid without us, so the end is not ours before that check (``CHECK``, once the job
+    finished or a peer says done at our step: `peer_done`; ``end_checked`` reads its outcome)."""
     if view is not None and view.finished is not None:
-        return EndWord.FINISHED if synced and step == view.finished else EndWord.BEHIND
+        if not synced or step != view.finished:
+            return EndWord.BEHIND
+        return EndWord.CHECK if unchecked else EndWord.FINISHED
     if stopping:
         return EndWord.STOP
     if timed_out:
         return EndWord.TIMEOUT
+    if unchecked and synced and peer_done:
+        return EndWord.CHECK
     if view is not None and view.joiners and all_done:
         return EndWord.ROUND    # a round moves the whole buffer to the joiners
     return EndWord.WAIT
 
 
-__all__ = ["Admit", "Declared", "EndWord", "Fetch", "admit", "end_word", "further", "initial_fetch", "leads_step"]
+def end_checked(result: SigCheck, finished: bool) -> EndWord:
+    """The word after a ``CHECK``: the same signatures make the end ours (``FINISHED``, or
+    ``DONE`` to say so while the job is not finished). A step the others redid means a catch-up
+    (``REJOIN``) while the job goes on, and after its end leaving without the job's weights
+    (``BEHIND``), as when no finished peer could say (a peer may answer at the next look)."""
+    if result is SigCheck.SAME:
+        return EndWord.FINISHED if finished else EndWord.DONE
+    if finished:
+        return EndWord.BEHIND
+    return EndWord.REJOIN if result is SigCheck.REDONE else EndWord.WAIT
+
+
+__all__ = ["Admit", "Declared", "EndWord", "Fetch", "SigCheck", "admit", "end_checked", "end_word", "further",
+           "initial_fetch", "leads_step", "signatures_agree"]

@@ -33,11 +33,19 @@ class PlanMemory:
     member_since: int | None = None        # our membership's `since` while a participant
     rejoin_pending: bool = False           # left out: the next allreduce starts a catch-up
     returning: tuple[tuple[str, int], ...] = ()   # members back from a pause -> the step they hold
+    reduced: int | None = None             # the last step we applied from our own reduce (not a log, a snapshot)
 
     def after_pause(self) -> PlanMemory:
         """Back from a pause (which checked our last step): being off the data plane meanwhile
-        is not being left out of a view."""
+        is not being left out of a view. The end barrier says the same once a finished peer's
+        signatures agreed with ours (``must_check_end``)."""
         return replace(self, was_participant=False, rejoin_pending=False, member_since=None)
+
+    def after_reduce(self, step: int) -> PlanMemory:
+        """We applied `step` (the reduced buffer of step `step`, as ``Entry.step`` counts) from our
+        own allreduce: the one step a view change may leave committed here only. Steps taken from
+        a peer's log after it (a fast-forward) are the peer's, applied onto it."""
+        return replace(self, reduced=step)
 
 
 class WaitFor(enum.Enum):
@@ -117,6 +125,42 @@ def track_membership(memory: PlanMemory, view: View | None, me: Member | None) -
     if memory.was_participant and view is not None:
         return replace(memory, was_participant=False, rejoin_pending=True, member_since=None), None
     return memory, None
+
+
+def must_check_end(memory: PlanMemory, view: View | None, node: str | None) -> bool:
+    """At the end barrier, where no commit looks at the views any more: were we left out of
+    them since the look of our last commit (what that look's ``track_membership`` would find
+    now: absent, a joiner we did not ask to be, or taken back under a new `since`), while another
+    replica may hold the job's state? Then our last own step may be one the others redid without
+    us (the allreduce of step s can finish here while theirs fail), and a fast-forward from their
+    log at the end applied their next steps onto it. Such a replica must not say done, nor take
+    the end as its own, until a finished peer's signatures of those steps (``end_check_steps``)
+    agree with ours or it caught up; when it cannot, it leaves behind the end.
+
+    Left out with nobody else holding a state (``sole_holder``), ours is the job's. Another
+    holder is another participant or paused member; once the job finished, also another member
+    on the data plane or a trainer the view names as left: replicas that finish together leave
+    together, and the views then drop them (gossip from them may not have reached us: the
+    views come by the log, whoever was cut off)."""
+    me = view.member(node) if view is not None else None
+    if not track_membership(memory, view, me)[0].rejoin_pending:
+        return False
+    if view is None:
+        return True
+    if view.donor(exclude=node) is not None or any(m.node != node for m in view.paused):
+        return True
+    if view.finished is None:
+        return False
+    return any(m.node != node and m.role.on_data_plane for m in view.members) or any(n != node for n in view.left)
+
+
+def end_check_steps(memory: PlanMemory, step: int) -> tuple[int, ...]:
+    """The steps whose signatures (``Entry.step`` numbering) a replica left out before the end
+    compares with a finished peer's: its last own reduce (the one that may be redone without
+    it) and its last step (what ``last_step_agreed`` checks after a pause); steps between were
+    taken from a peer's log. A replica whose signature of one is gone (its state came from a
+    snapshot since) has nothing of its own there to check."""
+    return tuple(sorted({s for s in (memory.reduced, step - 1) if s is not None and 0 <= s < step}))
 
 
 def sole_holder(rejoin: bool, donor: Member | None, synced: bool) -> bool:
@@ -203,4 +247,5 @@ def plan_view(memory: PlanMemory, view: View | None, node: str | None, *, slot: 
 
 
 __all__ = ["MetaOf", "Note", "NoteKind", "PlanMemory", "Reduce", "StepOf", "ViewPlan", "Wait", "WaitFor",
-           "gradients_count", "hold_from", "is_behind", "paused_donor", "plan_view", "sole_holder", "track_membership"]
+           "end_check_steps", "gradients_count", "hold_from", "is_behind", "must_check_end", "paused_donor",
+           "plan_view", "sole_holder", "track_membership"]

@@ -3,20 +3,22 @@
 Each ``SimTrainer`` runs the README's loop (``start()``, ``while not done: begin/commit``, a
 pause after some commits, ``finish()``) as a state machine on the virtual clock. What it
 decides, it decides with ``p2pft/core/lifecycle.py`` (``admit``, ``initial_fetch``,
-``leads_step``, ``end_word``): the functions ``trainer/job/life.py`` calls; and each look before
-a reduce is ``p2pft/core/viewplan.py``'s ``plan_view``, as in the engine (rejoin, demote, the
-donor, behind, the log held for a member back from a pause). The leader's half (``JobPlanner``)
-runs inside each ``Node`` as in production. The data plane is modelled, not run: one round per
-communicator (data epoch) every ``STEP_S``, where a step commits when every participant of the
-newest view has its allreduce under way (planned, not paused or busy, no link down), each
-counting as its own plan says. A state is a digest chain (``digest(s+1) = H(digest(s), s+1,
-contributors)``), so two trainers hold the same weights exactly when they hold the same digest,
-and a step applied onto another state (a log replayed, a reduced step received) gives another.
-A catch-up takes ``SNAPSHOT_S`` and ends with the donor's state; a trainer whose steps a peer's
-log still holds (its last ``RECENT_KEEP``, or from a paused member's ``hold_from``) replays them
-at once (the fast-forward log). Faults beside kills and pauses: a long backward (``busy``: the
-loop neither looks nor beats) and a step whose allreduce finished at one trainer only
-(``SimJob.splits``).
+``leads_step``, ``end_word``, ``end_checked``): the functions ``trainer/job/life.py`` and
+``trainer/job/barrier.py`` call; and each look before a reduce is ``p2pft/core/viewplan.py``'s
+``plan_view``, as in the engine (rejoin, demote, the donor, behind, the log held for a member
+back from a pause), as the end barrier's look is its ``must_check_end`` (a trainer left out
+since its last commit compares its last steps' signatures, who contributed, with a finished
+peer's). The leader's half (``JobPlanner``) runs inside each ``Node`` as in production. The data
+plane is modelled, not run: one round per communicator (data epoch) every ``STEP_S``, where a
+step commits when every participant of the newest view has its allreduce under way (planned, not
+paused or busy, no link down), each counting as its own plan says. A state is a digest chain
+(``digest(s+1) = H(digest(s), s+1, contributors)``), so two trainers hold the same weights
+exactly when they hold the same digest, and a step applied onto another state (a log replayed, a
+reduced step received) gives another. A catch-up takes ``SNAPSHOT_S`` and ends with the donor's
+state; a trainer whose steps a peer's log still holds (its last ``RECENT_KEEP``, or from a
+paused member's ``hold_from``) replays them at once (the fast-forward log). Faults beside kills
+and pauses: a long backward (``busy``: the loop neither looks nor beats) and a step whose
+allreduce finished at one trainer only (``SimJob.splits``).
 
 ``JobChecker`` holds the job-level invariants (see ``tests/sim/test_job_invariants.py``):
 
@@ -39,11 +41,13 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ..core.lifecycle import Admit, Declared, EndWord, Fetch, admit, end_word, initial_fetch, leads_step
+from ..core.lifecycle import (Admit, Declared, EndWord, Fetch, SigCheck, admit, end_checked, end_word, initial_fetch,
+                              leads_step, signatures_agree)
 from ..core.meta import MemberMeta, Status
 from ..core.node import Node
 from ..core.view import JobTarget, Member, Role, View
-from ..core.viewplan import PlanMemory, Reduce, plan_view
+from ..core import viewplan
+from ..core.viewplan import PlanMemory, Reduce, end_check_steps, plan_view
 from .cluster import InvariantViolation, SimEvent, Simulator, ViewCommitted
 
 TICK_S = 0.05          # one look of each trainer's loop
@@ -96,6 +100,7 @@ class Checkpoint:
     step: int
     digest: str
     root: str
+    sig: str | None = None     # its last step's signature (``meta["sig"]``)
 
 
 class SimTrainer:
@@ -124,6 +129,11 @@ class SimTrainer:
         self.alive = True
         self._reported: set[tuple[int, str]] = set()
         self.history: dict[int, str] = {self.step: self.digest}   # step -> digest, along the state it holds
+        # The signature of each step applied here, by ``Entry.step`` (the step it was applied at):
+        # who contributed (``recent.step_signature``); a snapshot keeps only its last step's.
+        self.sigs: dict[int, str] = {ck.step - 1: ck.sig} if ck is not None and ck.sig is not None else {}
+        self.end_checked = False           # the end barrier's check of our last steps is done
+        self.owe_done = False              # the end barrier holds 'done' back until then
         self.log_from = self.step          # the oldest step whose reduced buffer its log still holds
         self.memory = PlanMemory()         # the view plan's memory of earlier looks (the engine's)
         self.began: tuple[int, str, int | None] | None = None   # the step begun: (step, digest, slot)
@@ -254,7 +264,11 @@ class SimTrainer:
             if self.phase is not Phase.ACTIVE:
                 return
         if self.done:
-            self.set_status(Status.DONE, self.step)
+            if self._unchecked():         # left out since its last commit: check first (EndBarrier)
+                self.owe_done = True
+                self.job.stats["end_unchecked"] += 1
+            else:
+                self.set_status(Status.DONE, self.step)
             self.phase = Phase.FINISHING
             self.deadline = now + self.cfg.finish_timeout
             return
@@ -328,6 +342,7 @@ class SimTrainer:
                 self._copy(src, replay=True)
             else:
                 self.job.stats["replayed_onto_another_state"] += 1
+                self.sigs.update({k: v for k, v in src.sigs.items() if self.step <= k < src.step})
                 digest = self.digest
                 for s in range(self.step + 1, src.step + 1):
                     digest = _h("replayed", digest, s)
@@ -347,6 +362,11 @@ class SimTrainer:
         """Take `src`'s state: by a replay of its log (ours goes on), or a snapshot (no log)."""
         self.root = src.root
         self.history = dict(src.history)
+        if replay:
+            self.sigs.update({k: v for k, v in src.sigs.items() if self.step <= k < src.step})
+        else:
+            last = src.sigs.get(src.step - 1)
+            self.sigs = {src.step - 1: last} if last is not None else {}
         self._set_state(src.step, src.digest, keep_log=replay)
 
     def _set_state(self, step: int, digest: str, keep_log: bool = True) -> None:
@@ -359,11 +379,14 @@ class SimTrainer:
         self.last_commit = self.job.sim.now
         self.publish_step()
 
-    def applied(self, step: int, digest: str) -> None:
-        """A reduced step applied onto our state: the log keeps the last RECENT_KEEP steps, or
-        from the step held for a member back from a pause (``RecentSteps.hold``)."""
+    def applied(self, step: int, digest: str, sig: str) -> None:
+        """A step reduced by our own allreduce applied onto our state (``PlanMemory.after_reduce``,
+        `sig` its contributors): the log keeps the last RECENT_KEEP steps, or from the step held
+        for a member back from a pause (``RecentSteps.hold``)."""
         keep = step - RECENT_KEEP if self.holding is None else min(step - RECENT_KEEP, self.holding)
         self.log_from = max(self.log_from, keep)
+        self.sigs[step - 1] = sig
+        self.memory = self.memory.after_reduce(step - 1)
         self._set_state(step, digest)
 
     def publish_step(self) -> None:
@@ -408,7 +431,8 @@ class SimTrainer:
         self.lead_step = self.step if lead else None
         self.side_work = self.step
         if self.cfg.checkpoint_every and self.step % self.cfg.checkpoint_every == 0:
-            self.job.checkpoints[self.addr] = Checkpoint(self.step, self.digest, self.root)
+            self.job.checkpoints[self.addr] = Checkpoint(self.step, self.digest, self.root,
+                                                         self.sigs.get(self.step - 1))
 
     def _side_work(self, now: float) -> None:
         """The README loop's code after a commit: the leader of the step evaluates in a pause."""
@@ -444,10 +468,34 @@ class SimTrainer:
             self._active(now)
 
     # ------------------------------------------------------------------ the end barrier
+    def _unchecked(self) -> bool:
+        return self.synced and not self.end_checked and viewplan.must_check_end(self.memory, self.view, self.node_id)
+
     def _finishing(self, now: float) -> None:
-        view = self.view
+        view, node = self.view, self.node
+        if not self.synced and view is not None and view.role_of(self.node_id) in (Role.JOINER, Role.PARTICIPANT):
+            self._catch_up(now, None)     # the idle rounds' catch-up: a snapshot of a finished peer's state
+        unchecked = self._unchecked()
+        if self.owe_done and self.synced and not unchecked:
+            self.owe_done = False
+            self.set_status(Status.DONE, self.step)
+        peer_done = unchecked and view is not None and node is not None and any(
+            (meta := _meta_of(node, m.node)) is not None and meta.status is Status.DONE and meta.step == self.step
+            for m in view.members if m.node != node.id)
         word = end_word(view, self.step, self.synced, False, now >= self.deadline,
-                        view is not None and bool(view.joiners) and self.job.all_done(view, self.step))
+                        view is not None and bool(view.joiners) and self.job.all_done(view, self.step),
+                        unchecked=unchecked, peer_done=peer_done)
+        if word is EndWord.CHECK:
+            assert view is not None
+            word = end_checked(self._check_end(view), view.finished is not None)
+            self.job.stats[f"end_check:{word.value}"] += 1
+            if word in (EndWord.FINISHED, EndWord.DONE):
+                self.end_checked = True
+                self.memory = self.memory.after_pause()    # the engine's membership_checked
+                self.owe_done = self.owe_done or word is EndWord.DONE
+            elif word is EndWord.REJOIN:
+                self.end_checked = self.owe_done = True
+                self._unsync()            # a snapshot of the others' state before 'done'
         if word is EndWord.FINISHED:
             assert view is not None
             self._end(now, None, view.finished)
@@ -456,6 +504,29 @@ class SimTrainer:
             self._end(now, "JobFinished(held)", view.finished)
         elif word is EndWord.TIMEOUT:
             self._end(now, "StepTimeout")
+
+    def _check_end(self, view: View) -> SigCheck:
+        """``EndBarrier._check``: our signatures of our last steps against the first finished peer
+        that knows one (done at our step in gossip, or a participant of the view that says the
+        job finished); a peer answers while it is in its end barrier and reachable."""
+        steps = end_check_steps(self.memory, self.step)
+        mine = {s: self.sigs.get(s) for s in steps}
+        if all(sig is None for sig in mine.values()):
+            return signatures_agree([])
+        node = self.node
+        assert node is not None
+        holders = {m.node for m in (*view.participants, *view.paused)} if view.finished is not None else set()
+        for m in view.members:
+            t = self.job.by_node(m.node)
+            meta = _meta_of(node, m.node)
+            done = meta is not None and meta.status is Status.DONE and meta.step == self.step
+            if (t is None or t is self or not (done or m.node in holders) or t.phase is not Phase.FINISHING
+                    or (self.addr, t.addr) in self.job.sim.blocked):
+                continue
+            result = signatures_agree([(mine[s], t.sigs.get(s) if mine[s] is not None else None) for s in steps])
+            if result is not SigCheck.UNKNOWN:
+                return result
+        return SigCheck.UNKNOWN
 
 
 def view_lead_rule(t: SimTrainer) -> bool:
@@ -752,7 +823,7 @@ class SimJob:
             # The allreduce finished at `cut` only (it got the last frames, its own were lost): it
             # applies the step, the others do not and report it; they redo the step without it.
             self.stats["split"] += 1
-            cut.applied(step, _h(cut.digest, step, ids))
+            cut.applied(step, _h(cut.digest, step, ids), _h("sig", step, ids))
             self.checker.on_orphan(cut, step)
             cut.set_status(Status.READY, step)
             cut.after_commit(now, False)
@@ -764,7 +835,7 @@ class SimJob:
         base = group[0].digest
         for _, t, _ in members:
             if t.synced:
-                t.applied(step, _h(t.digest, step, ids))
+                t.applied(step, _h(t.digest, step, ids), _h("sig", step, ids))
             else:
                 t.began = t.attempt = None     # logged: its commit() returned
         self.checker.on_commit(group, step, now, gradients, base)
@@ -772,14 +843,17 @@ class SimJob:
             if t.synced:
                 t.set_status(Status.READY, step)
                 t.after_commit(now, leads_step(mask, m.slot))
-        # Joiners at the head receive the step too (they apply what is reduced, onto their state).
+        # Joiners at the head receive the step too (they apply what is reduced, onto their state);
+        # not one whose look at this view would start a catch-up (left out since its last look:
+        # the engine's plan of that allreduce says ``rejoin``, and it logs the step instead).
         for t in self.trainers.values():
             v = t.view
             joiner = (t.attempt is not None and t.attempt[1].role is Role.JOINER and self._reducing(t, d, now)) or \
-                (v is not None and v.data_epoch == d and v.role_of(t.node_id) is Role.JOINER)
+                (v is not None and v.data_epoch == d and v.role_of(t.node_id) is Role.JOINER
+                 and not viewplan.track_membership(t.memory, v, v.member(t.node_id))[0].rejoin_pending)
             if (t.alive and t.synced and t.phase is Phase.ACTIVE and joiner and t.step == step - 1
                     and t.root == group[0].root and (t.addr, group[0].addr) not in self.sim.blocked):
-                t.applied(step, _h(t.digest, step, ids))
+                t.applied(step, _h(t.digest, step, ids), _h("sig", step, ids))
 
 
 def _meta_of(node: Node, member: str) -> MemberMeta | None:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from p2pft.core.lifecycle import Admit, Declared, EndWord, Fetch, admit, end_word, initial_fetch, leads_step
+from p2pft.core.lifecycle import (Admit, Declared, EndWord, Fetch, SigCheck, admit, end_checked, end_word,
+                                  initial_fetch, leads_step, signatures_agree)
 from p2pft.core.view import JobTarget, Member, Role, TargetKind, View
 
 T40 = JobTarget(TargetKind.STEPS, 40)
@@ -109,3 +110,62 @@ END_TABLE = [
 def test_end_word(what: str, view: View, step: int, synced: bool, stopping: bool, timed_out: bool, all_done: bool,
                   want: EndWord) -> None:
     assert end_word(view, step, synced, stopping, timed_out, all_done) is want
+
+
+# A replica left out of the views since its last commit (viewplan.must_check_end) is `unchecked`
+# until a finished peer's signatures of its last steps agree: the end is not its own before.
+UNCHECKED_TABLE = [
+    # (what, view, step, synced, all done, unchecked, a peer done at our step, word)
+    ("finished at our step, checked", _view(ME_J, A_P, finished=40), 40, True, False, False, True,
+     EndWord.FINISHED),
+    ("finished at our step, left out: check first", _view(A_P, finished=40), 40, True, False, True, False,
+     EndWord.CHECK),
+    ("... as a joiner taken back", _view(ME_J, A_P, finished=40), 40, True, False, True, True, EndWord.CHECK),
+    ("finished at another step, left out: behind", _view(A_P, finished=40), 39, True, False, True, True,
+     EndWord.BEHIND),
+    ("finished, not synced (catching up): behind", _view(ME_J, A_P, finished=40), 40, False, False, True, True,
+     EndWord.BEHIND),
+    ("a peer done at our step: check now", _view(ME_J, A_P), 40, True, True, True, True, EndWord.CHECK),
+    ("... before a round for the joiners", _view(ME_J, A_P), 40, True, True, True, True, EndWord.CHECK),
+    ("no peer done yet: wait", _view(A_P), 40, True, False, True, False, EndWord.WAIT),
+    ("a peer done, but we are catching up: round", _view(ME_J, A_P), 40, False, True, True, True, EndWord.ROUND),
+    ("checked: rounds as before", _view(ME_J, A_P), 40, True, True, False, True, EndWord.ROUND),
+]
+
+
+@pytest.mark.parametrize("what,view,step,synced,all_done,unchecked,peer_done,want", UNCHECKED_TABLE,
+                         ids=[r[0] for r in UNCHECKED_TABLE])
+def test_end_word_of_a_replica_left_out(what: str, view: View, step: int, synced: bool, all_done: bool,
+                                        unchecked: bool, peer_done: bool, want: EndWord) -> None:
+    assert end_word(view, step, synced, False, False, all_done, unchecked=unchecked, peer_done=peer_done) is want
+
+
+def test_stop_and_timeout_come_before_a_check() -> None:
+    v = _view(ME_J, A_P)
+    assert end_word(v, 40, True, True, False, True, unchecked=True, peer_done=True) is EndWord.STOP
+    assert end_word(v, 40, True, False, True, True, unchecked=True, peer_done=True) is EndWord.TIMEOUT
+
+
+@pytest.mark.parametrize("result,finished,want", [
+    (SigCheck.SAME, True, EndWord.FINISHED),
+    (SigCheck.SAME, False, EndWord.DONE),
+    (SigCheck.REDONE, True, EndWord.BEHIND),       # too late to catch up: leave without the end
+    (SigCheck.REDONE, False, EndWord.REJOIN),      # catch up from a snapshot, then say done
+    (SigCheck.UNKNOWN, True, EndWord.BEHIND),      # nobody could say: the end is not ours to claim
+    (SigCheck.UNKNOWN, False, EndWord.WAIT),       # ask again at the next look
+])
+def test_end_checked(result: SigCheck, finished: bool, want: EndWord) -> None:
+    assert end_checked(result, finished) is want
+
+
+@pytest.mark.parametrize("what,pairs,want", [
+    ("nothing to compare", [], SigCheck.SAME),
+    ("none of ours (a snapshot since)", [(None, "x"), (None, None)], SigCheck.SAME),
+    ("the same", [("a", "a"), ("b", "b")], SigCheck.SAME),
+    ("the same where both know", [("a", None), ("b", "b")], SigCheck.SAME),
+    ("our own step redone", [("a", "A"), ("b", "b")], SigCheck.REDONE),
+    ("the last one redone", [("a", "a"), ("b", "B")], SigCheck.REDONE),
+    ("the peer knows none", [("a", None), ("b", None)], SigCheck.UNKNOWN),
+])
+def test_signatures_agree(what: str, pairs: list[tuple[str | None, str | None]], want: SigCheck) -> None:
+    assert signatures_agree(pairs) is want

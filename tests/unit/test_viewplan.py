@@ -10,7 +10,8 @@ import pytest
 
 from p2pft.core.meta import MemberMeta, Status
 from p2pft.core.view import Member, Role, View
-from p2pft.core.viewplan import NoteKind, PlanMemory, Reduce, Wait, WaitFor, plan_view
+from p2pft.core.viewplan import (NoteKind, PlanMemory, Reduce, Wait, WaitFor, end_check_steps, must_check_end,
+                                 plan_view)
 
 
 def _m(node: str, role: Role, slot: int | None = None, since: int = 0, shards: int = 1) -> Member:
@@ -279,3 +280,55 @@ def test_the_same_decisions_as_the_engine_before_over_random_looks() -> None:
             assert got == want
             assert (memory.was_participant, memory.member_since, memory.rejoin_pending, dict(memory.returning)) == \
                 (old.was_participant, old.member_since, old.rejoin_pending, old.returning)
+
+
+# ---------------------------------------------------------------------- the end barrier's look
+def _fin(*members: Member, finished: int | None = None, left: tuple[str, ...] = ()) -> View:
+    return View(epoch=12, members=members, data_epoch=11, finished=finished, left=left)
+
+
+WAS_AT_14 = PlanMemory(was_participant=True, member_since=2, reduced=14)   # reduced step 14 itself, since 2
+
+END_TABLE: list[tuple[str, PlanMemory, View | None, bool]] = [
+    ("still a participant since the same view", WAS_AT_14, _fin(A, P1), False),
+    ("... the job finished with us", WAS_AT_14, _fin(A, P1, finished=16, left=("x",)), False),
+    ("dropped: absent", WAS_AT_14, _fin(A, W), True),
+    ("taken back as a joiner", WAS_AT_14, _fin(A, J), True),
+    ("taken back as a participant under a new since", WAS_AT_14, _fin(A, P1_NEW), True),
+    ("left out at an earlier look (a wait)", PlanMemory(rejoin_pending=True, reduced=14), _fin(A, P1_NEW), True),
+    ("dropped, a paused member holds the state", WAS_AT_14, _fin(B_Z, W), True),
+    ("dropped and nobody else holds a state: ours (sole holder)", WAS_AT_14, _fin(W, left=("a",)), False),
+    ("taken back alone under a new since (sole holder)", WAS_AT_14, _fin(P1_NEW, W), False),
+    ("finished, the finishers left the view (named as left)", WAS_AT_14, _fin(W, finished=16, left=("me", "a")),
+     True),
+    ("finished, another joiner on the data plane", WAS_AT_14, _fin(J, B_J, W, finished=16), True),
+    ("finished, a joiner alone, nobody else ever left (sole holder)", WAS_AT_14, _fin(J, W, finished=16, left=("me",)),
+     False),
+    ("finished with us alone, taken back (sole holder)", WAS_AT_14, _fin(P1_NEW, W, finished=16), False),
+    ("never a participant (a joiner caught up)", FRESH, _fin(A, J), False),
+    ("back from a pause: it checked its step", WAS_AT_14.after_pause(), _fin(A, J), False),
+    ("no view", WAS_AT_14, None, False),
+    ("no view, left out at an earlier look", PENDING, None, True),
+]
+
+
+@pytest.mark.parametrize("what,memory,view,want", END_TABLE, ids=[r[0] for r in END_TABLE])
+def test_must_check_end(what: str, memory: PlanMemory, view: View | None, want: bool) -> None:
+    assert must_check_end(memory, view, "me") is want
+
+
+@pytest.mark.parametrize("reduced,step,want", [
+    (14, 15, (14,)),          # our last step was our own reduce
+    (14, 16, (14, 15)),       # ... and step 15 came from a peer's log (a fast-forward at the end)
+    (None, 16, (15,)),        # never reduced ourselves: the last step, as after a pause
+    (None, 0, ()),
+    (15, 15, (14,)),          # a stale mark past our step (a snapshot of an older one since): the last step
+])
+def test_end_check_steps(reduced: int | None, step: int, want: tuple[int, ...]) -> None:
+    assert end_check_steps(PlanMemory(reduced=reduced), step) == want
+
+
+def test_after_reduce_marks_the_step_and_keeps_the_rest() -> None:
+    m = WAS.after_reduce(7)
+    assert m == PlanMemory(was_participant=True, member_since=2, reduced=7)
+    assert m.after_pause() == PlanMemory(reduced=7)

@@ -598,6 +598,7 @@ class StepEngine:
         ranks = {s: r for s, r in att.slot_ranks if s < len(mask) and mask[s]}
         if d.action is Action.LOG:
             if self.catchup.on_reduced(entry, all(v.ready == d.step for v in verdicts)):
+                self._reduced(entry.step)   # handed over: it applied this step from its own reduce
                 self.life.note_lead(False)
                 self.committed()
                 return StepResult(self.step, True, entry.count, retries, role, slot_ranks=ranks, data_rank=rank,
@@ -617,6 +618,7 @@ class StepEngine:
         # committed it read the same mask, so exactly one of them leads it.
         self.life.note_lead(leads_step(mask, slot))
         self.apply(entry)
+        self._reduced(entry.step)
         self.committed()
         return self._trained(StepResult(self.step, True, entry.count, retries, role, fast_forwarded=n,
                                         slot_ranks=ranks, data_rank=rank, data_world=world), mine)
@@ -702,6 +704,23 @@ class StepEngine:
         """Back from a pause (which checked our last step): being off the data plane meanwhile
         is not being left out of a view (``PlanMemory.after_pause``)."""
         self._plan_memory = self._plan_memory.after_pause()
+
+    @property
+    def plan_memory(self) -> PlanMemory:
+        """Rank 0: what the view plan's last look left (the end barrier reads whether this
+        replica was left out since its last commit: ``viewplan.must_check_end``)."""
+        return self._plan_memory
+
+    def membership_checked(self) -> None:
+        """Rank 0, at the end barrier: a finished peer's signatures of our last steps agreed, so
+        being left out of the views since is not holding a step the others redid (as after a
+        pause: ``PlanMemory.after_pause``)."""
+        self._plan_memory = self._plan_memory.after_pause()
+
+    def _reduced(self, step: int) -> None:
+        """Rank 0: this replica applied `step` from its own allreduce (``PlanMemory.after_reduce``)."""
+        if self.rt is not None:
+            self._plan_memory = self._plan_memory.after_reduce(step)
 
 
 __all__ = ["StateIO", "StepEngine", "exit_replica"]

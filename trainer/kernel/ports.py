@@ -18,6 +18,7 @@ import torch
 if TYPE_CHECKING:
     from ...core.meta import MemberMeta, Status
     from ...core.view import JobTarget, Member, View
+    from ...core.viewplan import PlanMemory
     from ...transport.backend import Backend, DataPlane
     from ...transport.base import Communicator
     from ...transport.stream import StateSnapshot
@@ -354,6 +355,13 @@ class LifePort(RecoveryParts, Protocol):
     def idle_round(self, timeout: float) -> None:
         """Collective: one reduce round contributing nothing, waiting at most `timeout` for a
         view (joiners still catching up at the end barrier finish theirs)."""
+
+    @property
+    def plan_memory(self) -> PlanMemory:
+        """Rank 0: the view plan's memory of its last look (was this replica left out since?)."""
+
+    def membership_checked(self) -> None:
+        """Rank 0: a finished peer agreed with our last steps (``PlanMemory.after_pause``)."""
 
 
 __all__ = ["CatchupControl", "CatchupPort", "CheckpointControl", "CommFactory", "CommsState", "DataServerPort",
