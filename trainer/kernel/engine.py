@@ -121,7 +121,7 @@ class StepEngine:
         self._step_cap: float | None = None   # see step_timeout_capped
         cap, upd = options.capacity, options.update
         self.algo = algorithm
-        self.buf = algorithm.buffer(0)   # the buffer of the round in flight (``_commit`` picks it)
+        self.buf = algorithm.buffer(0)   # the buffer of the round in flight (``_attempts`` picks it)
         self.cursor = DataCursor(batch_per_replica, cap.max_slots)
         self.optimizer_step = OptimizerStep(optimizer, lr_policy=upd.lr_policy, nominal_replicas=upd.nominal_replicas,
                                             lr_scheduler=upd.lr_scheduler, grad_scaler=upd.grad_scaler,
