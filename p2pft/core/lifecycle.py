@@ -4,7 +4,7 @@ means. Pure functions of a view and the trainer's own facts: no clock, no I/O.
 
 ``p2pft/core/jobplan.py`` is the leader's half (what the next view says of the job); this is the
 trainer's half. The trainer (``trainer/job/life.py``) and the simulator's trainers
-(``p2pft/sim/job.py``) call the same functions, so the simulator's job-level invariants check
+(``p2pft/sim/trainers.py``) call the same functions, so the simulator's job-level invariants check
 the decisions production makes.
 """
 from __future__ import annotations

@@ -6,7 +6,7 @@ its log for a member back from a pause (docs/runtime.md, "One step" and "Pauses"
 
 These are the hardest decisions of a replica, so they are pure functions of the view, the
 trainer's own facts and a small memory of its earlier looks: no clock, no I/O. The engine
-(``trainer/kernel/engine.py``) and the simulator's trainers (``p2pft/sim/job.py``) call the same
+(``trainer/kernel/engine.py``) and the simulator's trainers (``p2pft/sim/trainers.py``) call the same
 function, so the simulator's invariants check the decisions production makes.
 """
 from __future__ import annotations

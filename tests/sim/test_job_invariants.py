@@ -1,7 +1,7 @@
 """A job's life under adversity, over seeded schedules (simulator): the job-level invariants.
 
 Each schedule starts 1-3 trainers and 1-3 witnesses (every member with a data directory) on
-the real ``Node`` code, and runs the README's loop in each trainer (``p2pft/sim/job.py``: the
+the real ``Node`` code, and runs the README's loop in each trainer (``p2pft/sim/trainers.py``: the
 decisions of ``p2pft/core/lifecycle.py``, the ones production makes) to a target of 16-32 steps,
 with faults drawn from the seed: pauses in every phase (after the first step, mid-run, at the
 step before the end, at the last step, the only participant's), the step's leader evaluating
@@ -40,7 +40,7 @@ from p2pft.core.meta import Status
 from p2pft.core.node import TRAINER_KIND, WITNESS_KIND
 from p2pft.core.view import JobTarget, TargetKind, View
 from p2pft.sim.cluster import InvariantChecker, InvariantViolation, Simulator
-from p2pft.sim.job import Phase, SimJob, SimTrainer, TrainerConfig, mask_lead_rule, view_lead_rule
+from p2pft.sim.trainers import Phase, SimJob, SimTrainer, TrainerConfig, mask_lead_rule, view_lead_rule
 
 N_SCHEDULES = 320
 CHUNKS = 4

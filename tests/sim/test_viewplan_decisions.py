@@ -1,6 +1,6 @@
 """The view plan's decisions under the faults they exist for (simulator): one scripted schedule
 per decision of ``p2pft/core/viewplan.py``, the function both the engine and the simulator's
-trainers call (``p2pft/sim/job.py``).
+trainers call (``p2pft/sim/trainers.py``).
 
 Each schedule passes with the real decision; with that decision put back wrong (the core
 function monkeypatched), the job-level checker (``JobChecker``) or the harness's end check
@@ -32,9 +32,9 @@ from p2pft.core import viewplan
 from p2pft.core.node import TRAINER_KIND, WITNESS_KIND
 from p2pft.core.view import JobTarget, Member, Role, TargetKind, View
 from p2pft.core.viewplan import PlanMemory, StepOf
-from p2pft.sim import job as job_mod
+from p2pft.sim import trainers as job_mod
 from p2pft.sim.cluster import InvariantViolation, Simulator
-from p2pft.sim.job import Phase, SimJob, SimTrainer, TrainerConfig
+from p2pft.sim.trainers import Phase, SimJob, SimTrainer, TrainerConfig
 
 END_BOUND = 150.0      # virtual s from the last fault to every loop having ended
 STEP_BOUND = 60.0      # virtual s a schedule waits for the job to reach a fault's step
