@@ -14,12 +14,10 @@ the others' weights.
 """
 from __future__ import annotations
 
-import copy
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
-import torch
 
 from p2pft.core import viewplan
 from p2pft.core.meta import Status
@@ -27,14 +25,8 @@ from p2pft.core.view import JobTarget, Member, Role, TargetKind, View
 from p2pft.transport import CommError, PeerFailed
 from p2pft.transport.backend import Backend
 from p2pft.transport.base import Communicator
-from p2pft.trainer.compose import kernel as build_kernel
-from p2pft.trainer.kernel.algorithm import MeanGradient
 from p2pft.trainer.kernel.errors import JobFinished
-from p2pft.trainer.kernel.options import Options
-from p2pft.trainer.kernel.stepbuf import StepBuffer
-from p2pft.trainer.state.layouts import WHOLE_STATE
-from tests.trainer.test_kernel_inprocess import (COMM_TIMEOUT, LR, Fabric, FakeDataServer, FakeRuntime,
-                                                 RecordingGroup, Replica, Spawned, World, member, no_sockets, run_all,
+from tests.trainer.test_kernel_inprocess import (Fabric, Replica, Spawned, World, member, no_sockets, run_all,
                                                  until)
 
 __all__ = ["no_sockets"]   # the autouse fixture of the kernel tests: no socket here either
@@ -105,29 +97,11 @@ class JobWorld(World):
             return self.split.factory(epoch, shard, rank, peers, **kw)
         return self.fabric.factory(epoch, shard, rank, peers, **kw)
 
+    def first_view(self, *members: Member) -> View:
+        return jview(1, *members)
+
     def make_job(self, n: int, total_steps: int) -> list[Replica]:
-        reps = []
-        for i in range(n):
-            name, addr = f"r{i}", f"127.0.0.1:{9000 + i}"
-            node = f"{name}.1"
-            rt = FakeRuntime(self.cluster, node, addr)
-            ds = FakeDataServer(self.cluster, addr)
-            model = copy.deepcopy(self.base)
-            opt = torch.optim.SGD(model.parameters(), lr=LR)
-            group = RecordingGroup()
-            options = Options(batch_per_replica=2, lr_policy="none", initial_state="off", start_timeout=2.0,
-                              step_timeout=10.0, comm_timeout=COMM_TIMEOUT, loop_timeout=4.0, max_slots=8,
-                              total_steps=total_steps, finish_timeout=JOIN_S)
-            buf = StepBuffer(list(model.parameters()), max_slots=options.max_slots)
-            k = build_kernel(model, opt, MeanGradient(buf), group=group, runtime=rt, data_server=ds,
-                             state_io=WHOLE_STATE, options=options.engine(comm_timeout=None, secret=None),
-                             comm_factory=self.factory)
-            gen = torch.Generator().manual_seed(100 + i)
-            reps.append(Replica(name, node, addr, rt, ds, model, k, group, torch.randn(8, 4, generator=gen),
-                                torch.randn(8, 2, generator=gen)))
-        self.replicas += reps
-        self.cluster.publish(jview(1, *(member(r, slot=i) for i, r in enumerate(reps))))
-        return reps
+        return self.make(n, step_timeout=10.0, total_steps=total_steps, finish_timeout=JOIN_S)
 
 
 def jview(epoch: int, *members: Member, data_epoch: int | None = None, finished: int | None = None) -> View:

@@ -579,8 +579,17 @@ class World:
         torch.manual_seed(0)
         self.base = torch.nn.Linear(4, 2)    # every replica starts from these weights
 
-    def make(self, n: int, step_timeout: float = STEP_TIMEOUT, clip_norm: float | None = None) -> list[Replica]:
-        """`n` replicas, participants of view 1 (slot i), kernels built, nothing begun."""
+    def factory(self, epoch: int, shard: int, rank: int, peers: list[str], **kw: Any) -> Communicator:
+        """The communicators every kernel of this world builds (a subclass may split some)."""
+        return self.fabric.factory(epoch, shard, rank, peers, **kw)
+
+    def first_view(self, *members: Member) -> View:
+        return view(1, *members)
+
+    def make(self, n: int, step_timeout: float = STEP_TIMEOUT, clip_norm: float | None = None,
+             **extra: Any) -> list[Replica]:
+        """`n` replicas, participants of view 1 (slot i), kernels built, nothing begun; `extra`
+        adds ``Options`` fields (a job's target, its finish timeout)."""
         reps = []
         for i in range(n):
             name = f"r{i}"
@@ -593,17 +602,17 @@ class World:
             group = RecordingGroup()
             options = Options(batch_per_replica=2, lr_policy="none", initial_state="off", start_timeout=2.0,
                               step_timeout=step_timeout, comm_timeout=COMM_TIMEOUT, loop_timeout=4.0, max_slots=8,
-                              clip_norm=clip_norm)
+                              clip_norm=clip_norm, **extra)
             buf = StepBuffer(list(model.parameters()), max_slots=options.max_slots)
             k = build_kernel(model, opt, MeanGradient(buf), group=group, runtime=rt, data_server=ds,
                              state_io=WHOLE_STATE, options=options.engine(comm_timeout=None, secret=None),
-                             comm_factory=self.fabric.factory)
+                             comm_factory=self.factory)
             gen = torch.Generator().manual_seed(100 + i)
             reps.append(Replica(name, node, addr, rt, ds, model, k, group, torch.randn(8, 4, generator=gen),
                                 torch.randn(8, 2, generator=gen)))
             reps[-1].model.weight.register_hook(lambda g, r=reps[-1]: r.backwards.append(1))
         self.replicas += reps
-        self.cluster.publish(view(1, *(member(r, slot=i) for i, r in enumerate(reps))))
+        self.cluster.publish(self.first_view(*(member(r, slot=i) for i, r in enumerate(reps))))
         return reps
 
     def close(self) -> None:
