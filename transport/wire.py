@@ -377,7 +377,9 @@ def recv_exact_timed(sock: socket.socket, view: memoryview, timeout: float,
 def send_all_timed(sock: socket.socket, bufs: Sequence[Any], timeout: float, since: float = 0.0) -> float:
     """send_all() with TimeoutError after `timeout` s in which the peer took no byte, counted
     from `since` (the last progress known to the caller) if later than now - nothing.
-    Returns the time of the last progress."""
+    Returns the time of the last progress. For ring connections only: a slice without progress
+    looks at the reverse direction, and a peer that ended the connection (its error frame or
+    EOF: it may never open its receive window again) is a ConnectionResetError at once."""
     views = [memoryview(b).cast("B") for b in bufs if b is not None and len(b)]
     last = since or time.monotonic()
     while views:
@@ -386,6 +388,8 @@ def send_all_timed(sock: socket.socket, bufs: Sequence[Any], timeout: float, sin
         except BlockingIOError:
             if time.monotonic() - last >= timeout:
                 raise TimeoutError("peer takes no data") from None
+            if right_link_stopped(sock):
+                raise ConnectionResetError(errno.ECONNRESET, "the peer ended the connection") from None
             continue
         last = time.monotonic()
         while sent:

@@ -16,10 +16,10 @@ from transport_testutil import open_fds, p2pft_threads, run_ranks
 class Ring:
     """`world` DataServers in this process and the communicators of one epoch."""
 
-    def __init__(self, world: int, epoch: int = 1, **server_kw: object) -> None:
+    def __init__(self, world: int, epoch: int = 1, timeout: float = 10.0, **server_kw: object) -> None:
         self.servers = [DataServer(**server_kw) for _ in range(world)]  # type: ignore[arg-type]
         self.peers = [s.addr for s in self.servers]
-        self.comms = [s.communicator(epoch, 0, r, self.peers, timeout=10.0) for r, s in enumerate(self.servers)]
+        self.comms = [s.communicator(epoch, 0, r, self.peers, timeout=timeout) for r, s in enumerate(self.servers)]
 
     def new_epoch(self, epoch: int) -> None:
         self.comms = [s.communicator(epoch, 0, r, self.peers, timeout=10.0) for r, s in enumerate(self.servers)]
@@ -349,3 +349,32 @@ def test_aborted_communicator_releases_threads_and_sockets_without_close() -> No
     finally:
         for s in servers:
             s.close()
+
+
+@pytest.mark.parametrize("lanes", [1, 2])
+def test_an_abort_after_the_right_neighbour_finished_ends_the_left_one_at_once(lanes: int, leak_check: None) -> None:
+    # Rank 1 aborts as soon as rank 2 has its result: rank 1 has sent everything, but rank 0 is
+    # still writing rank 1's last chunks. Rank 1 shuts its incoming connection, maybe while its
+    # receive window is closed; rank 0's writes then block on a window that never opens (the
+    # closed socket lingers and answers window probes without a reset). Rank 0 must see the
+    # reverse direction end (error frame, EOF) instead of waiting out the op timeout, 30 s here.
+    for i in range(8):
+        ring = Ring(3, timeout=30.0, lanes=lanes)
+        try:
+            xs = [np.ones(8 << 20, dtype=np.float32) for _ in range(3)]
+
+            def right_then_abort() -> int:
+                n = ring.comms[2].allreduce(xs[2])
+                ring.comms[1].abort("the right neighbour finished")
+                return n
+
+            t0 = time.monotonic()
+            box = run_ranks([lambda: ring.comms[0].allreduce(xs[0]),
+                             lambda: ring.comms[1].allreduce(xs[1]), right_then_abort],
+                            timeout=20)
+            assert time.monotonic() - t0 < 8, (i, box)
+            assert box[2] == 3
+            for r in (0, 1):
+                assert box[r] == 3 or isinstance(box[r], CommAborted), (i, box)
+        finally:
+            ring.close()

@@ -158,12 +158,8 @@ static int starved(Loop *L, double t) {
      * neighbour sent back what it only ever sends, its error frame or EOF, or the kernel failed
      * it. Waiting on the left would only end at the op timeout; Python blames from the frame,
      * if any, else the right neighbour (sender.write_failed). */
-    struct pollfd p = {.fd = L->rfd, .events = POLLIN | POLLRDHUP, .revents = 0};
-    if (poll(&p, 1, 0) == 1 && p.revents) {
-        int e = 0;
-        socklen_t n = sizeof e;
-        if (getsockopt(L->rfd, SOL_SOCKET, SO_ERROR, &e, &n) < 0 || e == 0)
-            e = EPIPE;
+    int e = rl_right_ended(L);
+    if (e != 0) {
         L->err = e;
         return ST_SEND_ERROR;
     }

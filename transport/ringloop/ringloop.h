@@ -111,6 +111,7 @@ void rl_push_frame(Loop *L, Py_ssize_t si, uint32_t flags, uint32_t count);
 void *rl_sender_main(void *arg);
 int rl_sender_failed(Loop *L);
 int rl_stop_sender(Loop *L, pthread_t th, int drain);
+int rl_right_ended(Loop *L);
 /* recv.c */
 int rl_run(Loop *L);
 /* module.c */

@@ -3,6 +3,7 @@
 #include "ringloop.h"
 
 #include <errno.h>
+#include <poll.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
 
@@ -79,6 +80,22 @@ void rl_push_frame(Loop *L, Py_ssize_t si, uint32_t flags, uint32_t count) {
     rl_push(L, h, plen ? L->buf + g[2] : NULL, plen);
 }
 
+/* Whether the right neighbour ended our connection: the reverse direction only ever carries its
+ * error frame or its EOF (or the kernel failed the socket). A neighbour that shut its side while
+ * its receive window was closed may never open it again (it lingers in FIN-WAIT-2 and answers
+ * window probes without a reset), so a blocked write must look instead of waiting for the op
+ * timeout. Returns the errno to report, or 0 while the connection stands. */
+int rl_right_ended(Loop *L) {
+    struct pollfd p = {.fd = L->rfd, .events = POLLIN | POLLRDHUP, .revents = 0};
+    if (poll(&p, 1, 0) != 1 || !p.revents)
+        return 0;
+    int e = 0;
+    socklen_t n = sizeof e;
+    if (getsockopt(L->rfd, SOL_SOCKET, SO_ERROR, &e, &n) < 0 || e == 0)
+        e = EPIPE;
+    return e;
+}
+
 /* The sender thread: writes queued frames in order with blocking writes (SO_SNDTIMEO slices,
  * set by module.c). It stops on close (queue empty), on stop (after the frame in flight or a
  * slice without progress), or on its own failure, which it reports by shutting the receive side
@@ -109,6 +126,10 @@ void *rl_sender_main(void *arg) {
             if (w < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {  /* a slice without progress */
                 if (rl_now() - since >= L->tmo) {
                     st = ST_SEND_TIMEOUT;
+                    break;
+                }
+                if ((e = rl_right_ended(L)) != 0) {  /* it will never read on: fail now, not at tmo */
+                    st = ST_SEND_ERROR;
                     break;
                 }
                 if (__atomic_load_n(&L->stop, __ATOMIC_ACQUIRE)) {
