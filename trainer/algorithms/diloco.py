@@ -13,19 +13,22 @@ import copy
 import logging
 import warnings
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
 
 from ...core.view import Role
 from ...runtime import Runtime
+from ...transport import DataServer
 from ...transport.base import Communicator
 from ..kernel.algorithm import Round
 from ..kernel.attempt import StepResult
 from ..kernel.options import Options, UpdateRule
 from ..kernel.optstep import GradHook, LRSchedulerLike, OptimizerStep
 from ..kernel.span import Spans
-from ..kernel.stepbuf import StepBuffer
+from ..kernel.stepbuf import StepBuffer, local
 from .front import Front
 from .shape import Shape
 from .outer import FragmentSchedule, merge, outer_sgd, pseudo_gradient, split_fragments
@@ -58,8 +61,9 @@ class FragmentMean:
                  codec: Compression) -> None:
         self.params, self.schedule = params, schedule
         self.groups = split_fragments(params, schedule.fragments)
-        # One buffer per fragment, all of one size (a zero pad parameter fills the smaller ones).
-        sizes = [sum(params[i].numel() for i in g) for g in self.groups]
+        # One buffer per fragment, all of one size (a zero pad parameter fills the smaller ones);
+        # sizes of this rank's shards (the fragments themselves are cut alike on every rank).
+        sizes = [sum(local(params[i]).numel() for i in g) for g in self.groups]
         pads = [[torch.nn.Parameter(torch.zeros(max(sizes) - n, device=params[0].device))] if n < max(sizes) else []
                 for n in sizes]
         self.bufs = [StepBuffer([params[i] for i in g] + pad, max_slots=max_slots)
@@ -84,14 +88,15 @@ class FragmentMean:
             for p, g in others:
                 p.grad = g
 
-    def load(self, step: int, local: list[torch.nn.Parameter]) -> StepBuffer:
-        """Sync `step`'s buffer with this replica's pseudo-gradient (global minus local) in it."""
+    def load(self, step: int, mine: list[torch.nn.Parameter]) -> StepBuffer:
+        """Sync `step`'s buffer with this replica's pseudo-gradient (global minus `mine`, the
+        local weights; this rank's shards of them in an FSDP replica) in it."""
         buf, idx = self.buffer(step), self.groups[self.schedule.fragment(step)]
         for p in buf.params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        grads = [p.grad for p in buf.params[:len(idx)] if p.grad is not None]
-        pseudo_gradient([self.params[i].detach() for i in idx], [local[i].detach() for i in idx], grads)
+        grads = [local(p.grad) for p in buf.params[:len(idx)] if p.grad is not None]
+        pseudo_gradient([local(self.params[i].detach()) for i in idx], [local(mine[i].detach()) for i in idx], grads)
         for p in buf.params[len(idx):]:   # the pad, if any
             assert p.grad is not None
             p.grad.zero_()
@@ -99,7 +104,9 @@ class FragmentMean:
 
 
 class DiLoCo(Front):
-    """DiLoCo around an ordinary loop, for a replica of one rank (``p2pft.trainer.DiLoCo``).
+    """DiLoCo around an ordinary loop (``p2pft.trainer.DiLoCo``), for a replica of one rank or
+    one rank of an FSDP replica (an *island*: pass its ``data_server`` and ``group``, or build it
+    with ``DiLoCo.launch``; rank i syncs its shards with rank i of the other islands).
 
     ``begin()`` gives the samples of one inner step ([] while the replica contributes nothing);
     ``commit()`` takes the inner optimizer step and, every ``span`` of them, the sync. ``options``
@@ -107,20 +114,19 @@ class DiLoCo(Front):
     on the inner step; ``lr_policy`` on the outer one, ``none`` by default); ``total_steps``
     counts inner steps (a multiple of the span)."""
 
-    def __init__(self, runtime: Runtime, model: torch.nn.Module, inner_optimizer: torch.optim.Optimizer,
+    def __init__(self, runtime: Runtime | None, model: torch.nn.Module, inner_optimizer: torch.optim.Optimizer,
                  options: Options | None = None, *, sync_every: int, outer_optimizer: OuterFactory = outer_sgd,
                  fragments: int = 1, overlap: int = 0, alpha: float = 0.0, compression: str = "none",
                  outer_lr_scheduler: Callable[[torch.optim.Optimizer], LRSchedulerLike] | None = None,
-                 outer_grad_hook: GradHook | None = None, **overrides: object) -> None:
+                 outer_grad_hook: GradHook | None = None, data_server: DataServer | None = None,
+                 group: ProcessGroup | None = None, **overrides: object) -> None:
         opts = Options.of(options, **overrides)
         self.schedule = s = FragmentSchedule(sync_every, fragments, overlap, alpha)
         codec = Compression.parse(compression)
         if not callable(outer_optimizer):
             raise TypeError("outer_optimizer must be a factory: params -> torch.optim.Optimizer")
         self.inner_opt = inner_optimizer
-        self.global_model = glob = copy.deepcopy(model)  # the global weights: what syncs update and snapshots carry
-        for p in glob.parameters():
-            p.grad = None
+        self.global_model = glob = global_copy(model)  # the global weights: what syncs update and snapshots carry
         gparams = [p for p in glob.parameters() if p.requires_grad]
         self._local = [p for p in model.parameters() if p.requires_grad]
         outer = outer_optimizer(gparams)
@@ -130,7 +136,21 @@ class DiLoCo(Front):
         update = UpdateRule(lr_policy=opts.lr_policy or "none", nominal_replicas=opts.nominal_replicas,
                             grad_hook=outer_grad_hook,
                             lr_scheduler=outer_lr_scheduler(outer) if outer_lr_scheduler is not None else None)
-        self.kernel = Shape.one_rank(runtime).kernel(glob, outer, self.algorithm, opts, span=s.span, update=update)
+        if data_server is None:
+            if runtime is None:
+                raise ValueError("a one-rank DiLoCo replica needs its Runtime (an FSDP island's other ranks "
+                                 "pass None with their data_server)")
+            shape = Shape.one_rank(runtime)
+        else:
+            # A sync in the background (overlap) agrees over the island on a process group of its
+            # own: the training thread's FSDP collectives run on `group` meanwhile.
+            agree_on = group
+            if s.overlap:
+                agree_on = dist.new_group(ranks=dist.get_process_group_ranks(group) if group is not None else None)
+            shape = Shape.sharded(runtime, data_server, agree_on)
+        self.shape = shape
+        self.owned: Shape | None = None   # what ``launch`` opened (the Runtime, the data server): closed with this
+        self.kernel = shape.kernel(glob, outer, self.algorithm, opts, span=s.span, update=update)
         self.inner_step_fn = OptimizerStep(inner_optimizer, lr_policy="none", lr_scheduler=opts.lr_scheduler,
                                            grad_scaler=opts.grad_scaler, grad_hook=opts.grad_hook,
                                            after_step=opts.after_step, clip_norm=opts.clip_norm)
@@ -141,6 +161,22 @@ class DiLoCo(Front):
         self._contributing = False
         self._fresh = True           # local weights must restart from the global ones
         self.inner_steps_run = 0     # inner steps this process ran (kept or not)
+
+    @classmethod
+    def launch(cls, model: torch.nn.Module, inner_optimizer: torch.optim.Optimizer, options: Options | None = None,
+               *, replica_id: str, listen: str, seeds: list[str], secret: bytes | None = None,
+               data_host: str | None = None, runtime_kw: dict[str, Any] | None = None,
+               group: ProcessGroup | None = None, **kw: Any) -> DiLoCo:
+        """Collective over an FSDP island's ranks, as ``HSDP.launch``: data servers, rank 0's
+        Runtime, then DiLoCo with `kw` (``sync_every``, ``fragments``, options...)."""
+        shape = Shape.launch(replica_id=replica_id, listen=listen, seeds=seeds, secret=secret, data_host=data_host,
+                             runtime_kw=runtime_kw, group=group)
+        if "comm_timeout" in (runtime_kw or {}):   # every rank's, as rank 0's Runtime has it
+            kw.setdefault("comm_timeout", (runtime_kw or {})["comm_timeout"])
+        island = cls(shape.runtime, model, inner_optimizer, options, data_server=shape.data_server, group=group,
+                     secret=secret, **kw)
+        island.owned = shape
+        return island
 
     @property
     def inner_step(self) -> int:
@@ -219,11 +255,11 @@ class DiLoCo(Front):
                      "weights restart from the global ones", res.step, res.fast_forwarded)
             return
         g, idx = self.algorithm.params, self.algorithm.groups[frag]
-        merge([self._local[i].data for i in idx], [g[i].data for i in idx], self.schedule.alpha)
+        merge([local(self._local[i].data) for i in idx], [local(g[i].data) for i in idx], self.schedule.alpha)
 
     def _restart_local(self) -> None:
         """Local weights <- global; the inner scheduler advanced to the replicated inner step."""
-        merge([p.data for p in self._local], [p.data for p in self.algorithm.params], 0.0)
+        merge([local(p.data) for p in self._local], [local(p.data) for p in self.algorithm.params], 0.0)
         target = self.step * self.schedule.span
         if self.inner_scheduler is not None and self._sched_steps < target:
             # Moved to the replicated inner step before this replica's first inner optimizer step
@@ -239,6 +275,39 @@ class DiLoCo(Front):
     def close(self) -> None:
         self.spans.close()
         super().close()
+        if self.owned is not None:
+            self.owned.close()
 
 
-__all__ = ["DiLoCo", "DiLoCoResult", "FragmentMean"]
+def global_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of `model`'s trainable state that holds the global weights (what syncs update and
+    snapshots carry; never run forward by DiLoCo). A plain model is deep-copied (users may
+    evaluate it); an FSDP2 model, whose modules hold hooks and process groups, becomes a bare
+    module tree with the same parameter and buffer names holding copies of this rank's shards."""
+    if not any(hasattr(p, "_local_tensor") for p in model.parameters()):
+        glob = copy.deepcopy(model)
+        for p in glob.parameters():
+            p.grad = None
+        return glob
+    root = torch.nn.Module()
+
+    def owner(name: str) -> tuple[torch.nn.Module, str]:
+        *path, leaf = name.split(".")
+        m = root
+        for part in path:
+            if not hasattr(m, part):
+                m.add_module(part, torch.nn.Module())
+            m = getattr(m, part)
+        return m, leaf
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            m, leaf = owner(name)
+            m.register_parameter(leaf, torch.nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad))
+        for name, b in model.named_buffers():
+            m, leaf = owner(name)
+            m.register_buffer(leaf, b.detach().clone())
+    return root
+
+
+__all__ = ["DiLoCo", "DiLoCoResult", "FragmentMean", "global_copy"]

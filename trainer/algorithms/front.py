@@ -81,6 +81,20 @@ class Front:
         """Hash of this rank's state: equal at equal steps, across replicas."""
         return self.kernel.digest()
 
+    def digests(self) -> list[str]:
+        """Collective over the replica's ranks: every rank's shard digest (parameters and
+        optimizer state), in rank order (one digest for a one-rank replica)."""
+        return self.kernel.group.agree(self.digest())
+
+    def full_digest(self) -> str:
+        """Collective: the digest of the whole (unsharded) parameters, as a plain PyTorch
+        process that loads this replica's checkpoint into an unsharded model computes it
+        (``p2pft.trainer.state.whole.params_digest``)."""
+        from ..state.whole import params_digest
+        full = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p.detach())
+                for n, p in self.kernel.model.named_parameters()}
+        return params_digest(full)
+
     def request_stop(self) -> None:
         """Graceful shutdown, safe from a signal handler (the loop's next call raises Stopped)."""
         self.kernel.request_stop()

@@ -13,12 +13,10 @@ from __future__ import annotations
 from typing import Any, TypeVar
 
 import torch
-import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from ...runtime import Runtime
 from ...transport import DataServer
-from ...transport.addr import advertised, data_bind_host
 from ..kernel.algorithm import MeanGradient
 from ..kernel.attempt import StepResult
 from ..kernel.errors import StepTimeout, Stopped
@@ -57,19 +55,14 @@ class HSDP(Front):
                data_host: str | None = None, runtime_kw: dict[str, Any] | None = None,
                group: ProcessGroup | None = None, **overrides: object) -> "HSDP":
         """Collective over the replica: every rank opens its data server and reports the address
-        to rank 0, which starts the Runtime announcing all of them (one per shard). The data
-        ports bind the host of `listen` unless `data_host` says otherwise."""
-        ds = DataServer(data_bind_host(listen, data_host), 0, secret=secret)
-        adv = (runtime_kw or {}).get("advertise")
-        addrs = agree(advertised(ds.addr, advertise=adv, toward=seeds), group)
-        rt = None
-        if dist.get_rank(group) == 0:
-            rt = Runtime(replica_id=replica_id, listen=listen, seeds=seeds, data_addrs=addrs,
-                         shards=len(addrs), secret=secret, **(runtime_kw or {})).start()
-        dist.barrier(group)
+        to rank 0, which starts the Runtime announcing all of them (one per shard): ``Shape.launch``.
+        The data ports bind the host of `listen` unless `data_host` says otherwise."""
+        shape = Shape.launch(replica_id=replica_id, listen=listen, seeds=seeds, secret=secret, data_host=data_host,
+                             runtime_kw=runtime_kw, group=group)
         if "comm_timeout" in (runtime_kw or {}):   # every rank's, as rank 0's Runtime has it
             overrides.setdefault("comm_timeout", (runtime_kw or {})["comm_timeout"])
-        return cls(rt, model, optimizer, options, data_server=ds, group=group, secret=secret, **overrides)
+        return cls(shape.runtime, model, optimizer, options, data_server=shape.data_server, group=group,
+                   secret=secret, **overrides)
 
     def begin(self, stop: bool = False) -> list[int]:
         """Collective over the replica's ranks: this rank's share of the step's samples."""
@@ -84,19 +77,6 @@ class HSDP(Front):
         the replica's tokens (torchtitan's ``train_step`` sums the valid tokens over the ranks)
         divides by this, not by one rank's count, which is off by the number of ranks."""
         return sum(self.kernel.group.agree(int(n)))
-
-    def digests(self) -> list[str]:
-        """Collective: every rank's shard digest (parameters + optimizer state), in rank order."""
-        return self.kernel.group.agree(self.digest())
-
-    def full_digest(self) -> str:
-        """Collective: the digest of the whole (unsharded) parameters, as a plain PyTorch
-        process that loads this replica's checkpoint into an unsharded model computes it
-        (``p2pft.trainer.state.whole.params_digest``)."""
-        from ..state.whole import params_digest
-        full = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p.detach())
-                for n, p in self.kernel.model.named_parameters()}
-        return params_digest(full)
 
     def close(self) -> None:
         super().close()

@@ -10,12 +10,15 @@ its kernel through ``Shape.kernel``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from ...runtime import Runtime
 from ...transport import DataServer
+from ...transport.addr import advertised, data_bind_host
 from ..compose import kernel
 from ..kernel.algorithm import Algorithm
 from ..kernel.engine import StepEngine, data_server_of
@@ -46,6 +49,29 @@ class Shape:
         """One rank of an FSDP replica (``fully_shard`` over `group`): each rank its shard and its
         own data server, rank i reducing with rank i of the other replicas."""
         return cls(runtime, DistGroup(group), SHARD_STATE, data_server)
+
+    @classmethod
+    def launch(cls, *, replica_id: str, listen: str, seeds: list[str], secret: bytes | None = None,
+               data_host: str | None = None, runtime_kw: dict[str, Any] | None = None,
+               group: ProcessGroup | None = None) -> Shape:
+        """Collective over the replica's ranks: every rank opens its data server and reports the
+        address to rank 0, which starts the Runtime announcing all of them (one per shard). The
+        data ports bind the host of `listen` unless `data_host` says otherwise."""
+        ds = DataServer(data_bind_host(listen, data_host), 0, secret=secret)
+        adv = (runtime_kw or {}).get("advertise")
+        addrs = DistGroup(group).agree(advertised(ds.addr, advertise=adv, toward=seeds))
+        rt = None
+        if dist.get_rank(group) == 0:
+            rt = Runtime(replica_id=replica_id, listen=listen, seeds=seeds, data_addrs=addrs,
+                         shards=len(addrs), secret=secret, **(runtime_kw or {})).start()
+        dist.barrier(group)
+        return cls.sharded(rt, ds, group)
+
+    def close(self) -> None:
+        """Leave and close what ``launch`` opened (the Runtime on rank 0, every rank's data server)."""
+        if self.runtime is not None:
+            self.runtime.close(leave=True)
+        self.data_server.close()
 
     def kernel(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, algorithm: Algorithm,
                options: Options, *, span: int = 1, update: UpdateRule | None = None) -> StepEngine:

@@ -50,6 +50,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--pause-at-step", type=int, default=0,
                    help="at this committed step, step out for --pause-s seconds (rep.pause): the others go on")
     p.add_argument("--pause-s", type=float, default=0.0, help="length of the pause of --pause-at-step (s)")
+    p.add_argument("--sync-every", type=int, default=0,
+                   help="DiLoCo across islands: this FSDP replica trains on its own and syncs its pseudo-gradient "
+                        "every N inner steps (0: HSDP, every step); --steps then counts inner steps, a record is "
+                        "written per sync and the outer step takes DiLoCo's lr policy (none)")
+    p.add_argument("--fragments", type=int, default=1, help="DiLoCo: Streaming DiLoCo's fragments")
+    p.add_argument("--overlap", type=int, default=0, help="DiLoCo: inner steps a sync overlaps with training")
     args = p.parse_args(argv)
     require_replica_id(p, args)
     return args
@@ -121,7 +127,9 @@ def worker(args: argparse.Namespace) -> int:
     from p2pft.ops.log import setup_logging
     from p2pft.trainer.metrics import StepMetrics
     from p2pft.trainer.data import TextDataset
+    from p2pft.trainer.kernel.attempt import StepResult
     from p2pft.trainer.kernel.errors import JobError, Stopped
+    from p2pft.trainer.algorithms.diloco import DiLoCo
     from p2pft.trainer.algorithms.hsdp import HSDP
     from p2pft.trainer.progress import Progress
     from p2pft.trainer.model import model_config_for
@@ -146,11 +154,16 @@ def worker(args: argparse.Namespace) -> int:
     fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.99))
     stop = StopOnSignal()   # SIGTERM/SIGINT: the loop ends, the trainer's current call raises Stopped
-    rep = HSDP.launch(model, opt, replica_id=args.replica_id, listen=args.listen,
-                     seeds=[s for s in args.seeds.split(",") if s], secret=load_secret(args.secret_file),
-                     batch_per_replica=args.batch, nominal_replicas=args.replicas, lr_policy=args.lr_policy,
-                     rank_timeout=args.rank_timeout, clip_norm=args.clip_norm, **job_kwargs(args),
-                     runtime_kw={"metrics_port": args.metrics_port, "max_participants": args.max_participants})
+    common = dict(replica_id=args.replica_id, listen=args.listen, seeds=[s for s in args.seeds.split(",") if s],
+                  secret=load_secret(args.secret_file), batch_per_replica=args.batch, nominal_replicas=args.replicas,
+                  rank_timeout=args.rank_timeout, clip_norm=args.clip_norm, **job_kwargs(args),
+                  runtime_kw={"metrics_port": args.metrics_port, "max_participants": args.max_participants})
+    rep: HSDP | DiLoCo
+    if args.sync_every:   # islands: DiLoCo between FSDP replicas (the outer step's lr policy: DiLoCo's own)
+        rep = DiLoCo.launch(model, opt, sync_every=args.sync_every, fragments=args.fragments, overlap=args.overlap,
+                            lr_policy=None, **common)
+    else:
+        rep = HSDP.launch(model, opt, lr_policy=args.lr_policy, **common)
     stop.attach(rep)
     steps = StepMetrics.attach(rep.rt, rep.kernel)   # rank 0 with --metrics-port; a no-op otherwise
     pids: list[int | None] = [None] * world
@@ -205,13 +218,19 @@ def worker(args: argparse.Namespace) -> int:
                 model.loss(data.batch(idx).to("cuda" if cuda else "cpu")).backward()
             if args.step_delay:
                 time.sleep(args.step_delay)
-            res = rep.commit()
+            got = rep.commit()
         except Stopped:
             break
         except JobError as exc:
             print(f"replica {args.replica_id} rank {rank}: {exc}", file=sys.stderr, flush=True)
             code = exc.exit_code
             break
+        if isinstance(got, StepResult):
+            res = got
+        elif got.outer is not None:   # DiLoCo: a record per sync
+            res = got.outer
+        else:
+            continue
         steps.observe_step(res)
         digests = rep.digests() if res.committed and args.digest_every and res.step % args.digest_every == 0 else None
         if rep.rt is not None:
