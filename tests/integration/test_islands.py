@@ -21,7 +21,7 @@ from test_hsdp import Cluster
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 SPAN = 4           # inner steps per sync
-SYNCS = 60         # the job's end: SYNCS * SPAN inner steps (long enough for B to come back)
+SYNCS = 50         # the job's end: SYNCS * SPAN inner steps (long enough for B to come back)
 
 
 def _alive(pid: int) -> bool:
@@ -35,7 +35,7 @@ def _alive(pid: int) -> bool:
 def test_diloco_islands_survive_the_loss_of_a_whole_island(tmp_path: Path) -> None:
     c = Cluster(tmp_path)
     extra = ("--sync-every", str(SPAN), "--steps", str(SPAN * SYNCS), "--digest-every", "1",
-             "--step-delay", "0.1", "--rank-timeout", "3")
+             "--step-delay", "0.05", "--rank-timeout", "3")
     c.spawn_witnesses()
     c.spawn("a", "a", extra)
     c.spawn("b", "b0", extra)
@@ -48,14 +48,12 @@ def test_diloco_islands_survive_the_loss_of_a_whole_island(tmp_path: Path) -> No
         for p in pids:
             os.kill(p, signal.SIGKILL)
         t_kill = time.time()
-        at_kill = c.last_step("a")
         c.wait(lambda: c.procs["b0"].poll() is not None, 10, "B's launcher to die", allow_exit=("b0",))
         c.gone = ("b0",)
+        t_restart = time.time()
+        c.spawn("b", "b1", extra)   # at once: A syncs alone while B's ranks start
         c.wait(lambda: any(r["c"] and r["n"] == 1 for r in steps(c.stats["a"]) if r["t"] > t_kill), 30,
                "A to sync alone", allow_exit=c.gone)
-        c.wait(lambda: c.last_step("a") >= at_kill + 2, 30, "A to sync twice after the kill", allow_exit=c.gone)
-        t_restart = time.time()
-        c.spawn("b", "b1", extra)
         c.wait(lambda: any(r["c"] and r["role"] == "participant" and r["n"] == 2 for r in steps(c.stats["b1"])),
                90, "the restarted B to contribute", allow_exit=c.gone)
         c.wait(lambda: c.procs["a"].poll() is not None and c.procs["b1"].poll() is not None, 120,
