@@ -209,6 +209,7 @@ XDIST_GROUPS = {
     "tests/transport/test_nccl_shared_device_job.py": "cpu-heavy",  # 1.56
     "tests/integration/test_job_life_algos.py": "cpu-heavy",        # 2 replicas x 2 ranks, DiLoCo, local SGD
     "tests/integration/test_voter_majority.py": "cpu-heavy",        # 3 replicas and 2 witnesses, twice
+    "tests/integration/test_islands.py": "cpu-heavy",               # 2 islands x 2 ranks, a restart
     "tests/integration/test_hosts.py": "netns",
 }
 
