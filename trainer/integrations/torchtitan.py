@@ -15,7 +15,11 @@ What differs from torchtitan's own step, and why:
 - the optimizer step runs inside ``commit()`` on the mean over replicas, so clipping
   (``training.max_norm``) is p2pft's ``clip_norm`` on the averaged gradient and the scheduler is
   stepped by p2pft once per committed step (a joiner's replay steps it alike);
-- the loss is normalised by the replica's tokens (summed over its ranks, as torchtitan does).
+- the loss is normalised by the replica's tokens (summed over its ranks, as torchtitan does);
+- torchtitan's checkpointer only loads (``load_start``): the state it loads is the p2pft job's
+  step 0, torchtitan's step and data position travel as p2pft state (``StartPoint``); p2pft writes
+  its own checkpoints, which ``convert --to torchtitan`` turns into torchtitan's
+  (``torchtitan_checkpoint.py``, docs/torchtitan.md "Checkpoints").
 
 Run as ``python -m p2pft.trainer.integrations.torchtitan`` (under ``torchrun -m``): on a machine
 without an accelerator it applies ``cpu_shims()`` before torchtitan is imported.
@@ -29,6 +33,9 @@ if __name__ == "__main__":   # run as a script: run the module under its own nam
     # torchrun starts ranks in sessions of their own: a killed torchrun must take them along,
     # also while they still import torch and torchtitan
     die_with_parent(_os.getppid())
+    if _sys.argv[1:2] == ["convert"]:   # no torchtitan needed: DCP to DCP (torchtitan_checkpoint.py)
+        from p2pft.trainer.integrations.torchtitan_checkpoint import main as _convert
+        _sys.exit(_convert(_sys.argv[2:]))
     from p2pft.trainer.integrations.torchtitan import main as _main
     _sys.exit(_main())
 
@@ -70,7 +77,10 @@ def cpu_shims() -> bool:
        ``empty_cache``): names and no-ops, so the memory figures read -1;
     3. ``torch.distributed.set_timeout``: torchtitan's ``train()`` lowers the process groups'
        timeouts after step 1 with an API newer than torch 2.13 (mapped to ``_set_pg_timeout``;
-       p2pft's loop does not call it, a plain torchtitan run through this launcher does).
+       p2pft's loop does not call it, a plain torchtitan run through this launcher does);
+    4. ``torch.distributed.barrier``: that same step-1 call passes ``device_ids=[torch.cpu.current_device()]``,
+       i.e. ``["cpu"]``, which torch rejects (ids are ints); a barrier whose ids are not all ints
+       runs without them (the CPU barrier needs none). Every other call passes through.
 
     Must run before anything imports torchtitan; returns whether torchtitan's device is "cpu".
     Two CPU settings are not shims and live in the trainer: plain SDPA attention
@@ -98,6 +108,15 @@ def cpu_shims() -> bool:
     c10d: Any = dist
     if not hasattr(c10d, "set_timeout"):
         c10d.set_timeout = c10d.distributed_c10d._set_pg_timeout
+    if not getattr(c10d.barrier, "p2pft_cpu", False):
+        barrier = c10d.barrier
+
+        def cpu_barrier(*args: Any, device_ids: Any = None, **kw: Any) -> Any:
+            if device_ids is not None and not all(isinstance(d, int) for d in device_ids):
+                device_ids = None
+            return barrier(*args, device_ids=device_ids, **kw)
+        cpu_barrier.p2pft_cpu = True   # type: ignore[attr-defined]
+        c10d.barrier = cpu_barrier
     return bool(sys.modules["torchtitan.tools.utils"].device_type == "cpu")
 
 
@@ -111,6 +130,8 @@ from torchtitan.trainer import Trainer  # noqa: E402
 from p2pft.core.view import Role  # noqa: E402
 from p2pft.trainer.algorithms.hsdp import HSDP  # noqa: E402
 from p2pft.trainer.data.tokens import TokenFile, write_tokens  # noqa: E402
+from p2pft.trainer.integrations.torchtitan_checkpoint import (START, StartPoint, alias_state_keys,  # noqa: E402
+                                                              live_digests)
 from p2pft.trainer.kernel.attempt import StepResult  # noqa: E402
 from p2pft.trainer.kernel.errors import JobError, Stopped  # noqa: E402
 
@@ -146,7 +167,9 @@ class TokenData(BaseDataLoader):
     ``i`` is ``seq_len + 1`` tokens, inputs and shifted labels. Under p2pft ``batch(indices)``
     is called with the cursor's indices; iterating it (plain torchtitan) gives global batch k as
     samples ``[k*B*W, (k+1)*B*W)``, rank r taking its r-th slice: the order p2pft hands a single
-    replica, so both runs see the same data."""
+    replica, so both runs see the same data (checked step by step: the oracle). With gradient
+    accumulation on several ranks a step holds the same samples in both, split over the ranks'
+    microbatches differently (p2pft gives rank r a contiguous run of them)."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(BaseDataLoader.Config):
@@ -161,6 +184,7 @@ class TokenData(BaseDataLoader):
         self.tokens = TokenFile(config.dataset_path, seq_len, config.token_dtype)
         self.rank, self.world, self.batch_size = dp_rank, dp_world_size, local_batch_size
         self.next = 0
+        self.position = 0   # the sample a loaded state points at (P2PFTTrainer starts there)
 
     def batch(self, indices: Sequence[int]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         w = torch.stack([self.tokens[i % len(self.tokens)] for i in indices])
@@ -173,10 +197,14 @@ class TokenData(BaseDataLoader):
             yield self.batch(range(start, start + self.batch_size))
 
     def state_dict(self) -> dict[str, Any]:
-        return {"next": self.next}
+        # ``sample`` too: ``next`` counts batches of this run's ranks x local_batch_size, the
+        # sample index is what a run at another rank count (or p2pft's cursor) resumes from
+        return {"next": self.next, "sample": self.next * self.world * self.batch_size}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.next = int(state_dict.get("next", 0))
+        per = self.world * self.batch_size
+        self.position = int(state_dict.get("sample", int(state_dict.get("next", 0)) * per))
+        self.next = self.position // per   # plain iteration: the batch that holds it
 
 
 # ---------------------------------------------------------------------- config
@@ -205,7 +233,7 @@ class P2PFT:
     checkpoint_dir: str = ""
     checkpoint_every: int = 0
     stats: str = ""
-    """rank 0 appends one JSON line per commit() here (step, contributors, retries, role, loss)"""
+    """rank 0 appends one JSON line per commit() here (step, contributors, retries, role; loss, norm, lr)"""
     digest_every: int = 0
     """every N committed steps, record every rank's shard digest in ``stats``"""
 
@@ -243,22 +271,46 @@ class P2PFTTrainer(Trainer):
             raise ValueError("p2pft needs a map-style dataloader (TokenData: --dataloader.dataset_path TOKENS)")
         if not p.replica_id:
             raise ValueError("--p2pft.replica_id is required")
-        if config.checkpoint.enable or config.validator.enable:
-            log.warning("torchtitan's checkpointer and validator do not run under p2pft "
-                        "(p2pft's checkpoints: --p2pft.checkpoint_dir)")
+        if config.validator.enable:
+            log.warning("torchtitan's validator does not run under p2pft")
+        self.start = self.load_start(config)
+        if tr.steps <= self.start.step:
+            raise ValueError(f"the checkpoint loaded is at step {self.start.step}: --training.steps {tr.steps} "
+                             "leaves nothing to train")
+        if p.checkpoint_dir:
+            alias_state_keys(self.model_parts[0])   # p2pft's checkpoints hold torchtitan's model keys
         from p2pft.net.wire import load_secret
         per_rank = self.gradient_accumulation_steps * tr.local_batch_size
         self.replica = HSDP.launch(
             self.model_parts[0], self.optimizers.optimizers[0],
             replica_id=p.replica_id, listen=p.listen, seeds=[s for s in p.seeds.split(",") if s],
             secret=load_secret(p.secret_file or None),
-            batch_per_replica=per_rank * dims.world_size, total_steps=tr.steps, min_replicas=p.min_replicas,
+            batch_per_replica=per_rank * dims.world_size, total_steps=tr.steps - self.start.step,
+            min_replicas=p.min_replicas,
             start_timeout=p.start_timeout, step_timeout=p.step_timeout, rank_timeout=p.rank_timeout,
             lr_policy=p.lr_policy or None, nominal_replicas=p.nominal_replicas or None,
             lr_scheduler=self.lr_schedulers.schedulers[0], checkpoint_dir=p.checkpoint_dir or None,
-            checkpoint_every=p.checkpoint_every,
+            checkpoint_every=p.checkpoint_every, state={START: self.start},
             clip_norm=float(tr.max_norm) if tr.max_norm > 0 else None)   # the mean's global norm, replay-exact
         self.replica_ready = True
+
+    def load_start(self, config: Config) -> StartPoint:
+        """torchtitan's own checkpoint load, which its ``train()`` (replaced by p2pft's loop) does
+        first: with ``--checkpoint.enable``, the newest ``step-N`` under ``checkpoint.folder``, else
+        ``--checkpoint.initial_load_path`` (the model only, unless
+        ``--checkpoint.no-initial-load-model-only``). The p2pft job's step 0 is that state; p2pft's
+        own checkpoints and peers, found later in ``HSDP.launch``, take precedence. Returns where
+        step 0 lies in torchtitan's steps and samples (registered p2pft state: ``StartPoint``)."""
+        ck, tr = config.checkpoint, config.training
+        if ck.enable:
+            log.warning("torchtitan's checkpointer loads the start state under p2pft and saves nothing "
+                        "(p2pft's checkpoints: --p2pft.checkpoint_dir; `convert --to torchtitan` for torchtitan)")
+            self.checkpointer.load(step=ck.load_step)
+        elif ck.initial_load_path:
+            log.warning("--checkpoint.initial_load_path is ignored without --checkpoint.enable (as by torchtitan)")
+        assert isinstance(self.dataloader, TokenData)
+        return StartPoint(step=self.step, sample=self.dataloader.position, local_batch=tr.local_batch_size,
+                          ranks=self.parallel_dims.world_size, seq_len=tr.seq_len)
 
     # ------------------------------------------------------------------ one step
     def forward_backward(self, idx: list[int]) -> torch.Tensor:
@@ -267,6 +319,7 @@ class P2PFTTrainer(Trainer):
         rank's loss sum / replica tokens (detached)."""
         t0 = time.perf_counter()
         mb = self.config.training.local_batch_size
+        idx = [self.start.sample + i for i in idx]   # the job's sample i: the file's sample start + i
         batches = [self.dataloader.batch(idx[i:i + mb]) for i in range(0, len(idx), mb)]
         self.metrics_processor.data_loading_times.append(time.perf_counter() - t0)
         local = sum(((labels != IGNORE_INDEX).sum() for _, labels in batches), torch.tensor(0))
@@ -288,8 +341,10 @@ class P2PFTTrainer(Trainer):
         return dist_utils.dist_sum(loss, dims.get_optional_mesh("loss")) if dims.dp_cp_enabled else float(loss)
 
     def log_step(self, res: StepResult, avg: float | None, gap: float) -> None:
-        """torchtitan's metric logger, with p2pft's step fields as extra scalars."""
-        if not (res.committed and avg is not None and self.metrics_processor.should_log(res.step)):
+        """torchtitan's metric logger (at torchtitan's step: ``StartPoint.step`` + p2pft's), with
+        p2pft's step fields as extra scalars."""
+        step = self.start.step + res.step
+        if not (res.committed and avg is not None and self.metrics_processor.should_log(step)):
             return
         kernel = self.replica.kernel
         norm = getattr(kernel.optimizer_step, "last_norm", None)
@@ -297,7 +352,7 @@ class P2PFTTrainer(Trainer):
         extra = {"p2pft/contributors": res.contributors, "p2pft/retries": res.retries,
                  "p2pft/role": ROLES.get(res.role, -1), "p2pft/commit_gap(s)": gap,
                  "p2pft/fast_forwarded": res.fast_forwarded, "lr": lrs[0] if lrs else float("nan")}
-        self.metrics_processor.log(res.step, avg, avg, float("nan") if norm is None else norm, extra_metrics=extra)
+        self.metrics_processor.log(step, avg, avg, float("nan") if norm is None else norm, extra_metrics=extra)
 
     # ------------------------------------------------------------------ the job
     def train(self) -> int:
@@ -308,7 +363,8 @@ class P2PFTTrainer(Trainer):
         stop.attach(rep)
         out = Stats(p.stats if rep.rt is not None else "")
         pids = rep.kernel.group.agree(os.getpid())
-        out.write(kind="start", node=rep.rt.node_id if rep.rt else None, step=rep.step, pids=pids)
+        out.write(kind="start", node=rep.rt.node_id if rep.rt else None, step=rep.step, pids=pids,
+                  base=self.start.step, sample=self.start.sample, **self.titan_digests())
         try:
             rep.start()   # forming, the same start at step 0, a finished or lost job refused
         except JobError as exc:
@@ -331,13 +387,16 @@ class P2PFTTrainer(Trainer):
             now = time.monotonic()
             gap, last = (now - last, now) if res.committed else (now - last, last)
             if res.committed:
-                self.step = res.step
+                self.step = self.start.step + res.step   # torchtitan's step (its checkpoints' and metrics')
                 self.gc_handler.run(self.step)
             avg = self.replica_loss(loss) if loss is not None and res.committed else None
             self.log_step(res, avg, gap)
             digests = rep.digests() if res.committed and p.digest_every and res.step % p.digest_every == 0 else None
+            ostep = rep.kernel.optimizer_step   # the committed step's norm (before clipping) and lr
             out.write(step=res.step, c=int(res.committed), n=res.contributors, r=res.retries, role=res.role,
-                      ff=res.fast_forwarded, **({"loss": avg} if avg is not None else {}),
+                      ff=res.fast_forwarded,
+                      **({"loss": avg, "norm": ostep.last_norm, "lr": ostep.last_lrs[0] if ostep.last_lrs else None}
+                         if avg is not None else {}),
                       **({"digest": ",".join(digests)} if digests else {}))
             for ev in list(rep.events):
                 out.write(**{**ev, "kind": "event", "event": ev["kind"]})
@@ -348,16 +407,57 @@ class P2PFTTrainer(Trainer):
             except JobError as exc:
                 code = exc.exit_code
         if rep.synced:
-            out.write(kind="exit", step=rep.step, digest=",".join(rep.digests()), full=rep.full_digest(), code=code)
+            out.write(kind="exit", step=rep.step, digest=",".join(rep.digests()), full=rep.full_digest(), code=code,
+                      **self.titan_digests())
         else:
             out.write(kind="exit", step=rep.step, code=code)
         out.close()
         return code
 
+    def titan_digests(self) -> dict[str, str]:
+        """With ``--p2pft.digest_every``: the state's digests in torchtitan's names (model; optimizer
+        tensors), as ``checkpoint_digests`` computes them from a checkpoint. Collective."""
+        if not self.config.p2pft.digest_every:
+            return {}
+        d = live_digests(self.model_parts[0], self.optimizers.optimizers[0])
+        return {"tt_model": d.model, "tt_optim": d.optim}
+
     def close(self) -> None:
         if self.replica_ready:
             self.replica.close()
         super().close()
+
+
+class PlainTrainer(Trainer):
+    """torchtitan's own ``Trainer`` and ``train()`` loop on ``TokenData`` (``--config plain_NAME``):
+    the baseline a 1-replica p2pft run is compared with step by step (the oracle,
+    tests/integration/test_torchtitan_oracle.py). It adds only what ``P2PFTTrainer`` adds around
+    torchtitan's step on a CPU (``sdpa_attention``, ``sum_reduction``) and ``--losses FILE``:
+    rank 0 appends one JSON line per logged step with what ``train_step`` hands its metrics
+    logger (step, loss, the gradient norm before clipping, lr); the step itself is torchtitan's."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Trainer.Config):
+        losses: str = ""
+        """rank 0 appends one JSON line per logged step here (step, loss, grad_norm, lr)"""
+
+    def __init__(self, config: Config) -> None:
+        if on_cpu():
+            assert config.model_spec is not None
+            sdpa_attention(config.model_spec.model)
+        super().__init__(config)
+        if on_cpu():
+            sum_reduction(self.model_parts)
+        if config.losses and dist.get_rank() == 0:
+            out, log_metrics = Stats(config.losses), self.metrics_processor.log
+
+            def record(step: int, loss: float, max_loss: float, grad_norm: float,
+                       extra_metrics: dict[str, Any] | None = None) -> None:
+                lrs = [v for k, v in (extra_metrics or {}).items() if k.startswith("lr/")]
+                out.write(step=step, loss=loss, grad_norm=grad_norm, lr=lrs[0] if lrs else None)
+                log_metrics(step, loss, max_loss, grad_norm, extra_metrics=extra_metrics)
+
+            self.metrics_processor.log = record
 
 
 class Stats:
@@ -388,6 +488,17 @@ def p2pft_config(base: Trainer.Config) -> P2PFTTrainer.Config:
     return P2PFTTrainer.Config(**kw)
 
 
+def plain_config(base: Trainer.Config) -> PlainTrainer.Config:
+    """A torchtitan config for torchtitan's own loop (``PlainTrainer``) on a ``TokenData``
+    dataloader: the plain baseline of the oracle (``--config plain_NAME``)."""
+    if type(base) is not Trainer.Config:
+        raise ValueError(f"plain_config wraps torchtitan's base Trainer configs, not {type(base).__qualname__}")
+    kw = {f.name: getattr(base, f.name) for f in dataclasses.fields(Trainer.Config) if f.init}
+    if not isinstance(kw["dataloader"], TokenData.Config):
+        kw["dataloader"] = TokenData.Config()
+    return PlainTrainer.Config(**kw)
+
+
 def registered(name: str) -> Callable[[], Trainer.Config] | None:
     """torchtitan's config function `name` from any model's registry (the model whose name
     prefixes `name` first)."""
@@ -404,14 +515,15 @@ def registered(name: str) -> Callable[[], Trainer.Config] | None:
     return None
 
 
-def __getattr__(name: str) -> Callable[[], P2PFTTrainer.Config]:
+def __getattr__(name: str) -> Callable[[], Trainer.Config]:
     """``--config NAME`` with ``--module p2pft.trainer.integrations.torchtitan``: torchtitan's
-    registered config NAME, as a p2pft config."""
-    fn = None if name.startswith("_") else registered(name)
+    registered config NAME, as a p2pft config; ``plain_NAME``: as a ``PlainTrainer`` config."""
+    plain = name.startswith("plain_")
+    fn = None if name.startswith("_") else registered(name.removeprefix("plain_"))
     if fn is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r} (and torchtitan registers no such config)")
     base = fn
-    return lambda: p2pft_config(base())
+    return (lambda: plain_config(base())) if plain else (lambda: p2pft_config(base()))
 
 
 # ---------------------------------------------------------------------- a token file
@@ -487,10 +599,14 @@ def prepare_main(argv: Sequence[str]) -> int:
 # ---------------------------------------------------------------------- the launcher
 def main(argv: Sequence[str] | None = None) -> int:
     """One rank (under torchrun): torchtitan's ``train.py`` with the CPU shims applied first,
-    ``--module`` defaulting to this one, and the job's exit code. ``prepare ...``: a token file."""
+    ``--module`` defaulting to this one, and the job's exit code. ``prepare ...``: a token file;
+    ``convert --to torchtitan|p2pft SRC DST``: a checkpoint in the other layout (torchtitan_checkpoint.py)."""
     args = list(sys.argv[1:] if argv is None else argv)
     if args[:1] == ["prepare"]:
         return prepare_main(args[1:])
+    if args[:1] == ["convert"]:
+        from p2pft.trainer.integrations.torchtitan_checkpoint import main as convert_main
+        return convert_main(args[1:])
     from torchtitan.config import ConfigManager
     from torchtitan.observability import structured_logger as sl
     from torchtitan.tools.logging import init_logger
@@ -519,5 +635,5 @@ def main(argv: Sequence[str] | None = None) -> int:
     return code
 
 
-__all__ = ["P2PFT", "P2PFTTrainer", "TokenData", "cpu_shims", "main", "p2pft_config", "prepare",
-           "registered", "sdpa_attention", "sum_reduction"]
+__all__ = ["P2PFT", "P2PFTTrainer", "PlainTrainer", "TokenData", "cpu_shims", "main", "p2pft_config",
+           "plain_config", "prepare", "registered", "sdpa_attention", "sum_reduction"]
