@@ -16,20 +16,12 @@ from pathlib import Path
 
 import pytest
 from replica_harness import check_invariants, records, steps
-from test_hsdp import Cluster
+from test_hsdp import Cluster, _alive
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 SPAN = 4           # inner steps per sync
 SYNCS = 50         # the job's end: SYNCS * SPAN inner steps (long enough for B to come back)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def test_diloco_islands_survive_the_loss_of_a_whole_island(tmp_path: Path) -> None:
