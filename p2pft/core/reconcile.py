@@ -149,7 +149,9 @@ class ViewPlanner:
                 # long ago and has applied every step since). A process that merely started
                 # ('fresh') at an old step stays a joiner, however close that step is: it has
                 # not applied the steps in between.
-                st = max(m.meta.step, m.step)
+                # The leader's own step is the live one it is called with: its own gossip
+                # record may be old (a leader back from a pause would never promote itself).
+                st = max(m.meta.step, step if m.node == self.me else m.step)
                 if status is Status.READY:
                     slack = PROMOTE_SLACK_STEPS if carried else 0
                     current = st >= head - slack if head is not None else st == target

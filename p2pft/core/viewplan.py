@@ -201,8 +201,13 @@ def hold_from(returning: tuple[tuple[str, int], ...], view: View, me: str,
         if m.node == me:
             continue
         meta = member_meta(m.node)
-        if meta is not None and meta.step >= 0 and meta.status in (Status.PAUSED, Status.READY):
-            held.setdefault(m.node, meta.step)
+        if meta is not None and meta.step >= 0 and meta.status is Status.PAUSED:
+            # Its PAUSED status says the step its pause holds: it replaces a step taken from a
+            # READY status, which may be the gossip from before the pause (the view of a pause
+            # comes first when the pausing member leads), older than this log: none held at all.
+            held[m.node] = meta.step
+        elif meta is not None and meta.step >= 0 and meta.status is Status.READY:
+            held.setdefault(m.node, meta.step)   # back already: the step it held through its pause
     for node, step in list(held.items()):
         meta = member_meta(node)
         if (view.member(node) is None or meta is None or meta.status is Status.JOINING

@@ -124,8 +124,10 @@ TABLE: list[tuple[str, PlanMemory, View | None, int | None, bool, int, dict[str,
      {"hold_from": None}, WAS, ()),
     ("back as a joiner at its step: kept", RET_B4, _view(A, P1, B_J), 1, True, 6, {}, {"b": meta(4, Status.READY)},
      {"hold_from": 4}, PlanMemory(True, 2, returning=(("b", 4),)), ()),
-    ("still paused, at a later step: the first step kept", RET_B4, _view(A, P1, B_Z), 1, True, 6, {},
-     {"b": meta(5, Status.PAUSED)}, {"hold_from": 4}, PlanMemory(True, 2, returning=(("b", 4),)), ()),
+    # Its PAUSED status is the step its pause holds: a step remembered from a READY status may
+    # be the gossip from before the pause, older than the log (then nothing would be held).
+    ("paused, at a later step than remembered: its pause's step", RET_B4, _view(A, P1, B_Z), 1, True, 6, {},
+     {"b": meta(5, Status.PAUSED)}, {"hold_from": 5}, PlanMemory(True, 2, returning=(("b", 5),)), ()),
     ("past its step: dropped", RET_B4, _view(A, P1, B_J), 1, True, 6, {}, {"b": meta(5, Status.READY)},
      {"hold_from": None}, WAS, ()),
     ("catching up: dropped", RET_B4, _view(A, P1, B_J), 1, True, 6, {}, {"b": meta(4, Status.JOINING)},
@@ -240,7 +242,10 @@ class _OldEngine:
             if m.node == node:
                 continue
             meta = metas.get(m.node)
-            if meta is not None and meta.step >= 0 and meta.status in (Status.PAUSED, Status.READY):
+            # One change since the move: a PAUSED status replaces a remembered step (viewplan.hold_from).
+            if meta is not None and meta.step >= 0 and meta.status is Status.PAUSED:
+                self.returning[m.node] = meta.step
+            elif meta is not None and meta.step >= 0 and meta.status is Status.READY:
                 self.returning.setdefault(m.node, meta.step)
         for n, s in list(self.returning.items()):
             meta = metas.get(n)
