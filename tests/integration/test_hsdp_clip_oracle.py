@@ -201,7 +201,7 @@ def replay(history: list[dict[str, Any]], trained: dict[tuple[int, int], list[tu
 # ---------------------------------------------------------------------- 1. clipping, a kill, the replay
 def test_hsdp_clip_kill_replays_exactly(tmp_path: Path) -> None:
     t0 = time.time()
-    total = 240   # B's restart takes 5-30 s on a loaded 2-core box (imports): A goes on alone meanwhile
+    total = 180   # B's restart takes 5-30 s on a loaded 2-core box (imports): A goes on alone meanwhile
     c = Cluster(tmp_path, total)
     c.spawn_witnesses()
     c.spawn("a", "a", ("--step-delay", "0.15", "--checkpoint-dir", str(tmp_path / "ckpt-a"),
