@@ -74,6 +74,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from p2pft.chaos.records import read_stats
+
 MODULE = "p2pft.trainer.integrations.torchtitan"
 RANK_CMD = "torchft-rank"
 TORCHFT_CONFIG = "llama3_debugmodel_torchft"
@@ -330,20 +332,6 @@ def error_line(log: Path) -> str:
     return "(empty log)"
 
 
-def read_records(path: Path) -> list[dict[str, Any]]:
-    out: list[dict[str, Any]] = []
-    try:
-        with open(path) as fh:
-            for line in fh:
-                try:
-                    out.append(json.loads(line))
-                except json.JSONDecodeError:
-                    break   # a SIGKILLed writer's last line may be cut
-    except FileNotFoundError:
-        pass
-    return out
-
-
 def alive(pid: int) -> bool:
     """Running (a zombie is dead)."""
     try:
@@ -446,7 +434,7 @@ def titan_args(shape: Shape, dump: Path) -> list[str]:
 
 
 def committed(path: Path) -> list[dict[str, Any]]:
-    return [r for r in read_records(path) if r.get("kind") is None and r.get("c")]
+    return [r for r in read_stats(path) if r.get("kind") is None and r.get("c")]
 
 
 def gaps_after(commits: list[dict[str, Any]], t_kill: float) -> tuple[float | None, float | None, float | None]:
@@ -477,10 +465,10 @@ def run_kill(cluster: Cluster, shape: Shape, spawn: Callable[[str, str], None], 
 
     cluster.check("start (both replicas to commit --kill-at steps together)", both_at_kill, left(),
                   f"{shape.kill_at} steps on both replicas")
-    starts = [r for r in read_records(stats("b")) if r.get("kind") == "start"]
+    starts = [r for r in read_stats(stats("b")) if r.get("kind") == "start"]
     b_pids = [int(p) for p in starts[-1]["pids"]] if starts else []
     for n in ("a", "b"):
-        for r in read_records(stats(n)):
+        for r in read_stats(stats(n)):
             if r.get("kind") == "start":
                 cluster.rank_pids.update(int(p) for p in r["pids"])
     cluster.sigkill("b")
@@ -496,7 +484,7 @@ def run_kill(cluster: Cluster, shape: Shape, spawn: Callable[[str, str], None], 
 
     cluster.check("rejoin (the restarted B to contribute)", b1_contributes, left(), "B to contribute again",
                   may_exit=("a",))
-    for r in read_records(stats("b1")):
+    for r in read_stats(stats("b1")):
         if r.get("kind") == "start":
             cluster.rank_pids.update(int(p) for p in r["pids"])
     back = [r for r in committed(stats("b1")) if contributes(r)]
@@ -509,7 +497,7 @@ def run_kill(cluster: Cluster, shape: Shape, spawn: Callable[[str, str], None], 
 def fill_common(res: PathResult, stats: Callable[[str], Path]) -> None:
     """The survivor's commits and gaps, and the shard digests A and the restarted B recorded at
     the same steps."""
-    recs = {n: [r for r in read_records(stats(n)) if r.get("kind") is None and "step" in r] for n in ("a", "b1")}
+    recs = {n: [r for r in read_stats(stats(n)) if r.get("kind") is None and "step" in r] for n in ("a", "b1")}
     a_commits = [r for r in recs["a"] if r.get("c")]
     res.survivor_commits = len(a_commits)
     res.survivor_alone = sum(1 for r in a_commits if r.get("n") == 1)
@@ -561,10 +549,10 @@ def run_p2pft(shape: Shape, work: Path, python: str, env: dict[str, str]) -> Pat
     finally:
         res.exit_codes = cluster.stop()
     fill_common(res, stats)
-    a_steps = [r for r in read_records(stats("a")) if r.get("kind") is None and "step" in r]
+    a_steps = [r for r in read_stats(stats("a")) if r.get("kind") is None and "step" in r]
     losses = [r["loss"] for r in a_steps if r.get("c") and "loss" in r]
     res.final_loss = losses[-1] if losses else None
-    ends = {n: [r for r in read_records(stats(n)) if r.get("kind") == "exit"] for n in ("a", "b1")}
+    ends = {n: [r for r in read_stats(stats(n)) if r.get("kind") == "exit"] for n in ("a", "b1")}
     if ends["a"] and ends["b1"]:
         ea, eb = ends["a"][-1], ends["b1"][-1]
         res.equal_weights = bool(ea.get("full")) and ea.get("full") == eb.get("full") and ea["step"] == eb["step"]
@@ -631,10 +619,10 @@ def run_torchft(shape: Shape, work: Path, python: str, env: dict[str, str]) -> P
                      f"{'overlapping the forward' if shape.overlap_quorum else 'waited for before the forward'}"
                      f"{'; lr re-applied after a heal' if shape.heal_lr else ''}")
     fill_common(res, stats)
-    a_recs = read_records(stats("a"))
+    a_recs = read_stats(stats("a"))
     losses = [r for r in a_recs if r.get("kind") == "loss" and r.get("n")]
     res.final_loss = losses[-1]["loss_sum"] / losses[-1]["n"] if losses else None
-    ends = {n: [r for r in read_records(stats(n)) if r.get("kind") == "exit"] for n in ("a", "b1")}
+    ends = {n: [r for r in read_stats(stats(n)) if r.get("kind") == "exit"] for n in ("a", "b1")}
     if ends["a"] and ends["b1"]:
         ea, eb = ends["a"][-1], ends["b1"][-1]
         res.equal_weights = ea["digest"] == eb["digest"] and ea["step"] == eb["step"]
