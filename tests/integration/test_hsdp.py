@@ -53,10 +53,12 @@ class Cluster(ProcessSet):
         self.addr = {"a": a, "b": b}
         self.witnesses = [w0, w1]
 
+    new_session = False   # each process in a session of its own (a whole replica killed with killpg)
+
     def _popen(self, name: str, cmd: list[str]) -> None:
         with open(self.tmp / f"{name}.log", "wb") as log:
             self.procs[name] = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log,
-                                                env=self.env)
+                                                env=self.env, start_new_session=self.new_session)
 
     def spawn_witnesses(self) -> None:
         everyone = list(self.addr.values()) + self.witnesses

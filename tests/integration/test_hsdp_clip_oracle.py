@@ -20,14 +20,14 @@ from __future__ import annotations
 import math
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-from replica_harness import ProcessSet, check_invariants, ports, records, steps
+from replica_harness import check_invariants, records, steps
+from test_hsdp import Cluster as HsdpCluster
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -40,28 +40,17 @@ BATCH = 4           # samples per replica per step, 2 per rank
 LR = 3e-3
 
 
-class Cluster(ProcessSet):
+class Cluster(HsdpCluster):
+    """test_hsdp's two replicas and two witnesses, each process in a session of its own (a kill
+    takes a whole replica), with this file's recipe (clipping, seed, lr, the job's end)."""
+
     tolerate_sigkill = True
     stop_timeout = 30.0
+    new_session = True
 
     def __init__(self, tmp: Path, steps_: int) -> None:
         super().__init__(tmp)
-        self.env = dict(os.environ, OMP_NUM_THREADS="1")
-        a, b, w0, w1 = (f"127.0.0.1:{p}" for p in ports(4))
-        self.addr = {"a": a, "b": b}
-        self.witnesses = [w0, w1]
         self.steps_ = steps_
-
-    def _popen(self, name: str, cmd: list[str]) -> None:
-        with open(self.tmp / f"{name}.log", "wb") as log:
-            self.procs[name] = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, env=self.env,
-                                                start_new_session=True)
-
-    def spawn_witnesses(self) -> None:
-        everyone = list(self.addr.values()) + self.witnesses
-        for k, addr in enumerate(self.witnesses):
-            self._popen(f"w{k}", [sys.executable, "-m", "p2pft", "peer", "--listen", addr,
-                                  "--seeds", ",".join(a for a in everyone if a != addr), "--replica-id", f"w{k}"])
 
     def spawn(self, rid: str, name: str, extra: tuple[str, ...] = ()) -> None:
         seeds = [a for r, a in self.addr.items() if r != rid] + self.witnesses

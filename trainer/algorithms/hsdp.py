@@ -46,8 +46,8 @@ class HSDP(Front):
                  group: ProcessGroup | None = None, **overrides: object) -> None:
         opts = Options.of(options, **overrides)
         self.ds = data_server
-        self.kernel = Shape.sharded(runtime, data_server, group).kernel(
-            model, optimizer, MeanGradient.of(model, opts.max_slots), opts)
+        self.shape = Shape.sharded(runtime, data_server, group)
+        self.kernel = self.shape.kernel(model, optimizer, MeanGradient.of(model, opts.max_slots), opts)
 
     @classmethod
     def launch(cls, model: torch.nn.Module, optimizer: torch.optim.Optimizer, options: Options | None = None, *,
@@ -80,6 +80,4 @@ class HSDP(Front):
 
     def close(self) -> None:
         super().close()
-        if self.rt is not None:
-            self.rt.close(leave=True)
-        self.ds.close()
+        self.shape.close()   # the Runtime (rank 0) and this rank's data server
