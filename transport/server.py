@@ -217,6 +217,14 @@ class DataServer:
                 self._reject_pending(sock, hello, "communicator parameters differ")
         return comm
 
+    def calling(self, min_epoch: int, shard: int) -> bool:
+        """A peer's ring connection of data epoch `min_epoch` or later, for `shard`, waits here
+        for a communicator this process has not built yet: a peer has started a collective with
+        us (a DiLoCo replica back mid-span trains until then; ``StepEngine.ring_calling``)."""
+        with self._lock:
+            return any(e >= min_epoch and s == shard and any(h.kind == KIND_RING for _, h, _ in socks)
+                       for (e, s), socks in self._pending.items())
+
     def serve_state(self, provider: Callable[[dict], "StateSnapshot | None"]) -> None:
         """Register the donor callback: provider(request) -> snapshot (None: nothing to give).
         Where there is a device, the pinned chunk buffers of a donor and of a joiner are

@@ -6,8 +6,9 @@ plain PyTorch process replays it: a local model, inner AdamW and LambdaLR per re
 (per stats file: a restarted replica starts with fresh ones, as it does), for each sync each
 process that ran a span restarts its local weights from the global ones, advances its inner
 schedule to the replicated inner step (sync x H) and runs its H inner steps (AMP, clipping as
-the recipe says); the pseudo-gradients (global minus local) of the processes in the committed
-mean are summed in the ring's order and divided by the count, and the outer Nesterov SGD (its lr
+the recipe says; a partial span, of a replica back mid-span, the first k of them); the
+pseudo-gradients (global minus local) of the processes in the committed mean are summed in the
+ring's order and divided by the count (less the untrained fraction of partial spans), and the outer Nesterov SGD (its lr
 times the contributor factor) moves the global weights. A span that ran but is not in the mean
 (its sync fast-forwarded) still advances that process's AdamW, as it did in the replica. The
 global weights are compared with the final weights the survivors saved.
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .oracle_types import (Contribution, History, OracleError, OracleResult, compare, cursor_mismatches, lr_factor,
-                           places, ring_sum, set_mean_grads)
+                           partial_divisor, places, ring_sum, set_mean_grads)
 
 
 @dataclass
@@ -77,7 +78,8 @@ def replay_diloco(history: History, targets: dict[str, tuple[int, dict[str, Any]
         grads = [pseudo[c.source] for c in st.contributions]
         total, exact = ring_sum(grads, places(st) if ring_order else None, ring_size)
         in_ring_order += exact
-        set_mean_grads(params, total, st.count)
+        # A partial span (a replica back mid-span) counts as the fraction of the span it trained.
+        set_mean_grads(params, total, partial_divisor(st.contributions, h * r.batch))
         factor = lr_factor(r.lr_policy, st.count, r.replicas if r.replicas else max(peak, st.count))
         peak = max(peak, st.count)
         base = [g["lr"] for g in outer.param_groups]
@@ -124,9 +126,9 @@ def _span(inner: _Inner, glob: Any, first: int, c: Contribution, h: int, r: Any,
             lp.copy_(gp)
     fast_forward(inner, first)   # a process that starts contributing: the replicated inner step
     idx = [i for a, b in c.ranges for i in range(a, b)]
-    if len(idx) != h * r.batch:
-        raise OracleError(f"{c.source}: a span of {len(idx)} samples, not H x batch = {h * r.batch}")
-    for k in range(h):
+    if not 0 < len(idx) <= h * r.batch or len(idx) % r.batch:
+        raise OracleError(f"{c.source}: a span of {len(idx)} samples, not up to H x batch = {h * r.batch}")
+    for k in range(len(idx) // r.batch):   # H inner steps, fewer for a partial span
         inner.opt.zero_grad(set_to_none=True)
         batch = torch.stack([data[i % len(data)] for i in idx[k * r.batch:(k + 1) * r.batch]])
         forward_backward(inner.model, batch, r, inner.scaler)

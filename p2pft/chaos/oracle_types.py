@@ -110,8 +110,9 @@ def lr_factor(policy: str, count: int, planned: int) -> float:
     return {"none": 1.0, "linear": count / planned, "sqrt": math.sqrt(count / planned)}[policy]
 
 
-def set_mean_grads(params: list[Any], total: Any, count: int) -> None:
-    """Each parameter's gradient: its segment of the summed flat buffer over the contributors."""
+def set_mean_grads(params: list[Any], total: Any, count: float) -> None:
+    """Each parameter's gradient: its segment of the summed flat buffer over the contributors
+    (their count, less the untrained fraction of partial ones: ``partial_divisor``)."""
     import torch
     off = 0
     for p in params:
@@ -119,9 +120,22 @@ def set_mean_grads(params: list[Any], total: Any, count: int) -> None:
         off += p.numel()
 
 
+def untrained(c: Contribution, samples_per_slot: int) -> int:
+    """Samples of its slot's assignment a contribution left untrained (a DiLoCo partial span)."""
+    return samples_per_slot - sum(b - a for a, b in c.ranges)
+
+
+def partial_divisor(contributions: list[Contribution], samples_per_slot: int) -> float:
+    """What the kernel divides a sum by (``Entry.divisor``): the contributor count, less the
+    untrained fraction of partial contributions; the count itself when every one is whole."""
+    short = sum(untrained(c, samples_per_slot) for c in contributions)
+    return float(len(contributions)) if not short else len(contributions) - short / samples_per_slot
+
+
 def cursor_mismatches(history: History, upto: int, samples_per_slot: int) -> int:
     """Check the rebuilt ranges against the replicated data cursor run over the same masks (a
-    slot takes `samples_per_slot` samples a step: the batch, or H batches for a DiLoCo sync)."""
+    slot takes `samples_per_slot` samples a step: the batch, or H batches for a DiLoCo sync; a
+    partial contribution the first of them, its untrained rest handed out again)."""
     from ..trainer.kernel.cursor import DataCursor
     cur = DataCursor(samples_per_slot)
     bad = 0
@@ -130,6 +144,12 @@ def cursor_mismatches(history: History, upto: int, samples_per_slot: int) -> int
         if any(s is None for s in slots):
             bad += 1
             continue
-        bad += sum(1 for c in st.contributions if tuple(map(tuple, cur.assign(c.slot))) != c.ranges)
-        cur.commit([i in slots for i in range(cur.max_slots)])
+        short = {c.slot: untrained(c, samples_per_slot) for c in st.contributions if c.slot is not None}
+        short = {s: n for s, n in short.items() if n}
+        bad += sum(1 for c in st.contributions if c.slot is not None
+                   and tuple(map(tuple, cur.trained(c.slot, short.get(c.slot, 0)))) != c.ranges)
+        try:
+            cur.commit([i in slots for i in range(cur.max_slots)], short)
+        except ValueError:   # a contribution that claims more samples than a slot has, or none
+            bad += 1
     return bad

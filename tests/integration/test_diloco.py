@@ -78,8 +78,9 @@ STREAMING = ("--sync-every", "8", "--fragments", "2", "--overlap", "2", "--alpha
 def _oracle(rs: DiLoCoReplicas, final: tuple[str, ...], h: int, batch: int = 4) -> float:
     """Replay plain DiLoCo from the records in one plain PyTorch process: per sync, each
     contributor's inner AdamW steps (one optimizer per process, fresh for a restarted one) from
-    the global weights on the ranges it reports, the mean pseudo-gradient, the outer Nesterov
-    step. The largest difference from the final replicas' saved global weights."""
+    the global weights on the ranges it reports (a partial span: fewer of them), the pseudo-
+    gradients' sum over the inner steps taken in spans (docs/diloco.md, "Partial spans"), the
+    outer Nesterov step. The largest difference from the final replicas' saved global weights."""
     import copy
 
     import torch
@@ -99,6 +100,7 @@ def _oracle(rs: DiLoCoReplicas, final: tuple[str, ...], h: int, batch: int = 4) 
     at: dict[int, list[torch.Tensor]] = {}
     for s in range(1, max(v["syncs"] for v in saved.values()) + 1):
         grads = []
+        spans = 0.0
         for name, ranges in sorted(by_sync.get(s, [])):
             if name not in locals_:
                 m = copy.deepcopy(glob)
@@ -108,15 +110,17 @@ def _oracle(rs: DiLoCoReplicas, final: tuple[str, ...], h: int, batch: int = 4) 
                 for lp, gp in zip(m.parameters(), glob.parameters()):
                     lp.copy_(gp)
             idx = [i for a, b in ranges for i in range(a, b)]
-            for k in range(h):
+            assert 0 < len(idx) <= h * batch and len(idx) % batch == 0, f"{name}: {len(idx)} samples at sync {s}"
+            for k in range(len(idx) // batch):
                 x, y = torch.utils.data.default_collate([sample(i) for i in idx[k * batch:(k + 1) * batch]])
                 opt.zero_grad()
                 (m(x) - y).pow(2).mean().backward()
                 opt.step()
             grads.append([gp.detach() - lp.detach() for gp, lp in zip(glob.parameters(), m.parameters())])
+            spans += len(idx) / (h * batch)
         assert grads, f"no contributor recorded for sync {s}"
         for j, gp in enumerate(glob.parameters()):
-            gp.grad = sum(g[j] for g in grads) / len(grads)
+            gp.grad = sum(g[j] for g in grads) / spans
         outer.step()
         at[s] = [p.detach().clone() for p in glob.parameters()]
     return max(float((a - b).abs().max()) for v in saved.values() for a, b in zip(v["weights"], at[v["syncs"]]))
@@ -189,9 +193,10 @@ def test_kill_during_outer_allreduce_survivors_retry_with_saved_pseudo_gradient(
 
 def test_a_restarted_replica_contributes_from_the_next_sync(tmp_path: Path) -> None:
     """Spans of 10 inner steps x 50 ms: a restarted replica pulls the global weights and outer
-    optimizer as soon as it is in the view (donors serve them during their inner steps), holds
-    the sync it is at, is promoted, and contributes its own span to the sync after that; no
-    survivor waits for it (their syncs keep their pace)."""
+    optimizer as soon as it is in the view (donors serve them during their inner steps), hands
+    over between syncs, is promoted, trains the rest of the span in progress and contributes it
+    (a partial span) to the very next sync; no survivor waits for it (their syncs keep their
+    pace); a replay with the partial spans weighted by their inner steps lands on the weights."""
     span = ("--sync-every", "10", "--step-delay", "0.05")
     rs = DiLoCoReplicas(tmp_path, 3)
     for i in range(3):
@@ -204,15 +209,22 @@ def test_a_restarted_replica_contributes_from_the_next_sync(tmp_path: Path) -> N
         rs.spawn(2, "r2-1", *span)
         rs.wait(lambda: any(r.get("tr") and r["c"] for r in rs.syncs("r2-1")), 40,
                 "the restarted replica to contribute")
+        rs.wait(lambda: sum(1 for r in rs.syncs("r2-1") if r.get("tr") and r["c"]) >= 4, 20,
+                "three more syncs with the restarted replica")
     finally:
         rcs = rs.stop_all()
     assert rcs["r0-0"] == 0 and rcs["r1-0"] == 0 and rcs["r2-1"] == 0, f"exit statuses {rcs}"
     up = [r for r in records(rs.stats["r2-1"]) if r.get("kind") == "begin"][0]
     at_up = max(r["step"] for r in rs.syncs("r0-0") if r["c"] and r["t"] <= up["t"])
     first = min(r["step"] for r in rs.syncs("r2-1") if r.get("tr") and r["c"])
-    # In the view at sync `at_up`: it holds sync at_up + 1 and contributes to the one after.
-    assert first <= at_up + 2, f"up at sync {at_up}, first contribution at sync {first}"
+    held = [r for r in records(rs.stats["r2-1"]) if r.get("event") == "catchup_done"][0]["step"]
+    # It holds sync `held` (at most one sync after it came up) and contributes to the very next.
+    assert held <= at_up + 1 and first == held + 1, f"up at sync {at_up}, held {held}, first contribution {first}"
+    rec = next(r for r in rs.syncs("r2-1") if r["step"] == first)
+    print(f"up at sync {at_up}, held {held}, first contribution at sync {first}: "
+          f"{sum(b - a for a, b in rec['tr'])} samples of 40 ({rec['ran']} inner steps)")
     _kept_all(rs, "r0-0")
     gaps = [b["t"] - a["t"] for a, b in zip(rs.syncs("r0-0"), rs.syncs("r0-0")[1:]) if a["t"] > up["t"]]
     assert gaps and max(gaps) < 2.5, f"a survivor's sync waited {max(gaps):.2f} s after the restart"
     check_invariants(rs.stats)
+    assert _oracle(rs, ("r0-0", "r1-0", "r2-1"), 10) < 1e-4

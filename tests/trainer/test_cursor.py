@@ -79,6 +79,16 @@ def test_bad_config_is_rejected(kwargs: dict) -> None:
         DataCursor(**kwargs)
 
 
+def test_a_partial_contribution_leaves_its_untrained_tail_to_be_trained_again() -> None:
+    c = DataCursor(batch_per_slot=4, max_slots=4)
+    c.commit(_mask(4, {0, 1, 2}), {0: 3, 2: 1})   # slot 0 trained 1 sample, slot 2 trained 3
+    assert c.holes == [(1, 4)] and c.frontier == 11   # slot 2's last sample was never handed out
+    assert c.assign(0) == [(1, 4), (11, 12)]
+    with pytest.raises(ValueError, match="untrained"):
+        c.commit(_mask(4, {0}), {0: 4})   # a contributor that trained nothing is not one
+    assert c.holes == [(1, 4)] and c.frontier == 11
+
+
 def test_bad_slot_is_rejected() -> None:
     c = DataCursor(batch_per_slot=2, max_slots=4)
     with pytest.raises(ValueError, match="slot must be an int in \\[0, 4\\)"):
@@ -109,8 +119,11 @@ def test_load_rejects_other_configuration() -> None:
         DataCursor(2, 4).load_state_dict(DataCursor(3, 4).state_dict())
 
 
-# One step of a run: which slots are alive, and whether the allreduce failed (nothing committed).
-step_strategy = st.tuples(st.sets(st.integers(0, 7)), st.booleans())
+# One step of a run: which slots are alive, whether the allreduce failed (nothing committed), and
+# per slot how many samples at the end of its batch it left untrained (a partial span; capped below
+# the batch, as a contributor trained at least one sample).
+step_strategy = st.tuples(st.sets(st.integers(0, 7)), st.booleans(),
+                          st.lists(st.integers(0, 4), min_size=8, max_size=8))
 
 
 @settings(max_examples=150, deadline=None)
@@ -121,16 +134,20 @@ step_strategy = st.tuples(st.sets(st.integers(0, 7)), st.booleans())
     reload_at=st.integers(0, 30),
 )
 # Holes left past the last contributor of a later step must stay holes.
-@example(batch=1, max_slots=4, steps=[({1, 3}, False), ({0}, False)], reload_at=1)
+@example(batch=1, max_slots=4, steps=[({1, 3}, False, [0] * 8), ({0}, False, [0] * 8)], reload_at=1)
 # A slot that dies, a failed retry, then the slot set shrinks.
-@example(batch=2, max_slots=3, steps=[({0, 2}, False), ({0, 1}, True), ({1}, False)], reload_at=0)
+@example(batch=2, max_slots=3, steps=[({0, 2}, False, [0] * 8), ({0, 1}, True, [0] * 8), ({1}, False, [0] * 8)],
+         reload_at=0)
+# The last contributor trains part of its batch: its tail stays fresh; a partial one before others: a hole.
+@example(batch=4, max_slots=3, steps=[({0, 2}, False, [0, 0, 3] + [0] * 5), ({0, 1}, False, [2] + [0] * 7)],
+         reload_at=1)
 def test_every_sample_is_trained_exactly_once(
-    batch: int, max_slots: int, steps: list[tuple[set[int], bool]], reload_at: int
+    batch: int, max_slots: int, steps: list[tuple[set[int], bool, list[int]]], reload_at: int
 ) -> None:
     cursor = DataCursor(batch, max_slots, max_holes=10_000)
     replica = DataCursor(batch, max_slots, max_holes=10_000)  # a second replica seeing the same masks
     trained: Counter[int] = Counter()
-    for n, (alive, failed) in enumerate(steps):
+    for n, (alive, failed, shorts) in enumerate(steps):
         if n == reload_at:  # a joiner takes the replicated state in the middle of the run
             replica = DataCursor.from_state_dict(msgpack.unpackb(msgpack.packb(cursor.state_dict())))
         contributors = set() if failed else {s for s in alive if s < max_slots}
@@ -140,12 +157,18 @@ def test_every_sample_is_trained_exactly_once(
         if cursor.holes:  # untrained samples go out before fresh ones
             assert pieces[0][0][0] == cursor.holes[0][0]
         mask = _mask(max_slots, contributors)
-        step_samples = [i for s in sorted(contributors) for a, b in pieces[s] for i in range(a, b)]
-        assert cursor.consumed(mask) == _ranges(sorted(step_samples))
+        short = {s: min(shorts[s], batch - 1) for s in contributors if min(shorts[s], batch - 1)}
+        # A partial contributor trained the first samples of its batch, in assignment order.
+        step_samples = [i for s in sorted(contributors)
+                        for i in [i for a, b in pieces[s] for i in range(a, b)][:batch - short.get(s, 0)]]
+        assert cursor.consumed(mask, short) == _ranges(sorted(step_samples))
+        for s in contributors:
+            assert cursor.trained(s, short.get(s, 0)) == _ranges(
+                [i for a, b in pieces[s] for i in range(a, b)][:batch - short.get(s, 0)])
         trained.update(step_samples)
         assert all(v == 1 for v in trained.values()), "a sample was trained twice"
-        cursor.commit(mask)
-        replica.commit(mask)
+        cursor.commit(mask, short)
+        replica.commit(mask, short)
         assert replica == cursor
         assert all(a < b <= cursor.frontier for a, b in cursor.holes)
         assert all(p[1] < q[0] for p, q in zip(cursor.holes, cursor.holes[1:]))

@@ -443,6 +443,9 @@ class FakeDataServer:
                      connect_timeout: float, backend: Backend, device: int | None) -> Communicator:
         raise AssertionError("the kernel builds its communicators with the factory it was given")
 
+    def calling(self, min_epoch: int, shard: int) -> bool:
+        return False
+
     def close(self) -> None:
         self.closed = True
 
@@ -771,7 +774,8 @@ def test_the_norm_is_measured_over_every_shard_of_the_replica() -> None:
     other = 12.0 ** 2                                         # the other rank's shard: norm 12
     buf = SimpleNamespace(grad_numel=2)
     fake = SimpleNamespace(optimizer_step=SimpleNamespace(clip_norm=1.0), algo=SimpleNamespace(buffer=lambda s: buf),
-                           group=SimpleNamespace(agree=lambda mine: [mine, other]))
+                           group=SimpleNamespace(agree=lambda mine: [mine, other]),
+                           cursor=SimpleNamespace(batch_per_slot=8))
     e = Entry(step=0, flat=flat, count=1, mask=[True])
     StepEngine.measure(fake, e)   # type: ignore[arg-type]
     assert e.norm == pytest.approx(13.0)
@@ -779,3 +783,7 @@ def test_the_norm_is_measured_over_every_shard_of_the_replica() -> None:
     fake.group = SimpleNamespace(agree=lambda mine: [mine, other * 4])
     StepEngine.measure(fake, e2)  # type: ignore[arg-type]
     assert e2.norm == pytest.approx(13.0)
+    # One of the two trained half of its samples (a partial span): the mean divides by 1.5.
+    e3 = Entry(step=0, flat=flat * 2, count=2, mask=[True, True], short={1: 4})
+    StepEngine.measure(fake, e3)  # type: ignore[arg-type]
+    assert e3.norm == pytest.approx(26.0 / 1.5)

@@ -32,9 +32,23 @@ def test_layout() -> None:
     model, _ = _replica(1)
     buf = StepBuffer(model.parameters(), max_slots=MAX_SLOTS)
     n = sum(p.numel() for p in model.parameters())
-    assert buf.flat.shape == (n + MAX_SLOTS + 1 + 2 * MAX_SLOTS,) and buf.flat.dtype == torch.float32
+    assert buf.flat.shape == (n + MAX_SLOTS + 1 + 3 * MAX_SLOTS,) and buf.flat.dtype == torch.float32
     assert buf.grad_numel == n and buf.tail.shape == (MAX_SLOTS,) and buf.steps_region.shape == (MAX_SLOTS,)
-    assert buf.held_region.shape == (MAX_SLOTS,)
+    assert buf.held_region.shape == (MAX_SLOTS,) and buf.short_region.shape == (MAX_SLOTS,)
+
+
+def test_a_partial_contribution_says_how_many_samples_it_left_and_survives_a_retry() -> None:
+    replicas = [_replica(seed) for seed in (1, 2)]
+    buffers = [StepBuffer(m.parameters(), max_slots=MAX_SLOTS) for m, _ in replicas]
+    buffers[0].pack(0, step=3)
+    buffers[1].pack(2, step=3, short=24)   # trained the first part of its slot's samples only
+    buffers[1].save()
+    _allreduce(buffers)
+    assert buffers[0].shorts() == {2: 24} and buffers[0].slot_steps() == {0: 3, 2: 3}
+    buffers[1].restore()                   # a retry packs the same contribution again
+    assert buffers[1].shorts() == {2: 24} and buffers[1].contributors() == 1
+    with pytest.raises(ValueError, match="short"):
+        buffers[0].pack(0, step=3, short=-1)
 
 
 def test_pack_allreduce_unpack_gives_mean_of_contributors() -> None:
@@ -64,7 +78,7 @@ def test_missing_grads_pack_as_zeros_and_unpack_allocates() -> None:
     a.grad = torch.full((2, 3), 6.0)
     buf = StepBuffer([a, b], max_slots=2)
     buf.pack(1, step=6)
-    assert buf.flat.tolist() == [6.0] * 6 + [0.0] * 4 + [0.0, 1.0] + [1.0] + [0.0, 7.0] + [0.0, 0.0]
+    assert buf.flat.tolist() == [6.0] * 6 + [0.0] * 4 + [0.0, 1.0] + [1.0] + [0.0, 7.0] + [0.0, 0.0] + [0.0, 0.0]
     buf.unpack(3.0)
     assert torch.equal(a.grad, torch.full((2, 3), 2.0))
     assert b.grad is not None and torch.equal(b.grad, torch.zeros(4))

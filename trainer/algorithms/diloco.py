@@ -49,6 +49,7 @@ class DiLoCoResult:
     inner: bool                     # this call took an inner optimizer step
     fragment: int | None = None     # the fragment the sync ending here carried (None: no sync)
     outer: StepResult | None = None  # the kernel's result of that sync (trained ranges, contributors)
+    short: int = 0                  # that sync's samples this replica left untrained (a partial span)
 
 
 class FragmentMean:
@@ -119,7 +120,7 @@ class DiLoCo(Front):
                  fragments: int = 1, overlap: int = 0, alpha: float = 0.0, compression: str = "none",
                  outer_lr_scheduler: Callable[[torch.optim.Optimizer], LRSchedulerLike] | None = None,
                  outer_grad_hook: GradHook | None = None, data_server: DataServer | None = None,
-                 group: ProcessGroup | None = None, **overrides: object) -> None:
+                 group: ProcessGroup | None = None, partial_spans: bool = True, **overrides: object) -> None:
         opts = Options.of(options, **overrides)
         self.schedule = s = FragmentSchedule(sync_every, fragments, overlap, alpha)
         codec = Compression.parse(compression)
@@ -156,6 +157,11 @@ class DiLoCo(Front):
                                            after_step=opts.after_step, clip_norm=opts.clip_norm)
         self.inner_scheduler = opts.lr_scheduler
         self.spans = Spans(self.kernel, s.span, self.algorithm.bufs[0])
+        # A replica back mid-span trains the rest of it and contributes at the next sync (one
+        # fragment, no overlap: its pseudo-gradient then covers exactly its inner steps).
+        self.kernel.early_handover = partial_spans and s.fragments == 1 and not s.overlap
+        self._partial_next = False   # handed over between syncs: the next span may end early
+        self._partial = False        # this span started late: it ends when a peer starts the sync
         self._sched_steps = 0
         self._base = 0               # kernel step at the start of the current span
         self._contributing = False
@@ -195,8 +201,11 @@ class DiLoCo(Front):
             self.kernel.donor.idle()
             self._base = self.kernel.step
             was, self._contributing = self._contributing, bool(self.spans.samples)
+            self._partial, self._partial_next = self._partial_next and self._contributing, False
             if self._contributing and (self._fresh or not was):
                 self._restart_local()
+            if self._contributing:
+                self._advance_schedule()
             if self._contributing != was:
                 log.info("%s from sync %d (inner step %d)", "contributing" if self._contributing else
                          "sitting out the syncs (not a participant, or catching up)", self.step, self.inner_step)
@@ -215,6 +224,9 @@ class DiLoCo(Front):
             res = self.spans.round()
             self._fresh, self._base = True, k.step
             if k.synced and not was_synced:
+                # Handed over between syncs (nothing applied): the span in progress is the one
+                # to train, partially; at a reduced sync: the next span, whole.
+                self._partial_next = not res.committed
                 self._await_promotion()
             frag = s.fragment(res.step - 1) if res.committed and res.step > 0 else None
             return DiLoCoResult(self.inner_step, k.step, False, frag, res)
@@ -222,6 +234,11 @@ class DiLoCo(Front):
         self.inner_steps_run += 1
         self._sched_steps += self.inner_scheduler is not None
         due = self.spans.stepped()
+        short = 0
+        if not due and self._partial and self.kernel.ring_calling():
+            # Back mid-span: a peer has started the sync, so it ends here for us too, with the
+            # inner steps taken; the samples of the others go back to the cursor.
+            due, short = True, self.spans.untrained
         if s.overlap and self.spans.k == s.send_at:
             self.spans.send(self.algorithm.load(k.step, self._local))
         if not due:
@@ -229,10 +246,14 @@ class DiLoCo(Front):
         frag = s.fragment(self._base)
         if not s.overlap:
             self.algorithm.load(k.step, self._local)
-        res = self.spans.round()
+        if self._partial:
+            log.info("sync %d: contributing a partial span (%d of %d inner steps)", k.step,
+                     s.span - short // max(1, len(self.spans.samples) // s.span), s.span)
+        self._partial = False
+        res = self.spans.round(short)
         self._after_sync(frag, res)
         self._base = k.step
-        return DiLoCoResult(self.inner_step, k.step, True, frag, res)
+        return DiLoCoResult(self.inner_step, k.step, True, frag, res, short)
 
     def _await_promotion(self) -> None:
         """Just caught up at this sync: the leader makes a ready joiner a participant within tens
@@ -258,8 +279,13 @@ class DiLoCo(Front):
         merge([local(self._local[i].data) for i in idx], [local(g[i].data) for i in idx], self.schedule.alpha)
 
     def _restart_local(self) -> None:
-        """Local weights <- global; the inner scheduler advanced to the replicated inner step."""
+        """Local weights <- global."""
         merge([local(p.data) for p in self._local], [local(p.data) for p in self.algorithm.params], 0.0)
+        self._fresh = False
+
+    def _advance_schedule(self) -> None:
+        """The inner scheduler at the replicated inner step before a span's first inner step (a
+        replica that restarted, sat out syncs or trained a partial span is behind it)."""
         target = self.step * self.schedule.span
         if self.inner_scheduler is not None and self._sched_steps < target:
             # Moved to the replicated inner step before this replica's first inner optimizer step
@@ -270,7 +296,6 @@ class DiLoCo(Front):
                 while self._sched_steps < target:
                     self.inner_scheduler.step()
                     self._sched_steps += 1
-        self._fresh = False
 
     def close(self) -> None:
         self.spans.close()

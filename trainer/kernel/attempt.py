@@ -63,6 +63,7 @@ class Verdict:
     steps: tuple[tuple[int, int], ...] = ()   # slot -> step, read from the reduced buffer
     held: tuple[tuple[int, int], ...] = ()    # data rank -> step of members holding the state
     count: int = 0
+    short: tuple[tuple[int, int], ...] = ()   # slot -> samples it left untrained (partial contributions)
     ready: int | None = None       # catching up and at the head of the replay log at this step
     unusable: bool = False         # the data plane cannot work for this job (no retry can succeed)
 
@@ -81,10 +82,20 @@ class Entry:
     #: every rank in lockstep, when the entry is made (``StepEngine.measure``), so that a replay
     #: on a background thread applies the same clip coefficient without a collective
     norm: float | None = None
+    #: slot -> samples of its assignment a contributor left untrained (a DiLoCo replica back
+    #: mid-span): the cursor keeps them for later, and the mean counts only the work done
+    short: dict[int, int] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
         return self.flat.numel() * self.flat.element_size()
+
+    def divisor(self, batch_per_slot: int) -> float:
+        """What the sum is divided by: contributors, less the untrained fraction of each partial
+        one (the contributor count exactly when every slot trained all of its samples)."""
+        if not self.short:
+            return float(self.count)
+        return self.count - sum(self.short.values()) / batch_per_slot
 
 
 @dataclass

@@ -58,6 +58,7 @@ class ShardComms:
         # What builds a communicator: the data server's (TCP ring or NCCL), unless one is given
         # (a test's in-memory communicators); either way built here only, on the same keywords.
         self._make: CommFactory = factory if factory is not None else ds.communicator
+        self._lazy = factory is None   # the data server's own communicators: a peer's ring call waits there
         self.backend = backend    # every communicator of this rank: tcp, nccl or nccl-auto (transport.backend)
         self.device = device      # CUDA device index for nccl
         self.shard = shard
@@ -110,6 +111,16 @@ class ShardComms:
                 self._comms[d] = comm
                 self._keys[d] = key
             return comm
+
+    @property
+    def sees_calls(self) -> bool:
+        """Whether `calling` can see a peer start a collective with this rank: the data server's
+        TCP rings connect at their first operation, so a peer's connection waits for us there."""
+        return self._lazy and self.backend is Backend.TCP
+
+    def calling(self, min_epoch: int) -> bool:
+        """A peer has started a collective of data epoch `min_epoch` or later with this rank."""
+        return self.ds.calling(min_epoch, self.shard)
 
     def prepare(self, view: View, node: str, world: int) -> None:
         """Rank 0, when a view brings a new data epoch: build this shard's NCCL communicator of it

@@ -11,7 +11,7 @@ The stream is the non-negative integers; a dataset maps an index to a sample mod
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 Range = tuple[int, int]
@@ -109,17 +109,30 @@ class DataCursor:
             raise ValueError(f"mask has {len(mask)} entries, expected max_slots = {self.max_slots}")
         return [i for i, v in enumerate(mask) if _is_true(v, i)]
 
-    def consumed(self, mask: Sequence[bool | int | float]) -> list[Range]:
-        """The sample ranges a commit with `mask` would mark as trained (sorted, merged)."""
+    def _used(self, contributors: list[int], short: Mapping[int, int] | None) -> list[Range]:
+        """Positions the contributors trained: each slot's batch, less the untrained tail of a
+        partial one (`short`: slot -> samples left at the end of its batch)."""
         b = self.batch_per_slot
-        positions: list[Range] = []
-        for slot in self._contributors(mask):
-            _append_merged(positions, slot * b, (slot + 1) * b)
-        return self._map_positions(positions)
+        used: list[Range] = []
+        for slot in contributors:
+            n = (short or {}).get(slot, 0)
+            if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n < b:
+                raise ValueError(f"slot {slot} left {n!r} samples untrained: expected an int in [0, {b})")
+            _append_merged(used, slot * b, (slot + 1) * b - n)
+        return used
+
+    def consumed(self, mask: Sequence[bool | int | float], short: Mapping[int, int] | None = None) -> list[Range]:
+        """The sample ranges a commit with `mask` (and `short`) would mark as trained (sorted, merged)."""
+        return self._map_positions(self._used(self._contributors(mask), short))
+
+    def trained(self, slot: int, short: int = 0) -> list[Range]:
+        """The ranges of `assign(slot)` a contribution that left `short` samples untrained trained."""
+        return self._map_positions(self._used([slot], {slot: short} if short else None))
 
     # ----------------------------------------------------------------- update
-    def commit(self, mask: Sequence[bool | int | float]) -> None:
-        """Mark the pieces of slots with a true mask entry as trained; skipped pieces become holes.
+    def commit(self, mask: Sequence[bool | int | float], short: Mapping[int, int] | None = None) -> None:
+        """Mark the pieces of slots with a true mask entry as trained; skipped pieces, and the
+        untrained tail of a partial contribution (`short`: slot -> samples), become holes.
 
         The state is unchanged if the mask is invalid or the hole list would overflow, so a replica
         never ends up half-updated.
@@ -127,10 +140,7 @@ class DataCursor:
         contributors = self._contributors(mask)
         if not contributors:
             return  # a failed step consumes nothing
-        b = self.batch_per_slot
-        used: list[Range] = []
-        for slot in contributors:
-            _append_merged(used, slot * b, (slot + 1) * b)
+        used = self._used(contributors, short)
         end_pos = used[-1][1]
         total_holes = self.hole_samples
         # Positions left untrained: the gaps between contributors, and any holes past the last one.

@@ -50,6 +50,7 @@ from .group import ReplicaGroup
 from .options import CheckpointOptions, EngineOptions, JobOptions, exit_replica
 from .ports import (CatchupControl, CheckpointControl, CommFactory, DataServerPort, DonorControl, LifeHooks,
                     PauseControl, RuntimePort)
+from .offring import ring_calling, wait_off_ring
 from .optstep import OptimizerStep
 from .recent import RecentSteps, fast_forward
 from .retry import LogLimiter, check_usable, recover
@@ -165,6 +166,11 @@ class StepEngine:
         self._plan_memory = PlanMemory()   # rank 0: what one look at the views leaves for the next
         self._attempt_view: Any = None
         self._deadline = 0.0
+        # An algorithm of spans that can train a partial one sets this: a replica catching up
+        # then waits off the ring between rounds and hands over as soon as it holds the head
+        # (``offring.py``); only where the data server sees a round start (its own TCP rings).
+        self.early_handover = False
+        self.att_epoch = -1            # the data epoch of this replica's latest attempt
         data_server.serve_state(self.donor.provide)
         host = parse_hostport(data_server.addr, "data address").host
         side = self.comms.listen(host) if self.rank != 0 else (host, 0)
@@ -314,6 +320,15 @@ class StepEngine:
         self._began_step = self.step
         return self.rank_share(self.cursor, self._slot)
 
+    def ring_calling(self) -> bool:
+        """Collective: a peer has started a round with this replica since its latest attempt
+        (a replica training a partial span stops and joins it)."""
+        return ring_calling(self, self.att_epoch)
+
+    def slot_samples(self) -> list[int]:
+        """Every sample index the slot of the step begun last trains ([] : none), in order."""
+        return [i for a, b in self._ranges for i in range(a, b)]
+
     def rank_share(self, cursor: DataCursor, slot: int) -> list[int]:
         """This rank's part of the samples `cursor` assigns to `slot` (all of them for one rank)."""
         idx = [i for a, b in cursor.assign(slot) for i in range(a, b)]
@@ -350,28 +365,33 @@ class StepEngine:
             for p in buf.params:
                 p.grad = None
 
-    def commit(self) -> StepResult:
+    def commit(self, short: int = 0) -> StepResult:
         """Collective. Allreduce this rank's shard, agree in-replica, retry across views, apply:
         the round's commit (every step for ``FaultTolerant`` and ``HSDP``, every sync for
-        ``DiLoCo`` and local SGD)."""
+        ``DiLoCo`` and local SGD). `short`: samples at the end of this round's assignment the
+        replica did not train (a partial span): the mean counts its work as that much less, and
+        the cursor hands those samples out again."""
         self.donor.busy()
         self.in_step = True
         try:
-            return self._attempts()
+            return self._attempts(short)
         finally:
             self.in_step = False
             self.donor.idle()
 
-    def _attempts(self) -> StepResult:
+    def _attempts(self, short: int) -> StepResult:
         slot = self._slot
         self._slot = None
         if self.synced:   # a replica catching up answers with zeros in any buffer (all have one size)
             self.buf = self.algo.buffer(self.step)
-        self.buf.pack(slot if self.synced else None, self.step)
+        if short and slot is not None:
+            self._ranges = self.cursor.trained(slot, short)
+        self.buf.pack(slot if self.synced else None, self.step, short if slot is not None else 0)
         self.buf.save()
         self._deadline = time.monotonic() + self.step_timeout
         self._idle_rounds = 0
         retries = 0
+        off_ring = self.early_handover and self.comms.sees_calls
         while True:
             att = self.group.broadcast(self._plan(slot) if self.rt is not None else None)
             if self.rt is None and att.node:   # this replica's node, as rank 0 knows it
@@ -400,6 +420,14 @@ class StepEngine:
             self.catchup.donor = att.donor
             self.catchup.kick()
             self.recent.hold(att.hold_from)
+            self.att_epoch = att.data_epoch
+            if off_ring and not self.synced:
+                went = wait_off_ring(self, att, self._deadline)
+                if went is True:
+                    return StepResult(self.step, False, 0, retries, _role(att))
+                if went is None:
+                    continue
+                off_ring = False   # a round started: answer it (and its retries) on the ring
             verdicts = self.group.agree(self._verdict(self._allreduce(att)))
             check_usable(verdicts, self.rank, att.data_epoch)
             outcome = self._decide(att, verdicts, retries, slot)
@@ -565,16 +593,18 @@ class StepEngine:
             steps = self.buf.slot_steps()
             count = self.buf.contributors()
             held = self.buf.held_steps()
+            short = {s: n for s, n in self.buf.shorts().items() if s in steps}
         except Exception as exc:
             return Verdict(ok=False, error=repr(exc)[:300])
         return Verdict(ok=True, steps=tuple(sorted(steps.items())), count=count, held=tuple(sorted(held.items())),
-                       ready=self.catchup.ready_step())
+                       short=tuple(sorted(short.items())), ready=self.catchup.ready_step())
 
     def _decide(self, att: Attempt, verdicts: list[Verdict], retries: int, slot: int | None) -> StepResult | None:
         """Identical on every rank: a function of the gathered verdicts and replicated state."""
         role = _role(att)
         bad = [v for v in verdicts if not v.ok]
-        if not bad and any((v.steps, v.count, v.held) != (verdicts[0].steps, verdicts[0].count, verdicts[0].held)
+        if not bad and any((v.steps, v.count, v.held, v.short) != (verdicts[0].steps, verdicts[0].count,
+                                                                   verdicts[0].held, verdicts[0].short)
                            for v in verdicts):
             log.warning("shards reduced different contributor sets; retrying on a fresh data epoch")
             bad = [Verdict(ok=False, comm=True, aborted=True, error="shards disagree")]
@@ -593,7 +623,7 @@ class StepEngine:
         assert d.step is not None
         mask = [i in reduced.steps for i in range(self.buf.max_slots)]
         flat = self.buf.flat.clone()
-        entry = Entry(d.step, flat, reduced.count, mask, ready=written_event(flat))
+        entry = Entry(d.step, flat, reduced.count, mask, ready=written_event(flat), short=dict(verdicts[0].short))
         self.measure(entry)
         ranks = {s: r for s, r in att.slot_ranks if s < len(mask) and mask[s]}
         if d.action is Action.LOG:
@@ -657,10 +687,10 @@ class StepEngine:
         if e.step != self.step:
             raise AssertionError(f"applying step {e.step} at step {self.step}")
         buf = self.algo.buffer(e.step)
-        buf.unpack(float(e.count), source=e.flat)
+        buf.unpack(e.divisor(self.cursor.batch_per_slot), source=e.flat)
         self.algo.apply(e.step, buf, functools.partial(self.optimizer_step, e.count, e.norm))
         self._clear_grads(buf)
-        self.cursor.commit(e.mask)
+        self.cursor.commit(e.mask, e.short)
         self.step += 1
         self.recent.append(e)
 
@@ -672,7 +702,7 @@ class StepEngine:
             return
         n = self.algo.buffer(e.step).grad_numel
         mine = float(torch.linalg.vector_norm(e.flat[:n], dtype=torch.float64)) ** 2
-        e.norm = math.sqrt(sum(self.group.agree(mine))) / e.count
+        e.norm = math.sqrt(sum(self.group.agree(mine))) / e.divisor(self.cursor.batch_per_slot)
 
     def committed(self) -> None:
         """After every committed step (a live one, a fast-forward, a hand-over): publish it,

@@ -120,7 +120,8 @@ class RecentSteps:
         if not entries or entries[0].step != lo or len(entries) != hi - lo:
             return None
         return StateSnapshot(meta={"steps": [e.step for e in entries], "counts": [e.count for e in entries],
-                                   "masks": [[int(b) for b in e.mask] for e in entries]},
+                                   "masks": [[int(b) for b in e.mask] for e in entries],
+                                   "shorts": [sorted(e.short.items()) for e in entries]},
                              tensors={f"g{e.step}": e.flat for e in entries},
                              ready=entries[-1].ready)   # one stream wrote them all, in step order
 
@@ -146,8 +147,10 @@ def fetch_recent(lo: int, hi: int, att: Attempt, held: dict[int, int], shard: in
         # The log arrives in host memory; apply() reads it on the step buffer's device.
         flats = [snap.tensors[f"g{s}"].to(device) for s in got]
         ready = written_event(flats[-1])
+        shorts = snap.meta.get("shorts") or [[] for _ in got]
         return node, [Entry(int(s), flats[i], int(snap.meta["counts"][i]),
-                            [bool(x) for x in snap.meta["masks"][i]], ready=ready) for i, s in enumerate(got)]
+                            [bool(x) for x in snap.meta["masks"][i]], ready=ready,
+                            short={int(a): int(b) for a, b in shorts[i]}) for i, s in enumerate(got)]
     return None
 
 

@@ -2,7 +2,9 @@
 replicas train on their own between syncs.
 
 At a span's start ``begin()`` is the kernel's collective begin and the round's samples are split
-over the span's inner steps; every inner step beats, so a span longer than ``loop_timeout`` does
+over the span's inner steps, in order (each inner step's share then over the replica's ranks, so
+the first k inner steps train a prefix of the round's samples: a partial span, ``round(short)``,
+leaves exactly the rest to the cursor); every inner step beats, so a span longer than ``loop_timeout`` does
 not get the replica left out as stalled (an algorithm cannot forget it). A round may also be
 reduced in the background during the span's last inner steps (``send`` / ``join``: Streaming
 DiLoCo's overlap), on a device stream of its own.
@@ -29,7 +31,7 @@ class Spans:
         self.kernel = kernel
         self.span = span
         self.k = 0                          # inner steps run in the current span
-        self.samples: list[int] = []        # the round's samples ([] : this replica contributes nothing)
+        self.samples: list[int] = []        # the slot's samples for the round, every rank's ([] : none)
         self._side = SideStream(like.flat)  # the background round's stream (a no-op on CPU)
         self._inflight: threading.Thread | None = None
         self._out: list[StepResult | BaseException] = []
@@ -42,21 +44,30 @@ class Spans:
         """This inner step's samples; at a span's start, the kernel's collective begin. Beats."""
         self.kernel.beat()
         if self.k == 0:
-            self.samples = self.kernel.begin(stop)
+            self.kernel.begin(stop)
+            self.samples = self.kernel.slot_samples()
         elif stop or self.kernel.stopping:
             raise Stopped("stop requested")
         per = len(self.samples) // self.span
-        return self.samples[self.k * per:(self.k + 1) * per]
+        block = self.samples[self.k * per:(self.k + 1) * per]
+        share = len(block) // self.kernel.world
+        return block[self.kernel.rank * share:(self.kernel.rank + 1) * share]
 
     def stepped(self) -> bool:
         """One inner step taken: True when the span is complete (its round is due)."""
         self.k += 1
         return self.k >= self.span
 
-    def round(self) -> StepResult:
-        """The round at the span's end, on this thread (or the one sent early); a new span next."""
+    @property
+    def untrained(self) -> int:
+        """Samples of the round the inner steps not taken (yet) would have trained."""
+        return (self.span - self.k) * (len(self.samples) // self.span)
+
+    def round(self, short: int = 0) -> StepResult:
+        """The round at the span's end, on this thread (or the one sent early); a new span next.
+        `short`: the round's samples left untrained (a partial span: ``untrained``)."""
         self.k = 0
-        return self.join() if self._inflight is not None else self.kernel.commit()
+        return self.join() if self._inflight is not None else self.kernel.commit(short)
 
     def send(self, buf: StepBuffer) -> None:
         """Reduce the round now, on a thread, while inner steps go on (`buf`: the contribution

@@ -1,10 +1,13 @@
 """The one buffer a step allreduces: gradients, who contributed, and at which step.
 
-Layout: ``[gradients][mask: K slots][contributor count][steps: K slots][held: K data ranks]``,
-float32. A contributor writes 1.0 at its slot in the mask, 1.0 at the count, and ``step + 1`` at
-its slot in the steps region. Every member that holds the committed state (contributing or not:
-a hot spare, a participant demoted for this round) writes ``step + 1``
-at its data rank in the held region (``set_held``). After the sum every rank reads the *same*
+Layout: ``[gradients][mask: K slots][contributor count][steps: K slots][held: K data ranks]
+[short: K slots]``, float32. A contributor writes 1.0 at its slot in the mask, 1.0 at the count,
+and ``step + 1`` at its slot in the steps region; one that trained only the first part of its
+slot's samples (a DiLoCo replica back mid-span) writes how many it left untrained in the short
+region, so every replica consumes the same samples and divides by the same work
+(``Entry.divisor``). Every member that holds the committed state (contributing or not: a hot
+spare, a participant demoted for this round) writes ``step + 1`` at its data rank in the held
+region (``set_held``). After the sum every rank reads the *same*
 mask, divisor, per-slot steps and held steps from the same reduced buffer, so all ranks take the
 same decision (commit; or discard because some member is behind, or *ahead*, after a partially
 committed earlier step) without another round trip. A member ahead that contributes nothing
@@ -63,7 +66,8 @@ class StepBuffer:
         self.grad_numel = sum(s.numel() for s in shards)
         self._count_index = self.grad_numel + max_slots
         self._held_index = self._count_index + 1 + max_slots
-        self.flat = torch.zeros(self._held_index + max_slots, dtype=torch.float32, device=device)
+        self._short_index = self._held_index + max_slots
+        self.flat = torch.zeros(self._short_index + max_slots, dtype=torch.float32, device=device)
         self._offsets: list[int] = []
         self._views: list[torch.Tensor] = []
         offset = 0
@@ -75,8 +79,8 @@ class StepBuffer:
         self._grads_gen = 0   # bumped whenever the gradient views are written (unpack, zero)
         # How to pack the last contribution again instead of copying it in save(): (slot, step,
         # gradient generation); None after a per-parameter pack, which save() copies.
-        self._repack: tuple[int | None, int, int] | None = None
-        self._saved_repack: tuple[int | None, int, int] | None = None
+        self._repack: tuple[int | None, int, int, int] | None = None
+        self._saved_repack: tuple[int | None, int, int, int] | None = None
         plain = all(local(p) is p and p.dtype == torch.float32 and p.device == self.flat.device
                     for p in self.params)
         self.grads: torch.Tensor | None = None
@@ -98,7 +102,12 @@ class StepBuffer:
     @property
     def held_region(self) -> torch.Tensor:
         """Per data rank: step + 1 of each member holding the committed state (0: none)."""
-        return self.flat[self._held_index:]
+        return self.flat[self._held_index:self._short_index]
+
+    @property
+    def short_region(self) -> torch.Tensor:
+        """Per slot: samples of its assignment a contributor left untrained (0: it trained all)."""
+        return self.flat[self._short_index:]
 
     # ------------------------------------------------------------------ gradients
     def grads_bound(self) -> bool:
@@ -122,21 +131,24 @@ class StepBuffer:
         return True
 
     # ------------------------------------------------------------------ pack
-    def pack(self, slot: int | None, step: int = 0) -> None:
-        """Pack the local gradients for `slot` at `step` (slot None: contribute nothing, zeros)."""
+    def pack(self, slot: int | None, step: int = 0, short: int = 0) -> None:
+        """Pack the local gradients for `slot` at `step` (slot None: contribute nothing, zeros);
+        `short`: samples at the end of the slot's assignment left untrained."""
+        if isinstance(short, bool) or not isinstance(short, int) or not 0 <= short <= MAX_EXACT_STEP:
+            raise ValueError(f"short must be an int in [0, {MAX_EXACT_STEP}], got {short!r}")
         if slot is not None and (isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < self.max_slots):
             raise ValueError(f"slot must be None or an int in [0, {self.max_slots}), got {slot!r}")
         if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= MAX_EXACT_STEP:
             raise ValueError(f"step must be an int in [0, {MAX_EXACT_STEP}] (exact in float32), got {step!r}")
         if slot is None:
             self.flat.zero_()
-            self._repack = (None, step, -1)
+            self._repack = (None, step, -1, 0)
             return
         if self.grads_bound():
             assert self.grads is not None
             self.flat[:self.grad_numel].copy_(self.grads)
             self.flat[self.grad_numel:].zero_()
-            self._repack = (slot, step, self._grads_gen)
+            self._repack = (slot, step, self._grads_gen, short)
         else:
             self.flat.zero_()
             for p, view in zip(self.params, self._views):
@@ -146,6 +158,8 @@ class StepBuffer:
         self.flat[self.grad_numel + slot] = 1.0
         self.flat[self._count_index] = 1.0
         self.flat[self._count_index + 1 + slot] = float(step + 1)
+        if short:
+            self.flat[self._short_index + slot] = float(short)
 
     def set_held(self, rank: int | None, step: int) -> None:
         """Before each allreduce: say that the member at data rank `rank` holds the committed
@@ -200,6 +214,18 @@ class StepBuffer:
                 out[r] = int(round(v)) - 1
         return out
 
+    def shorts(self, source: torch.Tensor | None = None) -> dict[int, int]:
+        """slot -> samples left untrained, of every contributor that left some, read from the
+        reduced buffer (or `source`, a logged one of the same layout)."""
+        src = self.flat if source is None else source
+        out: dict[int, int] = {}
+        for i, v in enumerate(src[self._short_index:self._short_index + self.max_slots].tolist()):
+            if not math.isfinite(v) or v < -0.5:
+                raise SlotCollisionError(f"short slot {i} reads {v} after the allreduce")
+            if v > 0.5:
+                out[i] = int(round(v))
+        return out
+
     # ------------------------------------------------------------------ unpack
     def unpack(self, divisor: float, source: torch.Tensor | None = None) -> None:
         """Write (source or flat) / divisor into each parameter's local gradient.
@@ -252,10 +278,10 @@ class StepBuffer:
                 raise RuntimeError("restore() called before save(): no local contribution was kept")
             self.flat.copy_(self._saved)
             return
-        slot, step, gen = again
+        slot, step, gen, short = again
         if slot is not None and gen != self._grads_gen:
             raise RuntimeError("the gradients were written since save(): the packed contribution is lost")
-        self.pack(slot, step)
+        self.pack(slot, step, short)
 
 
 __all__ = ["MAX_EXACT_STEP", "SlotCollisionError", "StepBuffer", "local"]

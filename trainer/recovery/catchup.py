@@ -130,6 +130,20 @@ class Catchup:
                      self._donor_done, self._fetch_s or 0.0)
         return done
 
+    def take_head(self, step: int) -> bool:
+        """Off the ring, every rank restored a snapshot of `step` and nothing was reduced since
+        (the replica took part in no round): that state is the head, so hand over now, between
+        rounds, and train the rest of the span (``kernel/offring.py``). True when synced."""
+        e = self.e
+        with self.lock:
+            if e.synced or not (self._at_head and not self.log and self._held is not None and e.step == step):
+                return False
+            self._hand_over()
+        self._say_done(0)
+        log.info("caught up at step %d between rounds: snapshot from %s (%.2f s)", e.step, self._donor_done,
+                 self._fetch_s or 0.0)
+        return True
+
     def _hand_over(self) -> None:
         """Under the lock: this replica holds the cluster's state again (the training thread
         commits from here on)."""
