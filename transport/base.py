@@ -48,6 +48,11 @@ class Communicator(ABC):
     def failed(self) -> CommError | None:
         """The error that ended this communicator, or None while it is usable."""
 
+    def peer_started(self) -> bool:
+        """A neighbour has begun an operation this rank has not (its bytes wait to be read);
+        False where the backend cannot tell (NCCL)."""
+        return False
+
     def __enter__(self) -> "Communicator":
         return self
 

@@ -59,6 +59,7 @@ class _Registered(Protocol):
     def check_hello(self, h: Hello) -> int: ...
     def attach(self, h: Hello, sock: socket.socket) -> None: ...
     def reject_kind(self, h: Hello) -> None: ...
+    def peer_started(self) -> bool: ...
     def close(self) -> None: ...
 
 
@@ -218,12 +219,17 @@ class DataServer:
         return comm
 
     def calling(self, min_epoch: int, shard: int) -> bool:
-        """A peer's ring connection of data epoch `min_epoch` or later, for `shard`, waits here
-        for a communicator this process has not built yet: a peer has started a collective with
-        us (a DiLoCo replica back mid-span trains until then; ``StepEngine.ring_calling``)."""
+        """A peer has started a collective of data epoch `min_epoch` or later with us on `shard`:
+        its ring connection waits here for a communicator not built yet, or its first bytes on
+        one built earlier (a DiLoCo replica back mid-span trains until then; ``offring.py``)."""
         with self._lock:
-            return any(e >= min_epoch and s == shard and any(h.kind == KIND_RING for _, h, _ in socks)
-                       for (e, s), socks in self._pending.items())
+            if any(e >= min_epoch and s == shard and any(h.kind == KIND_RING for _, h, _ in socks)
+                   for (e, s), socks in self._pending.items()):
+                return True
+            comms = [c for (e, s), c in self._comms.items() if e >= min_epoch and s == shard]
+        # A ring this process built earlier at that epoch keeps its connections between
+        # operations: there the call is the neighbour's first bytes.
+        return any(c.peer_started() for c in comms)
 
     def serve_state(self, provider: Callable[[dict], "StateSnapshot | None"]) -> None:
         """Register the donor callback: provider(request) -> snapshot (None: nothing to give).

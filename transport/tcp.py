@@ -15,6 +15,7 @@ failed instead of blaming the messenger, and the news travels around the ring in
 from __future__ import annotations
 
 import logging
+import select
 import socket
 import time
 from typing import Any, Callable
@@ -207,6 +208,22 @@ class TcpCommunicator(Communicator):
         if not t > 0:
             raise ValueError(f"timeout must be > 0, got {timeout}")
         return t
+
+    def peer_started(self) -> bool:
+        """The left neighbour has sent the first bytes of an operation while none runs here:
+        its lanes are readable (nothing reads them between operations; EOF reads so too, and
+        the operation then fails at once)."""
+        with self._lock:
+            if self._in_op or self._fs.failed is not None:
+                return False
+            socks = [s for s in self._links.lefts if s is not None]
+        if not socks:
+            return False
+        try:
+            readable, _, _ = select.select(socks, [], [], 0)
+        except (OSError, ValueError):   # closed meanwhile: an operation will say so
+            return False
+        return bool(readable)
 
     def _begin_op(self, tag: int) -> None:
         with self._lock:

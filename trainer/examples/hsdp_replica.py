@@ -54,6 +54,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="DiLoCo across islands: this FSDP replica trains on its own and syncs its pseudo-gradient "
                         "every N inner steps (0: HSDP, every step); --steps then counts inner steps, a record is "
                         "written per sync and the outer step takes DiLoCo's lr policy (none)")
+    p.add_argument("--cold-steps", type=int, default=0,
+                   help="a cold start: this process's first N (inner) steps each take --cold-delay seconds more "
+                        "(caches, compilation; a restarted island's first span is then partial)")
+    p.add_argument("--cold-delay", type=float, default=0.0, help="see --cold-steps")
     p.add_argument("--fragments", type=int, default=1, help="DiLoCo: Streaming DiLoCo's fragments")
     p.add_argument("--overlap", type=int, default=0, help="DiLoCo: inner steps a sync overlaps with training")
     args = p.parse_args(argv)
@@ -202,6 +206,7 @@ def worker(args: argparse.Namespace) -> int:
     deadline = time.monotonic() + args.duration if args.duration else float("inf")
     last_epoch = -1
     paused = False
+    trained = 0   # (inner) steps this process trained
     optstep = rep.kernel.optimizer_step
     while not code and not rep.done:
         if args.pause_at_step and not paused and rep.step >= args.pause_at_step:
@@ -216,6 +221,9 @@ def worker(args: argparse.Namespace) -> int:
             rep.zero_grad()
             if idx:
                 model.loss(data.batch(idx).to("cuda" if cuda else "cpu")).backward()
+                if trained < args.cold_steps:
+                    time.sleep(args.cold_delay)
+                trained += 1
             if args.step_delay:
                 time.sleep(args.step_delay)
             got = rep.commit()
