@@ -30,6 +30,7 @@ from ..kernel.optstep import GradHook, LRSchedulerLike, OptimizerStep
 from ..kernel.span import Spans
 from ..kernel.stepbuf import StepBuffer, local
 from .front import Front
+from .partial import PartialSpan
 from .shape import Shape
 from .outer import FragmentSchedule, merge, outer_sgd, pseudo_gradient, split_fragments
 from .pgcodec import Compression, PseudoGradCodec
@@ -161,7 +162,7 @@ class DiLoCo(Front):
         # fragment, no overlap: its pseudo-gradient then covers exactly its inner steps).
         self.kernel.early_handover = partial_spans and s.fragments == 1 and not s.overlap
         self._partial_next = False   # handed over between syncs: the next span may end early
-        self._partial = False        # this span started late: it ends when a peer starts the sync
+        self.partial = PartialSpan(self.kernel, self.spans, lambda: self.algorithm.load(self.kernel.step, self._local))
         self._sched_steps = 0
         self._base = 0               # kernel step at the start of the current span
         self._contributing = False
@@ -201,15 +202,18 @@ class DiLoCo(Front):
             self.kernel.donor.idle()
             self._base = self.kernel.step
             was, self._contributing = self._contributing, bool(self.spans.samples)
-            self._partial, self._partial_next = self._partial_next and self._contributing, False
+            partial, self._partial_next = self._partial_next and self._contributing, False
             if self._contributing and (self._fresh or not was):
                 self._restart_local()
             if self._contributing:
                 self._advance_schedule()
+            if partial:
+                self.partial.start()
             if self._contributing != was:
                 log.info("%s from sync %d (inner step %d)", "contributing" if self._contributing else
                          "sitting out the syncs (not a participant, or catching up)", self.step, self.inner_step)
-        return idx if self._contributing else []
+        # Once a partial span's sync has started, the inner step in progress is dropped.
+        return idx if self._contributing and not self.partial.sent else []
 
     def zero_grad(self) -> None:
         """Clear the local model's gradients (the inner optimizer's)."""
@@ -230,15 +234,22 @@ class DiLoCo(Front):
                 self._await_promotion()
             frag = s.fragment(res.step - 1) if res.committed and res.step > 0 else None
             return DiLoCoResult(self.inner_step, k.step, False, frag, res)
-        self.inner_step_fn(1)
-        self.inner_steps_run += 1
-        self._sched_steps += self.inner_scheduler is not None
-        due = self.spans.stepped()
-        short = 0
-        if not due and self._partial and self.kernel.ring_calling():
-            # Back mid-span: a peer has started the sync, so it ends here for us too, with the
-            # inner steps taken; the samples of the others go back to the cursor.
-            due, short = True, self.spans.untrained
+        with self.partial.lock:   # a one-rank replica's partial span: its watcher may start the sync meanwhile
+            if self.partial.sent:
+                return self._end_partial()
+            self.inner_step_fn(1)
+            self.inner_steps_run += 1
+            self._sched_steps += self.inner_scheduler is not None
+            due = self.spans.stepped()
+            if due:
+                self.partial.finish()
+        ends = None if due else self.partial.ends_here()
+        if ends is not None:
+            # Back mid-span, an island: a peer has started the sync, so it ends here for us too,
+            # with the inner steps taken; the samples of the others go back to the cursor.
+            due = True
+        short = ends or 0
+        partial = self.partial.active
         if s.overlap and self.spans.k == s.send_at:
             self.spans.send(self.algorithm.load(k.step, self._local))
         if not due:
@@ -246,14 +257,32 @@ class DiLoCo(Front):
         frag = s.fragment(self._base)
         if not s.overlap:
             self.algorithm.load(k.step, self._local)
-        if self._partial:
-            log.info("sync %d: contributing a partial span (%d of %d inner steps)", k.step,
-                     s.span - short // max(1, len(self.spans.samples) // s.span), s.span)
-        self._partial = False
+        if partial or ends is not None:
+            self._say_partial(short)
+        self.partial.finish()
         res = self.spans.round(short)
         self._after_sync(frag, res)
         self._base = k.step
         return DiLoCoResult(self.inner_step, k.step, True, frag, res, short)
+
+    def _end_partial(self) -> DiLoCoResult:
+        """A one-rank replica's partial span, whose watcher started the sync from the weights of
+        the last inner step: drop the inner step in progress, join the sync, merge."""
+        k = self.kernel
+        short = self.partial.short or 0
+        self.partial.finish()
+        self.inner_opt.zero_grad(set_to_none=True)
+        self._say_partial(short)
+        frag = self.schedule.fragment(self._base)
+        res = self.spans.round()
+        self._after_sync(frag, res)
+        self._base = k.step
+        return DiLoCoResult(self.inner_step, k.step, False, frag, res, short)
+
+    def _say_partial(self, short: int) -> None:
+        per = max(1, len(self.spans.samples) // self.schedule.span)
+        log.info("sync %d: contributing a partial span (%d of %d inner steps)", self.kernel.step,
+                 self.schedule.span - short // per, self.schedule.span)
 
     def _await_promotion(self) -> None:
         """Just caught up at this sync: the leader makes a ready joiner a participant within tens
@@ -298,6 +327,7 @@ class DiLoCo(Front):
                     self._sched_steps += 1
 
     def close(self) -> None:
+        self.partial.finish()
         self.spans.close()
         super().close()
         if self.owned is not None:

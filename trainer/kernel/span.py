@@ -69,16 +69,16 @@ class Spans:
         self.k = 0
         return self.join() if self._inflight is not None else self.kernel.commit(short)
 
-    def send(self, buf: StepBuffer) -> None:
+    def send(self, buf: StepBuffer, short: int = 0) -> None:
         """Reduce the round now, on a thread, while inner steps go on (`buf`: the contribution
-        as this thread's stream wrote it)."""
+        as this thread's stream wrote it; `short`: its samples left untrained)."""
         ready = written_event(buf.flat)
         out: list[StepResult | BaseException] = []
 
         def run() -> None:
             try:   # on a stream of its own: neither serialized with training nor racing its writes
                 with self._side.use(after=ready):
-                    out.append(self.kernel.commit())
+                    out.append(self.kernel.commit(short))
             except BaseException as exc:  # handed to the training thread at the span's end
                 out.append(exc)
         self._out = out
