@@ -29,7 +29,7 @@ class PartialSpan:
         self.lock = threading.Lock()   # an inner optimizer step, or the watcher's load of the pseudo-gradient
         self.active = False
         self.short: int | None = None  # set once the sync started in the background: samples left untrained
-        self._stop = threading.Event()
+        self._ended = threading.Event()
         self._watcher: threading.Thread | None = None
 
     @property
@@ -41,7 +41,7 @@ class PartialSpan:
         """A partial span begins (the replica is promoted, its local weights are the global ones)."""
         self.active, self.short = True, None
         if self.kernel.world == 1:
-            self._stop.clear()
+            self._ended.clear()
             self._watcher = threading.Thread(target=self._watch, args=(self.kernel.att_epoch,), daemon=True,
                                              name="p2pft-partial-span")
             self._watcher.start()
@@ -56,7 +56,7 @@ class PartialSpan:
     def finish(self) -> None:
         """The span's sync is under way or done: stop watching."""
         self.active, self.short = False, None
-        self._stop.set()
+        self._ended.set()
         w, self._watcher = self._watcher, None
         if w is not None and w is not threading.current_thread():
             w.join(5.0)
@@ -64,11 +64,11 @@ class PartialSpan:
     def _watch(self, epoch: int) -> None:
         """One rank: poll for the peers' call; once it comes (and an inner step is done), load
         the pseudo-gradient of the weights as they are and start the sync in the background."""
-        while not self._stop.wait(WATCH_S):
+        while not self._ended.wait(WATCH_S):
             if self.spans.k == 0 or not self.kernel.comms.calling(epoch):
                 continue
             with self.lock:   # not inside an inner optimizer step
-                if self._stop.is_set() or not self.active:
+                if self._ended.is_set() or not self.active:
                     return
                 short = self.spans.untrained
                 self.spans.send(self._load(), short)
