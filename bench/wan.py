@@ -30,7 +30,19 @@ that contributed their own work again, crashes and divergent steps. torchft rows
 against torchft's own logs: a recovery error there, or a restarted replica that never contributed
 while there was time, flags the row (``recovery`` column).
 
+With ``--ranks R`` (R > 1) each replica is an *island*: an FSDP2 replica of R ranks on one host
+(``bench/wan_island.py``: gloo between its ranks on the host's loopback, fast), the islands
+joined by the rate-limited links (the ranks' data ports of one island share its link). Systems:
+``sync`` (synchronous HSDP across islands), ``diloco`` and ``streaming`` (p2pft's DiLoCo over
+FSDP replicas), ``torchft`` (torchft's DiLoCo with FSDP inside; namespace links only). A kill
+SIGKILLs a whole island (its launcher and every rank, one process group). The islands table
+adds, per row: whether every island ended with the same per-shard digests (at the last sync all
+the final islands recorded), for each restarted island the syncs from its ``ready`` (it holds the
+global weights again) to its first own contribution (a committed sync with its work kept), and
+the longest gap without a commit without kills beside the one with kills.
+
     python bench/wan.py --quick --json results/wan.json --plot results/wan.png
+    python bench/wan.py --quick --ranks 2 --replicas 3 --kill-phases mid,sync
 """
 from __future__ import annotations
 
@@ -43,7 +55,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from statistics import median
 from typing import Any
@@ -55,6 +67,10 @@ from p2pft.chaos.records import read_stats  # noqa: E402
 from p2pft.deploy.ports import free_ports  # noqa: E402
 
 WORKER = Path(__file__).resolve().parent / "wan_worker.py"
+ISLAND = Path(__file__).resolve().parent / "wan_island.py"
+SYSTEMS = ("sync", "diloco", "streaming", "torchft", "torchft-streaming")
+ISLAND_SYSTEMS = ("sync", "diloco", "streaming", "torchft")
+ISLAND_STOP_WAIT_S = 40.0   # beyond an island launcher's own grace for its ranks (30 s)
 # torchft's Manager docstring: "For LocalSGD/DiLoCo this may need to be set to ~1h or longer
 # depending on how frequently the syncs occur" (a replica at its sync waits in the quorum for the
 # others still in their span). The lighthouse's join and heartbeat timeouts are torchft's own for
@@ -88,27 +104,26 @@ class Row:
     kills: int
     links: str
     curve: list[tuple[float, int, float]]   # (seconds since r0 was ready to train, samples, val loss)
+    ranks: int = 1                         # ranks per replica (an island when > 1)
+    same_digests_end: str = "-"            # every final island's per-shard digests equal at their last common sync
+    restart_syncs: dict[str, int | None] = field(default_factory=dict)   # restart: syncs from ready to own work
+    stall_none_s: float | None = None      # the same system's longest gap without kills (on kill rows)
+    restarts_not_due: list[str] = field(default_factory=list)   # killed again or started too late to contribute
 
 
 def run_one(system: str, kill: bool, a: argparse.Namespace, tmp: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """One cluster of `a.replicas` workers for `a.duration` s; every incarnation's records."""
-    n = a.replicas
+    n, ranks = a.replicas, a.ranks
     ctl_ports = free_ports(n)
-    data = free_ports(n)
+    data = free_ports(n * ranks)   # one data port per rank (per shard); an island's share its host and link
     tft = system.startswith("torchft")
     links = open_links([("127.0.0.1", p) for p in data], a.rate_mbit, "netns" if tft else a.links,
-                       extra_hosts=1 if tft else 0)
+                       extra_hosts=1 if tft else 0, host_of=[i for i in range(n) for _ in range(ranks)])
     ctl = [f"{links.ip(i)}:{p}" for i, p in enumerate(ctl_ports)]
     tag = f"{system}-{'kill' if kill else 'none'}"
     go = tmp / f"{tag}.go"
     lighthouse = None
-    if tft:   # torchft's coordinator, on a host of its own (host n), never a kill target
-        from p2pft.chaos.torchft_system import lighthouse_command
-        lh = f"{links.ip(n)}:{free_ports(1)[0]}"
-        lighthouse = links.spawn(n, lighthouse_command(lh, min_replicas=n // 2 + 1, join_timeout_ms=a.tft_join_timeout_ms,
-                                                       heartbeat_timeout_ms=a.tft_heartbeat_timeout_ms),
-                                 stdout=subprocess.DEVNULL,
-                                 stderr=open(tmp / f"{tag}-lighthouse.log", "wb"))
+    lh = ""
     until = time.time() + a.startup + a.duration   # the workers' own limit; the run ends earlier
     deadline = until
     procs: dict[str, tuple[int, subprocess.Popen[bytes]]] = {}
@@ -126,13 +141,16 @@ def run_one(system: str, kill: bool, a: argparse.Namespace, tmp: Path) -> tuple[
 
     def spawn(i: int, inc: int) -> str:
         name = f"{tag}-r{i}-{inc}"
-        cmd = [sys.executable, str(WORKER), "--system", system, "--replica-id", f"r{i}", "--listen", ctl[i],
-               "--seeds", ",".join(c for j, c in enumerate(ctl) if j != i), "--data-listen", f"{links.ip(i)}:{data[i]}",
-               "--advertise-data", links.advertise[i], "--stats", str(tmp / f"{name}.jsonl"), "--until", str(until),
+        mine = range(i * ranks, (i + 1) * ranks)
+        cmd = [sys.executable, str(ISLAND if ranks > 1 else WORKER), "--system", system, "--replica-id", f"r{i}",
+               "--listen", ctl[i], "--seeds", ",".join(c for j, c in enumerate(ctl) if j != i),
+               "--data-listen", ",".join(f"{links.ip(i)}:{data[j]}" for j in mine),
+               "--advertise-data", ",".join(links.advertise[j] for j in mine),
+               "--stats", str(tmp / f"{name}.jsonl"), "--until", str(until),
                "--min-replicas", str(n), "--d-model", str(a.d_model), "--layers", str(a.layers), "--lr", str(a.lr),
                "--batch", str(a.batch), "--eval-every", str(a.eval_every), "--outer-lr", str(a.outer_lr),
                "--outer-momentum", str(a.outer_momentum), "--comm-timeout", str(a.comm_timeout),
-               "--step-delay", str(a.step_delay), *sysargs]
+               "--step-delay", str(a.step_delay), *sysargs] + (["--ranks", str(ranks)] if ranks > 1 else [])
         env = dict(os.environ, OMP_NUM_THREADS="1")
         if tft:
             cmd += ["--lighthouse", f"http://{lh}"]
@@ -144,8 +162,6 @@ def run_one(system: str, kill: bool, a: argparse.Namespace, tmp: Path) -> tuple[
         return name
 
     t_spawn = time.time()
-    for i in range(n):
-        spawn(i, 0)
     rng = random.Random(a.seed)
     kill_log: list[dict[str, Any]] = []
     killed: set[str] = set()
@@ -156,6 +172,16 @@ def run_one(system: str, kill: bool, a: argparse.Namespace, tmp: Path) -> tuple[
     phases = [ph for ph in a.kill_phases.split(",") if ph] if system != "sync" else []
     pending: tuple[str, str, float] | None = None   # (victim, phase, give-up time) of a kill waiting for its phase
     try:
+        if tft:   # torchft's coordinator, on a host of its own (host n), never a kill target
+            from p2pft.chaos.torchft_system import lighthouse_command
+            lh = f"{links.ip(n)}:{free_ports(1)[0]}"
+            with open(tmp / f"{tag}-lighthouse.log", "wb") as lh_log:
+                lighthouse = links.spawn(n, lighthouse_command(lh, min_replicas=n // 2 + 1,
+                                                               join_timeout_ms=a.tft_join_timeout_ms,
+                                                               heartbeat_timeout_ms=a.tft_heartbeat_timeout_ms),
+                                         stdout=subprocess.DEVNULL, stderr=lh_log)
+        for i in range(n):
+            spawn(i, 0)
         while time.time() < deadline:
             if pending is None:
                 time.sleep(0.2)
@@ -171,7 +197,8 @@ def run_one(system: str, kill: bool, a: argparse.Namespace, tmp: Path) -> tuple[
                     deadline = t_first + a.duration   # equal training time for every system
                     next_kill = t_first + a.kill_every
                 continue
-            if kill and pending is None and time.time() >= next_kill and time.time() < deadline - 4:
+            if (kill and pending is None and time.time() >= next_kill and time.time() < deadline - 4
+                    and not (a.max_kills and kills >= a.max_kills)):
                 i = 1 + kills % (n - 1) if phases else rng.randrange(1, n)
                 name = next(k for k, (j, p) in procs.items() if j == i and p.poll() is None)
                 if phases:   # wait for the victim's next phase record
@@ -189,8 +216,7 @@ def run_one(system: str, kill: bool, a: argparse.Namespace, tmp: Path) -> tuple[
                             continue
                         print(f"  no {phase} phase of {name} in time: killed anyway", flush=True)
                 pending = None
-                procs[name][1].send_signal(signal.SIGKILL)
-                procs[name][1].wait(timeout=10)
+                kill_replica(procs[name][1], ranks > 1)
                 killed.add(name)
                 kills += 1
                 kill_log.append({"t": time.time(), "proc": name, "phase": phase})
@@ -204,13 +230,15 @@ def run_one(system: str, kill: bool, a: argparse.Namespace, tmp: Path) -> tuple[
         for _, p in procs.values():
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
-        rcs = {}
+        rcs: dict[str, int | None] = {}
         for name, (_, p) in procs.items():
             try:
-                rcs[name] = p.wait(timeout=30)
+                rcs[name] = p.wait(timeout=ISLAND_STOP_WAIT_S if ranks > 1 else 30)
             except subprocess.TimeoutExpired:
                 p.kill()
                 rcs[name] = None
+            if ranks > 1:   # whatever is left of the island (its ranks die with the launcher anyway)
+                kill_group(p.pid)
         if lighthouse is not None:
             lighthouse.terminate()
             try:
@@ -229,10 +257,43 @@ def run_one(system: str, kill: bool, a: argparse.Namespace, tmp: Path) -> tuple[
     print(f"  start-up {(t_first or t_stop) - t_spawn:.1f} s, stop {time.time() - t_stop:.1f} s, exit statuses "
           f"{ {k.rsplit('-', 2)[-2] + '-' + k.rsplit('-', 1)[-1]: v for k, v in rcs.items()} }", flush=True)
     info = {"kills": kills, "crashes": crashes, "killed": sorted(killed), "links": links.kind, "kill_log": kill_log,
-            "procs": sorted(procs), "spawned": spawned, "tag": tag, "tmp": str(tmp),
+            "procs": sorted(procs), "spawned": spawned, "tag": tag, "tmp": str(tmp), "ranks": ranks,
             "bytes_per_replica": carried // n, "t_first": t_first, "batch": a.batch,
+            "error": None if t_first is not None else first_error(tmp / f"{tag}-r0-0.log"),
             "t_end": min(t_stop, deadline) if t_first is not None else None}
     return recs, info
+
+
+def first_error(log: Path) -> str | None:
+    """The exception a worker that never trained died of: the last line of its log's first
+    traceback (a system that cannot run here, e.g. torchft's DiLoCo over FSDP, gives its reason)."""
+    lines = log.read_text(errors="replace").splitlines() if log.exists() else []
+    start = next((i for i, ln in enumerate(lines) if ln.startswith("Traceback")), None)
+    if start is None:
+        return None
+    tail = next((ln for ln in lines[start + 1:] if ln and not ln.startswith((" ", "\t"))), None)
+    return tail.strip() if tail else None
+
+
+def kill_group(pgid: int) -> None:
+    """SIGKILL an island's process group (its launcher leads it); nothing left is fine."""
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def kill_replica(p: subprocess.Popen[bytes], island: bool) -> None:
+    """SIGKILL a replica: an island's launcher and every rank at once (one process group)."""
+    try:
+        leader = island and os.getpgid(p.pid) == p.pid
+    except ProcessLookupError:
+        leader = False
+    if leader:
+        kill_group(p.pid)
+    else:   # one rank, or a launcher that has not yet made its group (its ranks die with it)
+        p.send_signal(signal.SIGKILL)
+    p.wait(timeout=10)
 
 
 def evaluate_saved(recs: list[dict[str, Any]], a: argparse.Namespace) -> None:
@@ -292,18 +353,23 @@ def summarize(system: str, kill: bool, recs: list[dict[str, Any]], info: dict[st
     survivors = [r for r in commits if r["proc"] not in info["killed"]]
     ran = sum(r["ran"] for r in survivors)
     kept = sum(r["kept"] for r in survivors)
-    in_syncs = sum(r["kept"] for r in commits if r["c"]) * batch
+    # Work is kept only when it is in a committed mean, also where the replica learned of that
+    # commit from a peer's log (a fast-forward: its record has c 0 and ff > 0).
+    in_syncs = sum(r["kept"] for r in commits if r["c"] or r.get("ff")) * batch
     digests: dict[int, set[str]] = {}
     for r in commits:
         if "digest" in r:
             digests.setdefault(r["step"], set()).add(r["digest"])
     # The longest time r0 (never killed) went without a commit, from the start of training to its
-    # end: the wait after its last commit is a stall too (a group that stopped).
-    r0 = sorted(r["t"] for r in commits if r["proc"].endswith("-r0-0") and r["c"])
+    # end: the wait after its last commit is a stall too (a group that stopped). A commit it
+    # applied from a peer's log (ff) ends a gap as one of its own does.
+    r0 = sorted(r["t"] for r in commits if r["proc"].endswith("-r0-0") and (r["c"] or r.get("ff")))
     marks = ([t0] if info["t_first"] else []) + r0 + ([info["t_end"]] if info.get("t_end") else [])
     marks.sort()
     stall = max((b - a for a, b in zip(marks, marks[1:])), default=0.0)
     contributing, due, recovery = recovery_check(system, recs, info, r0)
+    if info.get("error"):   # the system never trained: its error, verbatim, is the row's result
+        recovery = f"did not run: {info['error']}"
     target = ref.val_loss_final if ref is not None else (evals[-1][2] if evals else None)
     ttt = next((t for t, _, v in evals if target is not None and v <= target), None)
     eq = equal_samples(evals, ref.curve, ref.samples) if ref is not None else None
@@ -315,7 +381,65 @@ def summarize(system: str, kill: bool, recs: list[dict[str, Any]], info: dict[st
                survivor_work_kept=kept / ran if ran else None, samples_in_syncs=in_syncs,
                restarts_contributing=f"{contributing}/{due}", recovery=recovery, survivor_crashes=info["crashes"],
                divergent_steps=sum(1 for d in digests.values() if len(d) > 1), stall_max_s=round(stall, 2),
-               kills=info["kills"], links=info["links"], curve=evals)
+               kills=info["kills"], links=info["links"], curve=evals, ranks=info.get("ranks", 1),
+               same_digests_end=end_digests(recs, info), restart_syncs=restart_syncs(recs, info),
+               restarts_not_due=[short_name(p) for p in info["procs"]
+                                 if not p.endswith("-0") and p not in due_restarts(info, r0)])
+
+
+def final_procs(info: dict[str, Any]) -> list[str]:
+    """Each replica's last incarnation, where it was not killed (it ran to the end)."""
+    last: dict[str, str] = {}
+    for p in sorted(info["procs"], key=lambda q: int(q.rsplit("-", 1)[1])):
+        last[p.rsplit("-", 1)[0]] = p
+    return sorted(p for p in last.values() if p not in info["killed"])
+
+
+def end_digests(recs: list[dict[str, Any]], info: dict[str, Any]) -> str:
+    """'yes at 41' when every replica that ran to the end recorded the same digests (every rank's
+    shard, comma-joined) at the last sync they all recorded one (a committed sync's, or the one a
+    restart held when ready); 'no at 41' otherwise; '-' when they share none."""
+    finals = final_procs(info)
+    by: dict[str, dict[int, str]] = {p: {} for p in finals}
+    for r in recs:
+        if r["proc"] in by and "digest" in r and (r.get("kind") == "ready" or (r.get("kind") is None and r["c"])):
+            by[r["proc"]][r["step"]] = r["digest"]
+    common = set.intersection(*(set(d) for d in by.values())) if by else set()
+    if not common:
+        return "-"
+    last = max(common)
+    return f"{'yes' if len({d[last] for d in by.values()}) == 1 else 'no'} at {last}"
+
+
+def restart_syncs(recs: list[dict[str, Any]], info: dict[str, Any]) -> dict[str, int | None]:
+    """For each restarted replica: syncs from the one it held when ready (holding the global
+    weights again; a torchft replica at its heal) to its first committed sync with its own work
+    kept (None: it never contributed, or was never ready)."""
+    out: dict[str, int | None] = {}
+    for p in info["procs"]:
+        if p.endswith("-0"):
+            continue
+        mine = [r for r in recs if r["proc"] == p]
+        healed = [r["step"] for r in mine if r.get("kind") is None and r.get("healed")]
+        ready = healed[:1] or [r["step"] for r in mine if r.get("kind") == "ready" and "step" in r][:1]
+        own = [r["step"] for r in mine if r.get("kind") is None and r["c"] and r.get("kept", 0) > 0]
+        out[short_name(p)] = own[0] - ready[0] if ready and own else None
+    return out
+
+
+def short_name(proc: str) -> str:
+    """'diloco-kill-r1-1' -> 'r1-1': the replica and its incarnation."""
+    return proc.rsplit("-", 2)[-2] + "-" + proc.rsplit("-", 1)[-1]
+
+
+def due_restarts(info: dict[str, Any], r0_commits: list[float]) -> list[str]:
+    """The restarts due to contribute (``recovery_check`` says when)."""
+    restarted = [p for p in info["procs"] if not p.endswith("-0")]
+    t_end = info.get("t_end") or 0.0
+    gaps = [b - a for a, b in zip(r0_commits, r0_commits[1:])]
+    margin = 3 * median(gaps) + 10.0 if gaps else 10.0
+    killed_at = {k["proc"]: k["t"] for k in info.get("kill_log", [])}
+    return [p for p in restarted if info["spawned"][p] < min(t_end, killed_at.get(p, t_end)) - margin]
 
 
 def recovery_check(system: str, recs: list[dict[str, Any]], info: dict[str, Any],
@@ -327,12 +451,7 @@ def recovery_check(system: str, recs: list[dict[str, Any]], info: dict[str, Any]
     time to come back); it contributed when one of its syncs committed with its own work. For
     torchft, its own logs are read too: any "got exception in recovery" flags the row, as does a
     due restart that never contributed (for every system)."""
-    restarted = [p for p in info["procs"] if not p.endswith("-0")]
-    t_end = info.get("t_end") or 0.0
-    gaps = [b - a for a, b in zip(r0_commits, r0_commits[1:])]
-    margin = 3 * median(gaps) + 10.0 if gaps else 10.0
-    killed_at = {k["proc"]: k["t"] for k in info.get("kill_log", [])}
-    due = [p for p in restarted if info["spawned"][p] < min(t_end, killed_at.get(p, t_end)) - margin]
+    due = due_restarts(info, r0_commits)
     contributing = [p for p in due if any(r.get("kind") is None and r.get("c") and r.get("kept", 0) > 0
                                           and r["proc"] == p for r in recs)]
     problems = []
@@ -367,6 +486,8 @@ def equal_cell(r: Row) -> str:
 
 
 def table(rows: list[Row]) -> str:
+    if any(r.ranks > 1 for r in rows):
+        return island_table(rows)
     head = ("| system | failures | time to target | val loss at equal samples (sync's) | final val loss | samples | "
             "own samples in syncs | MB/replica | survivor work kept | longest gap without a commit | "
             "restarts contributing | crashes | divergent | recovery |")
@@ -378,6 +499,35 @@ def table(rows: list[Row]) -> str:
                      f"{fmt(r.survivor_work_kept and 100 * r.survivor_work_kept, '.1f')}% | {r.stall_max_s:.2f} s | "
                      f"{r.restarts_contributing} | {r.survivor_crashes} | {r.divergent_steps} | "
                      f"{r.recovery if r.recovery == 'ok' else '**' + r.recovery + '**'} |")
+    return "\n".join(lines)
+
+
+def restarts_cell(r: Row) -> str:
+    """'r1-1: 1, r2-1: never (not due)': syncs from each restart's ready to its first own
+    contribution; 'not due': killed again, or started too late in the run to be due to contribute."""
+    if not r.restart_syncs:
+        return "-"
+    return ", ".join(f"{p}: {'never' if v is None else v}" + (" (not due)" if v is None and p in r.restarts_not_due
+                                                               else "") for p, v in sorted(r.restart_syncs.items()))
+
+
+def island_table(rows: list[Row]) -> str:
+    """The islands' table: today's columns, the per-shard digests at the end, each restart's syncs
+    from ready to its own contribution, and the longest gap with kills beside the one without."""
+    head = ("| system | failures | time to target | val loss at equal samples (sync's) | final val loss | samples | "
+            "own samples in syncs | MB/island | survivor work kept | longest gap without a commit (no kills) | "
+            "restarts contributing | syncs from ready to own contribution | same per-shard digests at the end | "
+            "crashes | divergent | recovery |")
+    lines = [head, "|" + "---|" * 16]
+    for r in rows:
+        gap = f"{r.stall_max_s:.2f} s" + (f" ({r.stall_none_s:.2f} s)" if r.stall_none_s is not None else "")
+        lines.append(f"| {r.system} | {r.failures} ({r.kills} kills) | "
+                     f"{fmt(r.time_to_target_s, '.1f') + (' s' if r.time_to_target_s is not None else '')} | "
+                     f"{equal_cell(r)} | {fmt(r.val_loss_final, '.4f')} | {r.samples} | {r.samples_in_syncs} | "
+                     f"{r.bytes_sent_per_replica / 1e6:.1f} | "
+                     f"{fmt(r.survivor_work_kept and 100 * r.survivor_work_kept, '.1f')}% | {gap} | "
+                     f"{r.restarts_contributing} | {restarts_cell(r)} | {r.same_digests_end} | {r.survivor_crashes} | "
+                     f"{r.divergent_steps} | {r.recovery if r.recovery == 'ok' else '**' + r.recovery + '**'} |")
     return "\n".join(lines)
 
 
@@ -400,14 +550,20 @@ def plot(rows: list[Row], path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="smaller model, shorter runs (under 6 minutes on 2 cores)")
-    p.add_argument("--systems", default="sync,diloco,streaming,torchft,torchft-streaming",
-                   help="torchft, torchft-streaming (torchft 0.2.0's DiLoCo, its Streaming DiLoCo) need torchft and "
-                        "namespace links; skipped without torchft")
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    """The benchmark's settings (`systems` and `fails` as lists); usage errors exit, as argparse does."""
+    p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    p.add_argument("--quick", action="store_true",
+                   help="smaller model, shorter runs (under 6 minutes on 2 cores; islands of 2 ranks: under 10)")
+    p.add_argument("--systems", default=None,
+                   help="default sync,diloco,streaming,torchft,torchft-streaming (with --ranks: "
+                        "sync,diloco,streaming,torchft); torchft, torchft-streaming (torchft 0.2.0's DiLoCo, its "
+                        "Streaming DiLoCo) need torchft and namespace links; skipped without torchft")
     p.add_argument("--failures", default="none,kill")
     p.add_argument("--replicas", type=int, default=3)
+    p.add_argument("--ranks", type=int, default=1,
+                   help="ranks per replica: > 1 makes each replica an island, an FSDP replica of this many ranks "
+                        "on one host (bench/wan_island.py)")
     p.add_argument("--rate-mbit", type=float, default=50.0, help="each replica's link, Mbit/s per direction")
     p.add_argument("--links", choices=["auto", "netns", "proxy"], default="auto",
                    help="netns: a namespace per replica, tc tbf on its link (root); proxy: token-bucket proxies "
@@ -426,6 +582,9 @@ def main() -> int:
     p.add_argument("--compression", default="bf16", choices=["none", "bf16", "int8"])
     p.add_argument("--kill-every", type=float, default=None)
     p.add_argument("--restart-after", type=float, default=2.0)
+    p.add_argument("--max-kills", type=int, default=None,
+                   help="kills per run at most (default: no limit; --quick islands: 2, the kill shape of one island "
+                        "killed mid-span and one during a sync)")
     p.add_argument("--kill-phases", default="",
                    help="comma list of mid,sync: the k-th kill hits r1, r2, r1, ... at its next such phase (mid: "
                         "half a span done; sync: its sync starting), phases taken in turn; empty: a random "
@@ -439,17 +598,26 @@ def main() -> int:
     p.add_argument("--workdir", default=None, help="keep the replicas' records and logs here")
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None)
-    a = p.parse_args()
+    a = p.parse_args(argv)
+    islands = a.ranks > 1
+    if a.ranks < 1 or (islands and a.batch % a.ranks):
+        p.error(f"--ranks must be at least 1 and divide --batch ({a.batch}), got {a.ranks}")
     a.d_model, a.layers = (128, 2) if a.quick else (256, 2)
-    a.duration = a.duration or (20.0 if a.quick else 120.0)
+    # Islands start R processes per replica (each imports torch): the quick runs train longer, so
+    # that a restarted island has time to come back and contribute.
+    a.duration = a.duration or ((45.0 if islands else 20.0) if a.quick else 120.0)
     a.sync_every = a.sync_every or 20
-    a.kill_every = a.kill_every or (a.duration / 3 if a.quick else 20.0)   # full: 5 kills, some during syncs
+    # full: 5 kills, some during syncs; quick islands: two kills early enough that the second
+    # restart (about 12 s to start two ranks on a loaded 2-core host) comes back and contributes
+    a.kill_every = a.kill_every or (a.duration / (6 if islands else 3) if a.quick else 20.0)
+    if a.max_kills is None:
+        a.max_kills = 2 if islands and a.quick else 0
     a.startup = 90.0
     bad = [ph for ph in a.kill_phases.split(",") if ph and ph not in ("mid", "sync")]
     if bad:
         p.error(f"--kill-phases takes mid and sync, not {', '.join(bad)}")
-    systems = [s for s in a.systems.split(",") if s]
-    unknown = [s for s in systems if s not in ("sync", "diloco", "streaming", "torchft", "torchft-streaming")]
+    systems = [s for s in (a.systems or ",".join(ISLAND_SYSTEMS if islands else SYSTEMS)).split(",") if s]
+    unknown = [s for s in systems if s not in (ISLAND_SYSTEMS if islands else SYSTEMS)]
     if unknown:
         p.error(f"unknown systems: {', '.join(unknown)}")
     if any(s.startswith("torchft") for s in systems):
@@ -462,6 +630,13 @@ def main() -> int:
     if "sync" not in systems or False not in fails:
         p.error("the target and the equal-samples reference are synchronous training without failures: "
                 "keep 'sync' in --systems and 'none' in --failures")
+    a.systems_list, a.fails = systems, fails
+    return a
+
+
+def main() -> int:
+    a = parse()
+    systems, fails = a.systems_list, a.fails
     rows: list[Row] = []
     ref: Row | None = None
     with tempfile.TemporaryDirectory(prefix="p2pft-wan-") as d:
@@ -473,6 +648,9 @@ def main() -> int:
                 t = time.time()
                 recs, info = run_one(system, kill, a, tmp)
                 row = summarize(system, kill, recs, info, ref)
+                if kill:
+                    row.stall_none_s = next((r.stall_max_s for r in rows if r.system == system
+                                             and r.failures == "none"), None)
                 if system == "sync" and not kill:
                     ref = row
                     row.equal_samples = row.samples
@@ -486,7 +664,7 @@ def main() -> int:
             print(f"FLAGGED: {r.system} {r.failures}: {r.recovery}")
     if a.json:
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-        meta = {"replicas": a.replicas, "rate_mbit": a.rate_mbit, "duration_s": a.duration, "sync_every": a.sync_every,
+        meta = {"replicas": a.replicas, "ranks": a.ranks, "max_kills": a.max_kills, "rate_mbit": a.rate_mbit, "duration_s": a.duration, "sync_every": a.sync_every,
                 "fragments": a.fragments, "compression": a.compression, "d_model": a.d_model, "layers": a.layers,
                 "lr": a.lr, "batch": a.batch, "comm_timeout": a.comm_timeout, "outer_lr": a.outer_lr,
                 "outer_momentum": a.outer_momentum, "step_delay": a.step_delay, "kill_every": a.kill_every,

@@ -2,11 +2,12 @@
 
 The same transformer LM, data, inner optimizer and batch for every system. One JSON line per
 committed step (synchronous) or sync (DiLoCo): time, committed samples, contributors, the work
-this replica ran and kept, a digest. r0 also saves the weights every system is judged by (the
-synchronous model; DiLoCo's global weights) after every commit (at most every ``--eval-every``
-seconds, 0: every commit) to ``<stats>.<n>.pt``, with an ``eval`` record of its time and
-samples; the benchmark computes their validation losses after the run, so evaluating costs no
-system training time and every curve has a point at every commit.
+this replica ran and kept, a digest (``ff``: commits it applied from a peer's log instead). r0
+also saves the weights every system is judged by (the synchronous model; DiLoCo's global
+weights) after every commit (at most every ``--eval-every`` seconds, 0: every commit) to
+``<stats>.<n>.pt``, with an ``eval`` record of its time and samples; the benchmark computes
+their validation losses after the run, so evaluating costs no system training time and every
+curve has a point at every commit.
 
 torchft's DiLoCo (``torchft.local_sgd.DiLoCo``, torchft 0.2.0) runs the same inner AdamW, outer
 SGD and H around a lighthouse on a host of its own (``--fragments N``: its Streaming DiLoCo, the
@@ -46,7 +47,8 @@ import torch
 from p2pft.trainer.examples.signals import StopOnSignal
 
 
-def main() -> int:
+def parser() -> argparse.ArgumentParser:
+    """The worker's flags (``wan_island.py`` takes the same, a comma list per rank where it has ranks)."""
     p = argparse.ArgumentParser()
     p.add_argument("--system", choices=["sync", "diloco", "streaming", "torchft", "torchft-streaming"], required=True)
     p.add_argument("--replica-id", required=True)
@@ -76,6 +78,11 @@ def main() -> int:
     p.add_argument("--quorum-timeout", type=float, default=3600.0,
                    help="torchft: the Manager's quorum timeout (its docs: ~1 h or longer for DiLoCo)")
     p.add_argument("--step-delay", type=float, default=0.0, help="emulated accelerator seconds per (inner) step")
+    return p
+
+
+def main() -> int:
+    p = parser()
     a = p.parse_args()
     if a.system.startswith("torchft"):
         return torchft_main(a)
@@ -151,6 +158,8 @@ def main() -> int:
         rec = {"t": time.time(), "step": outer.step, "c": int(outer.committed), "n": outer.contributors,
                "r": outer.retries, "role": outer.role, "ran": ran, "kept": ran if outer.trained is not None else 0,
                "samples": committed()}
+        if outer.fast_forwarded:   # commits applied from a peer's log (this replica's attempt failed)
+            rec["ff"] = outer.fast_forwarded
         ran = 0
         if outer.committed and (a.system != "sync" or outer.step % 10 == 0):
             rec["digest"] = eng.digest()

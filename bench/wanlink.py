@@ -5,7 +5,9 @@ proxy in front of it instead: every byte another replica sends it (its ring neig
 allreduce chunks, a joiner's snapshot request) and every byte it answers on those connections
 (a donor's snapshot) passes a bucket of ``rate`` bytes/s per direction. In a ring each replica
 receives from one neighbour, so each ring link runs at ``rate``. The control plane (gossip,
-Raft) is not limited.
+Raft) is not limited. Several data ports may sit behind one host (``host_of``: the ranks of an
+FSDP island, each serving its shard): their proxies share the host's buckets, as the ranks of a
+namespace host share its one link.
 
 Where network namespaces can be made (root, iproute2), ``open_links`` makes the real thing
 instead: each replica on a host of its own (``p2pft.chaos.hosts``: a namespace, a veth link to a
@@ -112,20 +114,24 @@ class _Proxy:
 
 
 class Links:
-    """Loopback links of one run: replica i binds `ip(i)`; `advertise[i]` is what it announces
-    as its data address (its proxy)."""
+    """Loopback links of one run: replica i binds `ip(i)`; `advertise[j]` is what target j
+    announces as its data address (its proxy; the proxies of one host share its buckets)."""
 
-    def __init__(self, kind: str, targets: list[tuple[str, int]], rate_bytes: float) -> None:
+    def __init__(self, kind: str, targets: list[tuple[str, int]], rate_bytes: float,
+                 host_of: list[int] | None = None) -> None:
         self.kind = kind
         self.rate_bytes = rate_bytes
         self._proxies: list[_Proxy] = []
         self.advertise: list[str] = []
-        for host, port in targets:
+        hosts = host_of if host_of is not None else list(range(len(targets)))
+        buckets: dict[int, tuple[Bucket, Bucket]] = {}
+        for (host, port), h in zip(targets, hosts):
             ls = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             ls.bind((host, 0))
             ls.listen(64)
-            px = _Proxy(ls, (host, port), Bucket(rate_bytes), Bucket(rate_bytes))
+            inbound, outbound = buckets.setdefault(h, (Bucket(rate_bytes), Bucket(rate_bytes)))
+            px = _Proxy(ls, (host, port), inbound, outbound)
             threading.Thread(target=px.serve, daemon=True, name=f"wanlink-{port}").start()
             self._proxies.append(px)
             self.advertise.append(f"{host}:{ls.getsockname()[1]}")
@@ -150,10 +156,12 @@ class NetnsLinks:
 
     kind = "netns-tc-tbf"
 
-    def __init__(self, n: int, data_ports: list[int], rate_mbit: float, extra_hosts: int = 0) -> None:
+    def __init__(self, n: int, data_ports: list[int], rate_mbit: float, extra_hosts: int = 0,
+                 host_of: list[int] | None = None) -> None:
         from p2pft.chaos.hosts import Hosts
         self.hosts = Hosts(n + extra_hosts, link_mbit=rate_mbit).create()
-        self.advertise = [f"{self.hosts[i].ip}:{p}" for i, p in enumerate(data_ports)]
+        hosts = host_of if host_of is not None else list(range(len(data_ports)))
+        self.advertise = [f"{self.hosts[h].ip}:{p}" for h, p in zip(hosts, data_ports)]
         self._base = [self._counter(i) for i in range(n + extra_hosts)]
 
     def ip(self, i: int) -> str:
@@ -180,21 +188,23 @@ class NetnsLinks:
 
 
 def open_links(targets: list[tuple[str, int]], rate_mbit: float, kind: str = "auto",
-               extra_hosts: int = 0) -> "Links | NetnsLinks":
+               extra_hosts: int = 0, host_of: list[int] | None = None) -> "Links | NetnsLinks":
     """Rate-limited links for replicas whose data ports are `targets` (host, port).
 
     kind: 'netns' (namespaces + tc tbf), 'proxy' (loopback token buckets), or 'auto' (netns where
     it can be made, else proxy; `kind` on the result says which). `extra_hosts` (netns only):
-    hosts after the replicas' (host n, ...) for a process that is no replica, e.g. a lighthouse."""
+    hosts after the replicas' (host n, ...) for a process that is no replica, e.g. a lighthouse.
+    `host_of`: the host of each target (default: one host each), for hosts with several ports."""
+    n = max(host_of) + 1 if host_of else len(targets)
     if kind in ("auto", "netns"):
         from p2pft.chaos.hosts import unavailable
         why = unavailable()
         if why is None:
-            return NetnsLinks(len(targets), [p for _, p in targets], rate_mbit, extra_hosts)
+            return NetnsLinks(n, [p for _, p in targets], rate_mbit, extra_hosts, host_of)
         if kind == "netns":
             raise RuntimeError(f"network namespaces cannot be made here: {why}")
         print(f"wanlink: {why}; falling back to rate-limited proxies on loopback")
-    return Links("loopback-token-bucket", targets, rate_mbit * 1e6 / 8)
+    return Links("loopback-token-bucket", targets, rate_mbit * 1e6 / 8, host_of)
 
 
 __all__ = ["Bucket", "Links", "NetnsLinks", "open_links"]

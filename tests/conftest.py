@@ -210,6 +210,7 @@ XDIST_GROUPS = {
     "tests/integration/test_job_life_algos.py": "cpu-heavy",        # 2 replicas x 2 ranks, DiLoCo, local SGD
     "tests/integration/test_voter_majority.py": "cpu-heavy",        # 3 replicas and 2 witnesses, twice
     "tests/integration/test_islands.py": "cpu-heavy",               # 2 islands x 2 ranks, a restart
+    "tests/chaos/test_wan_islands.py": "cpu-heavy",                 # bench/wan.py --ranks 2: 2 islands x 2 ranks
     "tests/integration/test_hosts.py": "netns",
 }
 
