@@ -76,7 +76,8 @@ def prime_pinned(nbytes: int, count: int) -> int:
 
 
 class PinnedPair:
-    """Two pinned host buffers of `chunk` bytes and a copy stream, shared by a stream's tensors.
+    """Two pinned host buffers of `chunk` bytes and the device's own copy stream (raw, made once:
+    never the training stream), shared by a stream's tensors.
 
     The copy stream first waits for `after` (an event of the device seam recorded once the
     tensors were written, e.g. `StateSnapshot.ready`), else for the current stream of the thread
@@ -95,12 +96,13 @@ class PinnedPair:
         self.api = api if api.is_device_tensor(probe) else None
         if self.api is not None:
             self.slots = [take_pinned(self.api, chunk) for _ in range(2)]
-            self.stream: Stream | None = self.api.new_stream(probe)
+            self.stream: Stream | None = self.api.own_stream(probe, "copy")
             self.stream.wait(after if after is not None else self.api.current_stream(probe).record())
         else:
             self.slots = [torch.empty(chunk, dtype=torch.uint8) for _ in range(2)]
             self.stream = None
         self.events: list[Event | None] = [None, None]   # last copy that used each slot
+        self._last: Event | None = None   # this pair's last copy (the stream is shared: not its end)
 
     @property
     def nbytes(self) -> int:
@@ -118,15 +120,16 @@ class PinnedPair:
             dst.copy_(src)
             return
         self.api.copy_async(dst, src, self.stream)
-        self.events[i] = self.stream.record()
+        self.events[i] = self._last = self.stream.record()
 
     def finish(self) -> None:
-        if self.stream is not None:
-            self.stream.synchronize()
+        if self._last is not None:
+            self._last.synchronize()
 
     def release(self) -> None:
         """Give the slots back for reuse, if no copy still uses them (else they are dropped)."""
-        if self.api is None or self.stream is None or not self.slots or not self.stream.query():
+        if self.api is None or self.stream is None or not self.slots or (self._last is not None
+                                                                          and not self._last.query()):
             return
         for b in self.slots:
             give_pinned(b)

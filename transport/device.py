@@ -10,21 +10,35 @@ the tests. The stand-in is never imported by path: a process selects it by namin
 
 Streams and events are wrapped (`Stream`, `Event`) so that both implementations hand the same
 small surface to the transport; the NCCL module gets the raw stream handle (`Stream.handle`).
+
+The transport's own device work (a communicator's warm-up, a helper thread's collectives,
+staging copies, state copies) runs on streams that are really its own: one raw non-blocking
+stream per device and role (`OWN_STREAM_ROLES`), made once and reused (`DeviceApi.own_stream`).
+``torch.cuda.Stream()`` is not used: it hands out one of 32 pooled streams per device, round
+robin, so in a long run two "new" streams, or a new one and the training stream, are the same
+stream, and a state copy could queue behind a collective stuck on the very peer it serves.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import importlib
+import logging
 import os
 import sys
 import threading
-from typing import Any, Iterator, Protocol
+from typing import Any, Iterable, Iterator, Protocol
 
-__all__ = ["ENV_DEVICE_MODULE", "CudaDevice", "DeviceApi", "Event", "SideStream", "Stream", "device_api",
-           "reset_device_api", "written_event"]
+__all__ = ["ENV_DEVICE_MODULE", "OWN_STREAM_ROLES", "CudaDevice", "DeviceApi", "Event", "SideStream", "Stream",
+           "device_api", "joined_event", "reset_device_api", "written_event"]
 
 ENV_DEVICE_MODULE = "P2PFT_DEVICE_MODULE"
+#: what each of the transport's own streams (one per device and role) carries; distinct roles
+#: never share a stream: collectives (warmup, side) must not hold up copies (staging, copy, join)
+OWN_STREAM_ROLES = ("warmup", "side", "staging", "copy", "join")
+
+logger = logging.getLogger(__name__)
 
 
 class Event(Protocol):
@@ -59,7 +73,10 @@ class DeviceApi(Protocol):
     def device_index(self, t: Any) -> int | None: ...
     def identity(self, index: int | None) -> str: ...         # PCI bus id / UUID: equal iff the same physical device
     def current_stream(self, t: Any) -> Stream: ...         # the stream the caller's kernels on `t` run on
-    def new_stream(self, t: Any) -> Stream: ...
+    # the transport's raw non-blocking stream of `role` on `t`'s device (made once per device and role)
+    def own_stream(self, t: Any, role: str) -> Stream: ...
+    # ncclCommInitRankConfig(blocking=0) and the calls of a non-blocking communicator, or None
+    def nccl_nonblocking(self) -> Any | None: ...
     def pinned(self, nbytes: int) -> Any: ...                # a uint8 host tensor the copy engine can read/write
     def copy_async(self, dst: Any, src: Any, stream: Stream) -> None: ...
     def zero_async(self, t: Any, stream: Stream) -> None: ...
@@ -80,10 +97,11 @@ class _CudaEvent:
 
 
 class _CudaStream:
-    def __init__(self, torch: Any, raw: Any) -> None:
+    def __init__(self, torch: Any, raw: Any, keep: Any = None) -> None:
         self.torch = torch
         self.raw = raw
         self.handle = int(raw.cuda_stream)
+        self.keep = keep   # the owner of a raw stream (CuPy's Stream destroys it when collected)
 
     def record(self) -> Event:
         ev = self.torch.cuda.Event()
@@ -101,11 +119,37 @@ class _CudaStream:
         self.raw.synchronize()
 
 
+def _cudart_stream(index: int) -> int:
+    """cudaStreamCreateWithFlags(cudaStreamNonBlocking) through the libcudart torch loaded; 0 if
+    that is not possible (torch linked the runtime statically, or no CUDA)."""
+    from .ncclapi import mapped_library
+
+    path = mapped_library("libcudart.so")
+    if path is None:
+        return 0
+    try:
+        lib = ctypes.CDLL(path)
+        handle = ctypes.c_void_p()
+        if lib.cudaSetDevice(ctypes.c_int(index)) != 0:
+            return 0
+        if lib.cudaStreamCreateWithFlags(ctypes.byref(handle), ctypes.c_uint(1)) != 0:   # 1: non-blocking
+            return 0
+        return int(handle.value or 0)
+    except (OSError, AttributeError):
+        return 0
+
+
 class CudaDevice:
     """CUDA through torch (streams, events, copies) and CuPy (the NCCL binding)."""
 
     name = "cuda"
     accelerator_type = "cuda"
+
+    def __init__(self) -> None:
+        self._own: dict[tuple[int, str], _CudaStream] = {}
+        self._own_lock = threading.Lock()
+        self._nb: Any = None
+        self._nb_loaded = False
 
     def probe(self) -> tuple[bool, bool, int, str]:
         try:
@@ -177,10 +221,49 @@ class CudaDevice:
 
         return _CudaStream(torch, torch.cuda.current_stream(t.device))
 
-    def new_stream(self, t: Any) -> Stream:
+    def own_stream(self, t: Any, role: str) -> Stream:
+        if role not in OWN_STREAM_ROLES:
+            raise ValueError(f"unknown stream role {role!r}")
+        index = self.device_index(t)
+        if index is None:
+            raise RuntimeError("no CUDA device")
+        with self._own_lock:
+            s = self._own.get((index, role))
+            if s is None:
+                s = self._own[(index, role)] = self._raw_stream(index)
+            return s
+
+    def _raw_stream(self, index: int) -> _CudaStream:
+        """A stream created for us alone (never one of torch's pooled streams), non-blocking: it
+        does not wait for the legacy default stream's work, only for the events it is told to."""
         import torch
 
-        return _CudaStream(torch, torch.cuda.Stream(t.device))
+        dev = torch.device("cuda", index)
+        try:
+            import cupy
+
+            with cupy.cuda.Device(index):
+                keep = cupy.cuda.Stream(non_blocking=True)
+            return _CudaStream(torch, torch.cuda.ExternalStream(int(keep.ptr), device=dev), keep)
+        except ImportError:
+            pass
+        with torch.cuda.device(index):
+            ptr = _cudart_stream(index)
+        if ptr:   # never destroyed: one per device and role for the life of the process
+            return _CudaStream(torch, torch.cuda.ExternalStream(ptr, device=dev))
+        logger.warning("neither CuPy nor torch's libcudart can make a raw stream: using one of torch's pooled "
+                       "streams, which another torch.cuda.Stream() may share")
+        return _CudaStream(torch, torch.cuda.Stream(dev))
+
+    def nccl_nonblocking(self) -> Any | None:
+        """The libnccl CuPy loaded, through ctypes (CuPy offers no non-blocking init); None when it
+        cannot be reached or is older than NCCL 2.14."""
+        with self._own_lock:
+            if not self._nb_loaded:
+                from .ncclapi import load_libnccl
+
+                self._nb, self._nb_loaded = load_libnccl(), True
+            return self._nb
 
     def pinned(self, nbytes: int) -> Any:
         import torch
@@ -240,6 +323,21 @@ def reset_device_api() -> None:
         _api = None
 
 
+def joined_event(t: Any, events: Iterable[Event | None]) -> Event | None:
+    """One event that follows every one of `events`, recorded on our own ``join`` stream of `t`'s
+    device (no stream of the caller's is made to wait). None for a host tensor or no events."""
+    api = device_api()
+    evs = [e for e in events if e is not None]
+    if not evs or not api.is_device_tensor(t):
+        return None
+    if len(evs) == 1:
+        return evs[0]
+    s = api.own_stream(t, "join")
+    for e in evs:
+        s.wait(e)
+    return s.record()
+
+
 def written_event(t: Any) -> Event | None:
     """An event on `t`'s current stream, recorded now: later readers on other streams (a donor's
     copy stream) wait for exactly the work that wrote `t`, not for kernels queued after it, such
@@ -263,7 +361,7 @@ class SideStream:
 
     def __init__(self, like: Any) -> None:
         self.api = device_api()
-        self.stream: Stream | None = self.api.new_stream(like) if self.api.is_device_tensor(like) else None
+        self.stream: Stream | None = self.api.own_stream(like, "side") if self.api.is_device_tensor(like) else None
         self._done: Event | None = None
 
     @contextlib.contextmanager

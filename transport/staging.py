@@ -250,11 +250,12 @@ class StagingTcpCommunicator(TcpCommunicator):
             raise ValueError("tensor must be contiguous")
 
     def _cuda_stager(self, tensor: Any) -> DeviceStager:
-        """Pinned slots, a copy stream and upload events, made once per communicator and device."""
+        """Pinned slots and upload events, made once per communicator and device; the copies run on the
+        device's own staging stream (raw, made once: never the caller's stream)."""
         api = device_api()
         cache = self._stage
         if cache is None or cache.device != tensor.device:
             cache = StageCache(tensor.device, [api.pinned(self.piece_bytes) for _ in range(_SLOTS)],
-                               api.new_stream(tensor), [None] * _SLOTS)
+                               api.own_stream(tensor, "staging"), [None] * _SLOTS)
             self._stage = cache
         return DeviceStager(api, tensor, cache)

@@ -12,7 +12,16 @@
   after all work issued before it;
 * the default stream stands for the compute stream: torch ops run on the host at once, so a
   `wait(event)` on it blocks the host thread (the host is that stream) as well as queueing the
-  wait for later kernels on it.
+  wait for later kernels on it;
+* a host-to-device copy from pageable memory synchronizes the host with the stream, as CUDA's
+  does: ``torch.tensor(data, device=<the device>)`` returns only once everything queued on the
+  calling thread's current stream has finished;
+* `new_stream` is ``torch.cuda.Stream()``: one of 32 pooled streams per device, handed out round
+  robin, so a "new" stream is, sooner or later, one another caller (the training loop) has too;
+  `own_stream` is a raw non-blocking stream made once per device and role (CuPy's
+  ``Stream(non_blocking=True)`` under ``torch.cuda.ExternalStream``), never one of the pool's;
+* `nccl_nonblocking` is the libnccl reached through ctypes (``cupy.cuda.nccl.LIB``), unless
+  ``$FAKE_NCCL_NONBLOCKING=0``: a process where only CuPy's blocking init is possible.
 
 The device's identity is ``fake:<host>:<index>`` with the index from ``$P2PFT_FAKE_GPU``
 (default: one device per process), so two processes given the same index share a "GPU".
@@ -157,6 +166,12 @@ def _implicit_sync() -> None:
         _BARRIER.extend(events)
 
 
+#: torch's stream pool: streams per device that torch.cuda.Stream() hands out, round robin
+POOL_SIZE = 32
+#: the roles of p2pft's own streams (p2pft.transport.device.OWN_STREAM_ROLES)
+OWN_STREAM_ROLES = ("warmup", "side", "staging", "copy", "join")
+
+
 class FakeDevice:
     """The stand-in's DeviceApi (see p2pft.transport.device)."""
 
@@ -168,6 +183,9 @@ class FakeDevice:
         self._current = threading.local()   # like torch's: the current stream and device are per thread
         self._placed: dict[int, int] = {}      # data_ptr -> device index, for tensors `place`d elsewhere than 0
         self._lock = threading.Lock()
+        self._pool: dict[int, list[FakeStream]] = {}
+        self._pool_next: dict[int, int] = {}
+        self._own: dict[tuple[int, str], FakeStream] = {}
 
     def probe(self) -> tuple[bool, bool, int, str]:
         return True, True, 1, "fake device"
@@ -224,7 +242,33 @@ class FakeDevice:
             self._current.stream = before
 
     def new_stream(self, t: Any = None) -> FakeStream:
-        return FakeStream()
+        """torch.cuda.Stream(): the next of the device's 32 pooled streams (made lazily, kept)."""
+        index = (self.device_index(t) if t is not None else self.current_device()) or 0
+        with self._lock:
+            pool = self._pool.setdefault(index, [])
+            i = self._pool_next.get(index, 0)
+            self._pool_next[index] = (i + 1) % POOL_SIZE
+            if i == len(pool):
+                pool.append(FakeStream())
+            return pool[i]
+
+    def own_stream(self, t: Any, role: str) -> FakeStream:
+        """A raw non-blocking stream of `role` on `t`'s device, made once (never a pooled one)."""
+        if role not in OWN_STREAM_ROLES:
+            raise ValueError(f"unknown stream role {role!r}")
+        key = (self.device_index(t) or 0, role)
+        with self._lock:
+            s = self._own.get(key)
+            if s is None:
+                s = self._own[key] = FakeStream()
+            return s
+
+    def nccl_nonblocking(self) -> Any:
+        if os.environ.get("FAKE_NCCL_NONBLOCKING", "1") == "0":
+            return None
+        from cupy.cuda import nccl
+
+        return nccl.LIB
 
     def pinned(self, nbytes: int) -> Any:
         """A page-locked buffer, as torch's caching host allocator gives it: a freed block of the
@@ -260,3 +304,18 @@ class FakeDevice:
 
 
 DEVICE = FakeDevice()
+
+_torch_tensor = torch.tensor
+
+
+def _tensor(data: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """torch.tensor: with a device of the stand-in's, a copy from pageable host memory, after
+    which the host has waited for the current stream (cudaMemcpy's implicit synchronization)."""
+    t = _torch_tensor(data, *args, **kwargs)
+    dev = kwargs.get("device")
+    if dev is not None and torch.device(dev).type == FakeDevice.accelerator_type:
+        DEVICE.current_stream().synchronize()
+    return t
+
+
+torch.tensor = _tensor  # type: ignore[assignment]

@@ -58,10 +58,13 @@ def run(scenario: str, epoch: int, rank: int, ds: DataServer, peers: list[str]) 
         # p2pft set NCCL_RUNTIME_CONNECT=0: NCCL read its parameters then, and connects lazily.
         from cupy.cuda import nccl as fake_nccl
 
+        from p2pft.transport import nccl as nccl_mod
+
         mode = os.environ.pop("NCCL_RUNTIME_CONNECT", None)
         fake_nccl._param("NCCL_RUNTIME_CONNECT", "1")
         if mode is not None:
             os.environ["NCCL_RUNTIME_CONNECT"] = mode
+        nccl_mod.NCCL_PARAMS_READ_BEFORE_P2PFT = True   # what p2pft finds when that user came first
     comm = ds.communicator(epoch, 0, rank, peers, timeout=2.0, connect_timeout=5.0, backend=backend)
     t0 = time.monotonic()
     try:
@@ -127,15 +130,18 @@ def run(scenario: str, epoch: int, rank: int, ds: DataServer, peers: list[str]) 
                 wait_release(20)    # takes no part: a collective of rank 0 would be stuck
                 return result(t0, ok=True)
             comm.wait_init(20)
-            from p2pft.transport import nccl as nccl_mod
             in_window = threading.Event()
-            real_int64 = nccl_mod._int64
+            real_turn = comm._turn
 
-            def slow_int64(values: Any, like: Any) -> Any:
-                in_window.set()
-                time.sleep(0.3)
-                return real_int64(values, like)
-            nccl_mod._int64 = slow_int64
+            class SlowTurn:   # widens the window between the checks and counting itself in flight
+                def enter(self, c: Any, bound: float) -> None:
+                    in_window.set()
+                    time.sleep(0.3)
+                    real_turn.enter(c, bound)
+
+                def leave(self) -> None:
+                    real_turn.leave()
+            comm._turn = SlowTurn()
             on_dead = comm._on_dead
 
             def slow_on_dead(c: Any) -> None:
@@ -150,7 +156,7 @@ def run(scenario: str, epoch: int, rank: int, ds: DataServer, peers: list[str]) 
             threading.Thread(target=lambda: (comm.close(), done.set()), daemon=True).start()
             closed = done.wait(5.0)
             th.join(5)
-            nccl_mod._int64 = real_int64
+            comm._turn = real_turn
             return result(t0, ok=closed and not th.is_alive(), returned_s=round(time.monotonic() - t0, 3),
                           released=comm.wait_released(5.0), err=type(errs[0]).__name__ if errs else None)
         elif scenario == "slow_first_step":

@@ -142,6 +142,7 @@ def test_rank_lost_between_init_and_first_collective(sig: int, nccl_first: bool,
         env = {"FAKE_NCCL_VIOLATIONS": str(violations)}
         if nccl_first:
             env["TEST_NCCL_FIRST"] = "1"
+            env["P2PFT_NCCL_WARM_MAX_BYTES"] = str(2 << 20)   # the stand-in's algorithms all show up below 2 MiB
         pair.start("kill_after_init", env)
         for r in range(2):
             assert pair.line(r, 30) == "inited"
@@ -243,7 +244,8 @@ def test_two_ranks_on_one_device_under_auto_take_the_tcp_ring(ranks: Ranks) -> N
 def test_cupy13_id_as_c_chars_of_either_signedness(ranks: Ranks, signed: str) -> None:
     """Defect 5: CuPy 13 takes the id as a tuple of C chars; on aarch64 char is unsigned and the
     signed values raised OverflowError, which the TypeError fallback did not catch."""
-    res = ranks.run("sum", {"FAKE_CUPY_VERSION": "13", "FAKE_CHAR_SIGNED": signed})
+    # CuPy's own (blocking) init is what takes the tuple: the non-blocking one goes through ctypes
+    res = ranks.run("sum", {"FAKE_CUPY_VERSION": "13", "FAKE_CHAR_SIGNED": signed, "FAKE_NCCL_NONBLOCKING": "0"})
     assert all(r["ok"] and r["n"] == 2 for r in res), res
 
 

@@ -17,12 +17,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from typing import Any
 
 
 from ...core.meta import Status
 from ...core.step import ReplayLog
 from ...core.view import shard_addr
 from ...transport import CommError
+from ...transport.device import Event, joined_event, written_event
 from ...transport.stream import StateSnapshot, fetch_state
 from ..kernel.attempt import Entry
 from .donor import lower_thread_priority
@@ -74,6 +76,10 @@ class Catchup:
             self._at_head = False
             self._held = None
             self._quiet = False
+        # What the training stream has queued on the state so far (the last optimizer step's
+        # kernels): a snapshot's copies into CUDA tensors are ordered after it, not on a fetch
+        # thread's default stream.
+        self._written = _last_write(e.model)
         if e.rt is not None:
             e.rt.set_status(Status.JOINING, e.step)
         e.events.append({"t": time.time(), "kind": "catchup_start", "step": e.step, "why": why})
@@ -198,6 +204,8 @@ class Catchup:
     _donor_done: str | None = None
     _fetch_s: float | None = None
     _replayed = 0
+    _written: Event | None = None          # the training stream's last write of the state (start)
+    _worker_written: Event | None = None   # the worker's last restore or replayed step
     _quiet = False   # rounds are idle: a snapshot of the donor's current state is the head
 
     def _alive(self, gen: int, deadline: float) -> bool:
@@ -230,6 +238,7 @@ class Catchup:
                     if not self._alive(gen, deadline):
                         return
                     self.e.apply(entry)
+                    self._worker_written = _last_write(self.e.model)
                 self._replayed += 1
         finally:
             with self.lock:
@@ -276,6 +285,7 @@ class Catchup:
             if not self._alive(gen, deadline):
                 return False
             self.e.restore_snapshot(snap)
+            self._worker_written = _last_write(self.e.model)
         self._held_done, self._donor_done = s0, snap.meta.get("_donor")
         self._fetch_s, self._replayed = snap.meta.get("_fetch_s"), 0
         return True
@@ -309,10 +319,12 @@ class Catchup:
                   "fetching a snapshot of step >= %d from %s (%s, shard %d)", min_step, replica, node, e.shard)
         e.events.append({"t": time.time(), "kind": "catchup_fetch", "donor": replica, "min_step": min_step})
         t0 = time.monotonic()
+        into = e.state_io.receive_into(e.model, e.opt) if e.state_io.receive_into else None
+        first = next(iter(into.values()), None) if into else None
+        after = joined_event(first, [self._written, self._worker_written]) if first is not None else None
         snap = fetch_state(addr, StateRequest.snapshot(min_step, e.shard).to_wire(), secret=e.secret,
                            timeout=FETCH_TIMEOUT_S, rate_limit_bytes_per_s=e.state_rate_limit,
-                           into=e.state_io.receive_into(e.model, e.opt) if e.state_io.receive_into else None,
-                           source_host=e.ds.host)
+                           into=into, source_host=e.ds.host, after=after)
         if int(snap.meta.get("shard", e.shard)) != e.shard:
             raise CommError(f"donor sent shard {snap.meta.get('shard')} for shard {e.shard}")
         snap.meta["_donor"] = node
@@ -322,6 +334,14 @@ class Catchup:
     def held_bytes(self) -> dict[str, int]:
         with self.lock:
             return {"entries": len(self.log), "bytes": self.log.nbytes}
+
+
+def _last_write(model: Any) -> Event | None:
+    """An event on the calling thread's current stream after the work queued so far on the
+    model's device (None on CPU)."""
+    params = getattr(model, "parameters", None)
+    p = next(iter(params()), None) if callable(params) else None
+    return written_event(p) if p is not None else None
 
 
 __all__ = ["Catchup"]

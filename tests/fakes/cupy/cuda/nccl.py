@@ -1,22 +1,29 @@
 """A fake ``cupy.cuda.nccl`` over host memory and loopback sockets, between real processes.
 
-It keeps the API of CuPy's binding (``cupy_backends/cuda/libs/nccl.pyx``) and the behaviour of
-NCCL that p2pft's failure handling depends on:
+It keeps the API of CuPy's binding (``cupy_backends/cuda/libs/nccl.pyx``), that of the
+non-blocking libnccl calls p2pft makes through ctypes (`LIB`, see ``transport/ncclapi.py``), and
+the behaviour of NCCL that p2pft's failure handling depends on:
 
 * ``get_unique_id()`` starts a bootstrap root in the calling process (as ncclGetUniqueId does),
   a thread and a listening socket that stay until every rank of the id reached it (never, for an
-  id whose init does not run), and returns its address in 128 bytes: ``bytes`` as CuPy 14 does, or, with
-  ``$FAKE_CUPY_VERSION=13``, a tuple of C ``char`` values whose signedness is the platform's
-  (signed on x86_64, unsigned on aarch64; ``$FAKE_CHAR_SIGNED`` overrides). CuPy 13's
-  ``NcclCommunicator`` takes only such a tuple (``TypeError`` for bytes) and converts each item
-  to a C char (``OverflowError`` out of range); CuPy 14's takes only ``bytes`` and a config.
-* ``NcclCommunicator(ndev, commId, rank)`` blocks until all ``ndev`` ranks reached the root
-  (rendezvous); two ranks on one device fail all of them with ``ncclInvalidUsage`` ("Duplicate
-  GPU detected"; unless ``$NCCL_HOSTID`` differs: NCCL then takes them for two hosts). With
+  id whose init does not run: nothing can cancel it), and returns its address in 128 bytes:
+  ``bytes`` as CuPy 14 does, or, with ``$FAKE_CUPY_VERSION=13``, a tuple of C ``char`` values
+  whose signedness is the platform's (signed on x86_64, unsigned on aarch64; ``$FAKE_CHAR_SIGNED``
+  overrides). CuPy 13's ``NcclCommunicator`` takes only such a tuple (``TypeError`` for bytes)
+  and converts each item to a C char (``OverflowError`` out of range); CuPy 14's takes only
+  ``bytes`` and a config, whose only field is ``split_share`` (no ``blocking``).
+* ``NcclCommunicator(ndev, commId, rank)`` (CuPy's, blocking) does not return until all ``ndev``
+  ranks reached the root, with no timeout and nothing that can cancel it. ``LIB.init`` (the
+  non-blocking ncclCommInitRankConfig) returns at once; ``async_error()`` is ncclInProgress
+  until the rendezvous and connect finished, and ``abort()`` cancels them. Two ranks on one
+  device fail all of them with ``ncclInvalidUsage`` ("Duplicate GPU detected"; unless
+  ``$NCCL_HOSTID`` differs: NCCL then takes them for two hosts).
+* Six algorithms (ring, tree, PAT, NVLS, NVLS-tree, CollNet; CollNet only with
+  ``NCCL_COLLNET_ENABLE=1``), picked per operation and size (`algorithm`). With
   ``NCCL_RUNTIME_CONNECT`` unset or 1 (NCCL >= 2.22) peers are connected algorithm by algorithm
-  (enqueue.cc): the first collective that uses an algorithm (the tree for allreduces under
-  `RING_MIN_BYTES`, the ring for larger ones, allGather and bcast) connects it *inside the host
-  call*, blocking until every peer has done the same; with 0, every algorithm inside init. Like NCCL's
+  (enqueue.cc): the first collective that uses an algorithm connects it *inside the host call*,
+  waiting for every peer (on a non-blocking communicator the call returns ncclInProgress and
+  the connect goes on in the background); with 0, every algorithm inside init. Like NCCL's
   parameters, the variable is read once per process, at the first init.
 * Collectives are kernels queued on the caller's stream (the stand-in's streams). A peer's death
   leaves the kernel stuck, as a kernel spinning on a dead peer is, until ``abort()``; over the
@@ -24,15 +31,20 @@ NCCL that p2pft's failure handling depends on:
   the communicator's async error (``check_async_error`` raises it), over P2P/SHM (the default
   between the stand-in's processes, all on one host) nothing reports it. Mismatched element counts
   across ranks hang the same way (NCCL does not check them).
-* ``abort()`` wakes stuck kernels and host calls and sets the handle to 0; later calls raise
-  ``ncclInvalidArgument``. ``destroy()`` waits for the queued kernels first (it never returns
-  while one is stuck). Both then wait, as NCCL's proxy thread does, for every other rank's
-  process on this host that is stopped (SIGSTOP) to run again.
+* ``abort()`` wakes stuck kernels and blocked host calls and sets the handle to 0; later calls
+  raise ``ncclInvalidArgument``. ``destroy()`` waits for the queued kernels first (it never
+  returns while one is stuck). Both then wait, as NCCL's proxy thread does, for every other rank
+  of the same host (same ``NCCL_HOSTID``) whose process is stopped (SIGSTOP) to run again. CuPy's
+  communicator runs that blocking ``destroy()`` when it is collected without a release
+  (``__dealloc__``), on whatever thread drops it.
 * A guard records every call made while another call on the same communicator is in progress
   (``abort`` takes 50 ms and ``check_async_error`` 5 ms: race windows widened so that
-  unsynchronised calls do overlap),
-  or after abort/destroy, in `VIOLATIONS` (and in the file ``$FAKE_NCCL_VIOLATIONS``): NCCL
-  forbids both (a use after free in the real library).
+  unsynchronised calls do overlap), or after abort/destroy, or, on a non-blocking communicator,
+  before the previous call completed, in `VIOLATIONS` (and in the file ``$FAKE_NCCL_VIOLATIONS``):
+  NCCL forbids all of them (a use after free in the real library). The one exception is
+  NCCL's own: ``abort`` beside a call that is blocked waiting for peers (abort is what ends it).
+* `TIMELINE` records (time, communicator number, event): init begin/end, each enqueue, each
+  lazy connect, each kernel's queueing, begin and end, so tests can check what ran beside what.
 """
 
 from __future__ import annotations
@@ -41,9 +53,10 @@ import os
 import platform
 import socket
 import struct
+import sys
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -54,6 +67,8 @@ CUPY_MAJOR = int(os.environ.get("FAKE_CUPY_VERSION", "14"))   # at import; _majo
 
 def _major() -> int:
     return int(os.environ.get("FAKE_CUPY_VERSION", "14"))
+
+
 NCCL_UNIQUE_ID_BYTES = 128
 available = True
 
@@ -64,7 +79,7 @@ _TORCH = {0: torch.int8, 1: torch.uint8, 2: torch.int32, 4: torch.int64, 6: torc
           8: torch.float64, 9: torch.bfloat16}
 
 ncclSuccess, ncclUnhandledCudaError, ncclSystemError, ncclInternalError = 0, 1, 2, 3
-ncclInvalidArgument, ncclInvalidUsage, ncclRemoteError = 4, 5, 6
+ncclInvalidArgument, ncclInvalidUsage, ncclRemoteError, ncclInProgress = 4, 5, 6, 7
 _NAMES = {1: "NCCL_ERROR_UNHANDLED_CUDA_ERROR", 2: "NCCL_ERROR_SYSTEM_ERROR", 3: "NCCL_ERROR_INTERNAL_ERROR",
           4: "NCCL_ERROR_INVALID_ARGUMENT", 5: "NCCL_ERROR_INVALID_USAGE", 6: "NCCL_ERROR_REMOTE_ERROR"}
 
@@ -77,6 +92,11 @@ _OP_AR, _OP_AG, _OP_BC = 1, 2, 3
 
 VIOLATIONS: list[str] = []
 _vlock = threading.Lock()
+TIMELINE: list[tuple[float, int, str]] = []
+
+
+def _note(no: int, what: str) -> None:
+    TIMELINE.append((time.monotonic(), no, what))
 
 
 class NcclError(RuntimeError):
@@ -137,7 +157,7 @@ def _serve_root(listener: socket.socket) -> None:
             _roots.discard(threading.current_thread())
     idents = [conns[r][1] for r in range(nranks)]
     dup = len(set(idents)) != len(idents)
-    table = "DUP" if dup else "|".join(conns[r][2] for r in range(nranks))
+    table = "DUP" if dup else "|".join(f"{conns[r][2]}#{conns[r][1].split('/')[0]}" for r in range(nranks))
     for c, _i, _a in conns.values():
         try:
             _send_obj(c, table)
@@ -161,15 +181,21 @@ def _send_obj(s: socket.socket, text: str) -> None:
     s.sendall(struct.pack("<I", len(b)) + b)
 
 
-def _recv_obj(s: socket.socket) -> str:
-    n = struct.unpack("<I", _recv_exact(s, 4))[0]
-    return _recv_exact(s, n).decode()
+def _recv_obj(s: socket.socket, alive: Callable[[], bool] | None = None) -> str:
+    n = struct.unpack("<I", _recv_exact(s, 4, alive))[0]
+    return _recv_exact(s, n, alive).decode()
 
 
-def _recv_exact(s: socket.socket, n: int) -> bytes:
+def _recv_exact(s: socket.socket, n: int, alive: Callable[[], bool] | None = None) -> bytes:
+    """n bytes; with `alive`, polled in slices (a wait NCCL's abort flag ends)."""
     buf = bytearray()
     while len(buf) < n:
-        chunk = s.recv(n - len(buf))
+        try:
+            chunk = s.recv(n - len(buf))
+        except (socket.timeout, TimeoutError):
+            if alive is not None and not alive():
+                raise NcclError(ncclSystemError, "aborted while waiting for the bootstrap") from None
+            continue
         if not chunk:
             raise EOFError("peer closed")
         buf += chunk
@@ -190,14 +216,38 @@ def _param(name: str, default: str) -> str:
         return _params.get(name, default)
 
 
-#: messages of at least this many bytes are summed with the ring algorithm, smaller ones with the
-#: tree (NCCL's tuning picks per size and topology; what matters is that both exist)
-RING_MIN_BYTES = 256 * 1024
-_ALGOS = ("tree", "ring")
+#: the stand-in's tuning (NCCL's picks per operation, size and topology; here an NVSwitch node):
+#: allreduces below TREE_MAX bytes take the tree, then NVLS-tree, ring, and NVLS (CollNet
+#: instead with NCCL_COLLNET_ENABLE=1) from RING_MAX on; allgathers PAT below PAT_MAX, then the
+#: ring; broadcasts the ring
+ALGOS = ("ring", "tree", "pat", "nvls", "nvls_tree", "collnet")
+TREE_MAX = 16 << 10
+NVLS_TREE_MAX = 128 << 10
+RING_MAX = 1 << 20
+PAT_MAX = 64 << 10
 
 
-def _algorithm(op: int, nbytes: int) -> str:
-    return "tree" if op == _OP_AR and nbytes < RING_MIN_BYTES else "ring"
+def _collnet() -> bool:
+    return _param("NCCL_COLLNET_ENABLE", "0") == "1"
+
+
+def algorithm(op: int, nbytes: int) -> str:
+    """The algorithm the stand-in's NCCL picks for one collective."""
+    if op == _OP_AR:
+        if nbytes < TREE_MAX:
+            return "tree"
+        if nbytes < NVLS_TREE_MAX:
+            return "nvls_tree"
+        if nbytes < RING_MAX:
+            return "ring"
+        return "collnet" if _collnet() else "nvls"
+    if op == _OP_AG:
+        return "pat" if nbytes < PAT_MAX else "ring"
+    return "ring"
+
+
+def _available() -> list[str]:
+    return [a for a in ALGOS if a != "collnet" or _collnet()]
 
 
 def _stopped(pid: int) -> bool:
@@ -241,8 +291,16 @@ class NcclConfig:
         self.split_share = split_share
 
 
+_numbers = iter(range(1, 1 << 62))
+_numbers_lock = threading.Lock()
+
+
 class NcclCommunicator:
-    """ncclComm_t of one rank (see the module docstring for the semantics kept)."""
+    """ncclComm_t of one rank (see the module docstring for the semantics kept). Made by CuPy's
+    constructor (blocking init) or by `LIB.init` (non-blocking)."""
+
+    _comm = 0
+    nonblocking = False
 
     def __init__(self, ndev: int, commId: Any, rank: int, config: Any = None) -> None:  # noqa: N803
         if _major() >= 14:
@@ -259,39 +317,84 @@ class NcclCommunicator:
             assert len(commId) == NCCL_UNIQUE_ID_BYTES
             signed = _char_signed()
             raw = bytes(_to_char(v, signed) for v in commId)
+        self._setup(int(ndev), raw, int(rank), blocking=True)
+
+    @classmethod
+    def _nonblocking(cls, ndev: int, raw: bytes, rank: int) -> "NcclCommunicator":
+        self = cls.__new__(cls)
+        self._setup(ndev, raw, rank, blocking=False)
+        return self
+
+    def _setup(self, ndev: int, raw: bytes, rank: int, blocking: bool) -> None:
         if raw[:len(_MAGIC)] != _MAGIC:
             raise NcclError(ncclInvalidArgument, "not a unique id")
-        self._comm = 1
-        self.rank, self.ndev = int(rank), int(ndev)
+        with _numbers_lock:
+            self.no = next(_numbers)
+        self.nonblocking = not blocking
+        self.rank, self.ndev = rank, ndev
+        self.device = fakedevice.DEVICE.current_device()
+        self._raw_id = raw
         self._aborted = threading.Event()
         self._guard = threading.Lock()
         self._active: list[str] = []
+        self._blocked = 0          # active calls now waiting for peers (what abort may interrupt)
         self._async_error = ncclSuccess
         self._outstanding = 0
         self._out_cv = threading.Condition()
         self._seq = 0
         self._peers: dict[str, dict[int, socket.socket]] = {}   # algorithm -> rank -> its connection
         self._stash: dict[tuple[str, int], socket.socket] = {}   # accepted for an algorithm not connecting yet
+        self._addrs: list[str] = []
+        self._pids: list[int] = []
+        self._hosts: list[str] = []
+        self._net = False
+        self._job: threading.Thread | None = None   # a non-blocking call still in progress
+        self._job_error = ncclSuccess
         self._listener = socket.create_server(("127.0.0.1", 0))
         self._listener.settimeout(_SLICE)
+        self._comm = 1
+        _note(self.no, "init_begin")
+        if blocking:
+            try:
+                self._init(in_call=True)
+            except BaseException:
+                self._aborted.set()
+                self._close_sockets()
+                self._comm = 0   # CuPy sets its handle only once init returned
+                raise
+            finally:
+                _note(self.no, "init_end")
+        else:
+            self._background(self._init, "init")
+
+    def _init(self, in_call: bool) -> None:
+        """Rendezvous at the root (blocking: no timeout; non-blocking: until abort), then connect
+        every algorithm when NCCL_RUNTIME_CONNECT=0."""
+        raw = self._raw_id
         root_port = struct.unpack_from("<H", raw, len(_MAGIC))[0]
         # NCCL compares bus ids of ranks with the same host hash ($NCCL_HOSTID overrides it); the
         # class's identity, not an instance's: a test that bypasses p2pft's check bypasses only that.
-        ident = f"{_param('NCCL_HOSTID', '')}/{fakedevice.FakeDevice.identity(fakedevice.DEVICE)}"
+        host = _param("NCCL_HOSTID", "")
+        ident = f"{host}/{fakedevice.FakeDevice.identity(fakedevice.DEVICE)}"
         me = f"127.0.0.1:{self._listener.getsockname()[1]}@{os.getpid()}"
         deadline = time.monotonic() + 600
-        while True:   # the root may not listen yet? it does: it listens before the id exists
+        while True:   # the root listens before the id exists
             try:
                 root = socket.create_connection(("127.0.0.1", root_port), timeout=5)
                 break
             except OSError:
-                if time.monotonic() > deadline:
+                if time.monotonic() > deadline or self._aborted.is_set():
                     raise NcclError(ncclSystemError, "bootstrap root unreachable") from None
                 time.sleep(0.01)
-        root.settimeout(None)
-        _send_obj(root, f"{rank}|{ndev}|{ident}|{me}")
+        _send_obj(root, f"{self.rank}|{self.ndev}|{ident}|{me}")
         try:
-            table = _recv_obj(root)
+            if self.nonblocking:
+                root.settimeout(_SLICE)
+                table = _recv_obj(root, alive=lambda: not self._aborted.is_set())
+            else:
+                root.settimeout(None)   # CuPy's init: nothing can end this wait but every rank arriving
+                with self._waiting(in_call):
+                    table = _recv_obj(root)
         except (OSError, EOFError):
             raise NcclError(ncclSystemError, "bootstrap root went away") from None
         finally:
@@ -300,16 +403,41 @@ class NcclCommunicator:
             self._listener.close()
             self._comm = 0
             raise NcclError(ncclInvalidUsage, "Duplicate GPU detected")
-        self._addrs = [a.split("@")[0] for a in table.split("|")]
-        self._pids = [int(a.split("@")[1]) for a in table.split("|")]
+        entries = [e.rsplit("#", 1) for e in table.split("|")]
+        self._addrs = [a.split("@")[0] for a, _h in entries]
+        self._pids = [int(a.split("@")[1]) for a, _h in entries]
+        self._hosts = [h for _a, h in entries]
         # Ranks of one host talk over P2P/NVLink or shared memory unless both are disabled (or
         # NCCL_HOSTID makes them two hosts): a dead peer then leaves the kernel spinning with no
         # error at all; over the network the proxy reports ncclRemoteError.
-        self._net = (_param("NCCL_HOSTID", "") != "" or
+        self._net = (host != "" or
                      (_param("NCCL_P2P_DISABLE", "0") == "1" and _param("NCCL_SHM_DISABLE", "0") == "1"))
         if _param("NCCL_RUNTIME_CONNECT", "1") == "0":
-            for algo in _ALGOS:
-                self._connect(algo)
+            for algo in _available():
+                self._connect(algo, in_call)
+
+    def _background(self, fn: Callable[[bool], None], what: str) -> None:
+        """A non-blocking call's work after it returned ncclInProgress (NCCL's async job)."""
+        def run() -> None:
+            try:
+                fn(False)
+            except NcclError as e:
+                self._job_error = e.status
+            except (OSError, EOFError):
+                self._job_error = ncclSystemError
+            finally:
+                if what == "init":
+                    _note(self.no, "init_end")
+        self._job = threading.Thread(target=run, daemon=True, name=f"fake-nccl-{what}")
+        self._job.start()
+
+    def _in_progress(self) -> bool:
+        job = self._job
+        return job is not None and job.is_alive()
+
+    def forget(self, algo: str) -> None:
+        """Test hook: `algo` counts as not connected yet, as if runtime connect had not reached it."""
+        self._peers.pop(algo, None)
 
     # ------------------------------------------------------------------ guard
     def _enter(self, what: str) -> None:
@@ -317,19 +445,47 @@ class NcclCommunicator:
             if self._comm == 0:
                 _violation(f"use after abort/destroy: {what}")
                 raise NcclError(ncclInvalidArgument, f"{what} on a NULL communicator")
-            if self._active:
+            if what == "abort":
+                if len(self._active) > self._blocked:   # beside a call that is not waiting for peers
+                    _violation(f"abort during a call that is not blocked: {self._active}")
+            elif self._active:
                 _violation(f"concurrent calls on one communicator: {what} during {self._active}")
+            if (self.nonblocking and what not in ("abort", "async_error", "check_async_error")
+                    and self._in_progress()):
+                _violation(f"{what} before the previous call on a non-blocking communicator completed")
             self._active.append(what)
 
     def _leave(self, what: str) -> None:
         with self._guard:
             self._active.remove(what)
 
+    class _Waiting:
+        def __init__(self, comm: "NcclCommunicator", on: bool) -> None:
+            self.comm, self.on = comm, on
+
+        def __enter__(self) -> None:
+            if self.on:
+                with self.comm._guard:
+                    self.comm._blocked += 1
+
+        def __exit__(self, *exc: Any) -> None:
+            if self.on:
+                with self.comm._guard:
+                    self.comm._blocked -= 1
+
+    def _waiting(self, in_call: bool) -> "NcclCommunicator._Waiting":
+        """A host call waiting for peers (abort may end it)."""
+        return NcclCommunicator._Waiting(self, in_call)
+
     # ------------------------------------------------------------------ connect
-    def _connect(self, algo: str) -> None:
+    def _connect(self, algo: str, in_call: bool = False) -> None:
         """Connect every pair for one algorithm (the lower rank connects); blocks until every
         peer connects that algorithm too (at init, or inside its first collective using it)."""
-        code = _ALGOS.index(algo)
+        with self._waiting(in_call):
+            self._connect_pairs(algo)
+
+    def _connect_pairs(self, algo: str) -> None:
+        code = ALGOS.index(algo)
         peers: dict[int, socket.socket] = {}
         for j in range(self.rank + 1, self.ndev):
             host, port = self._addrs[j].rsplit(":", 1)
@@ -366,7 +522,7 @@ class NcclCommunicator:
             if got is None:
                 raise NcclError(ncclSystemError, "aborted while connecting")
             r, c = struct.unpack("<ii", got)
-            self._stash[(_ALGOS[c], r)] = s   # answered when this rank connects that algorithm
+            self._stash[(ALGOS[c], r)] = s   # answered when this rank connects that algorithm
         for s in peers.values():
             s.settimeout(_SLICE)
         self._peers[algo] = peers
@@ -405,7 +561,7 @@ class NcclCommunicator:
         self._aborted.wait()
 
     def _exchange(self, op: int, seq: int, payload: bytes, count: int, arg: int, senders: list[int],
-                  receivers: list[int], algo: str = "ring") -> dict[int, bytes] | None:
+                  receivers: list[int], algo: str) -> dict[int, bytes] | None:
         """Send payload to `receivers`, read one message from each of `senders`; None when stuck."""
         conns = self._peers[algo]
         head = _HDR.pack(b"FNCD", op, seq, count, arg, self.rank, len(payload))
@@ -446,24 +602,41 @@ class NcclCommunicator:
     def _launch(self, stream: int, what: str, kernel: Any, algo: str) -> None:
         self._enter(what)
         try:
-            if algo not in self._peers:
-                self._connect(algo)   # runtime connect: inside the host call, per algorithm
-            self._seq += 1
-            seq = self._seq
-            with self._out_cv:
-                self._outstanding += 1
+            _note(self.no, f"enqueue:{what}")
+            if algo in self._peers:
+                self._enqueue(stream, kernel)
+            elif self.nonblocking:   # the connect goes on in the background; the call returns in progress
+                _note(self.no, f"lazy_connect:{algo}")
 
-            def run() -> None:
-                try:
-                    if not kernel(seq):
-                        self._stuck()
-                finally:
-                    with self._out_cv:
-                        self._outstanding -= 1
-                        self._out_cv.notify_all()
-            fakedevice.STREAMS[stream].enqueue(run)
+                def connect_then_enqueue(in_call: bool) -> None:
+                    self._connect(algo, in_call)
+                    self._enqueue(stream, kernel)
+                self._background(connect_then_enqueue, what)
+            else:
+                _note(self.no, f"lazy_connect:{algo}")
+                self._connect(algo, in_call=True)   # runtime connect: inside the host call, per algorithm
+                self._enqueue(stream, kernel)
         finally:
             self._leave(what)
+
+    def _enqueue(self, stream: int, kernel: Any) -> None:
+        self._seq += 1
+        seq = self._seq
+        with self._out_cv:
+            self._outstanding += 1
+        _note(self.no, "kernel_queued")
+
+        def run() -> None:
+            _note(self.no, "kernel_begin")
+            try:
+                if not kernel(seq):
+                    self._stuck()
+            finally:
+                _note(self.no, "kernel_end")
+                with self._out_cv:
+                    self._outstanding -= 1
+                    self._out_cv.notify_all()
+        fakedevice.STREAMS[stream].enqueue(run)
 
     @staticmethod
     def _view(ptr: int, count: int, dtype: int) -> torch.Tensor:
@@ -480,7 +653,7 @@ class NcclCommunicator:
         if op != NCCL_SUM:
             raise NcclError(ncclInvalidArgument, "the stand-in sums only")
 
-        algo = _algorithm(_OP_AR, count * torch.empty(0, dtype=_TORCH[datatype]).element_size())
+        algo = algorithm(_OP_AR, count * torch.empty(0, dtype=_TORCH[datatype]).element_size())
         others = [j for j in range(self.ndev) if j != self.rank]
 
         def kernel(seq: int) -> bool:
@@ -499,10 +672,11 @@ class NcclCommunicator:
 
     def allGather(self, sendbuf: int, recvbuf: int, count: int, datatype: int, stream: int) -> None:  # noqa: N802
         others = [j for j in range(self.ndev) if j != self.rank]
+        algo = algorithm(_OP_AG, count * self.ndev * torch.empty(0, dtype=_TORCH[datatype]).element_size())
 
         def kernel(seq: int) -> bool:
             mine = self._view(sendbuf, count, datatype).clone()
-            got = self._exchange(_OP_AG, seq, _raw(mine), count, datatype, others, others, "ring")
+            got = self._exchange(_OP_AG, seq, _raw(mine), count, datatype, others, others, algo)
             if got is None:
                 return False
             out = self._view(recvbuf, count * self.ndev, datatype)
@@ -511,7 +685,7 @@ class NcclCommunicator:
                                                                        count=count)
                 out[r * count:(r + 1) * count].copy_(part)
             return True
-        self._launch(stream, "allGather", kernel, "ring")
+        self._launch(stream, "allGather", kernel, algo)
 
     def bcast(self, buff: int, count: int, datatype: int, root: int, stream: int) -> None:
         def kernel(seq: int) -> bool:
@@ -527,14 +701,27 @@ class NcclCommunicator:
             if got[root]:
                 buf.view(torch.uint8).copy_(torch.frombuffer(bytearray(got[root]), dtype=torch.uint8))
             return True
-        self._launch(stream, "bcast", kernel, "ring")
+        self._launch(stream, "bcast", kernel, algo=algorithm(_OP_BC, 0))
+
+    def async_error(self) -> int:
+        """ncclCommGetAsyncError: in progress while a non-blocking call's work goes on."""
+        self._enter("async_error")
+        try:
+            if self._async_error != ncclSuccess:
+                return self._async_error
+            if self._in_progress():
+                return ncclInProgress
+            return self._job_error
+        finally:
+            self._leave("async_error")
 
     def check_async_error(self) -> None:
         self._enter("check_async_error")
         try:
             time.sleep(CHECK_S)   # widened: an unsynchronised abort from another thread overlaps it
-            if self._async_error != ncclSuccess:
-                raise NcclError(self._async_error, "remote process exited or there was a network error")
+            err = self._async_error if self._async_error != ncclSuccess else self._job_error
+            if err != ncclSuccess:
+                raise NcclError(err, "remote process exited or there was a network error")
         finally:
             self._leave("check_async_error")
 
@@ -543,8 +730,17 @@ class NcclCommunicator:
             return
         self._enter("abort")
         try:
-            self._aborted.set()   # NCCL's abort flag: kernels spinning on a peer give up first
+            self._aborted.set()   # NCCL's abort flag: kernels and host waits on peers give up first
             self._close_sockets()
+            job = self._job
+            if job is not None:
+                job.join(10)      # ncclCommAbort joins the init (and async) work first
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:   # a blocked call returns before the free
+                with self._guard:
+                    if self._active == ["abort"]:
+                        break
+                time.sleep(0.005)
             time.sleep(ABORT_S)   # ncclCommAbort tears down proxies and frees memory: it takes a while
             self._wait_local_peers()
         finally:
@@ -556,6 +752,9 @@ class NcclCommunicator:
             return
         self._enter("destroy")
         try:
+            job = self._job
+            if job is not None:
+                job.join()        # ncclCommDestroy waits for the init (and async) work first
             with self._out_cv:      # ncclCommDestroy flushes the queued work first
                 while self._outstanding:
                     self._out_cv.wait(_SLICE)
@@ -565,11 +764,21 @@ class NcclCommunicator:
             self._leave("destroy")
             self._comm = 0
 
+    def __del__(self) -> None:
+        # CuPy's __dealloc__ calls destroy(): blocking (queued work, stopped local peers), on the
+        # thread that drops the last reference. Not at interpreter exit (the stand-in must let
+        # the test processes end).
+        if self._comm and not self.nonblocking and not sys.is_finalizing():
+            self.destroy()
+
     def _wait_local_peers(self) -> None:
         """Abort and destroy join NCCL's proxy thread, which waits for the other ranks on the node
-        (NVIDIA/nccl#829, #863): while a peer process here is stopped (SIGSTOP), they do not
-        return. A dead peer (gone from /proc) holds nothing up."""
-        while any(_stopped(pid) for r, pid in enumerate(getattr(self, "_pids", [])) if r != self.rank):
+        (NVIDIA/nccl#829, #863): while a peer process of the same host (same NCCL_HOSTID) is stopped
+        (SIGSTOP), they do not return. A dead peer (gone from /proc) holds nothing up, and nor does a
+        rank of another host."""
+        mine = self._hosts[self.rank] if self._hosts else ""
+        while any(_stopped(pid) for r, pid in enumerate(self._pids)
+                  if r != self.rank and (self._hosts[r] if self._hosts else "") == mine):
             time.sleep(_SLICE)
 
     def _close_sockets(self) -> None:
@@ -583,3 +792,18 @@ class NcclCommunicator:
     @property
     def comm(self) -> int:
         return self._comm
+
+
+class _Lib:
+    """The non-blocking libnccl calls p2pft makes through ctypes (`p2pft.transport.ncclapi.NcclLib`)."""
+
+    version = get_version()
+
+    def init(self, world: int, uid: bytes, rank: int) -> NcclCommunicator:
+        """ncclCommInitRankConfig with blocking=0: returns at once, in progress."""
+        if len(uid) != NCCL_UNIQUE_ID_BYTES:
+            raise ValueError(f"NCCL unique id must be {NCCL_UNIQUE_ID_BYTES} bytes, got {len(uid)}")
+        return NcclCommunicator._nonblocking(int(world), bytes(uid), int(rank))
+
+
+LIB = _Lib()
