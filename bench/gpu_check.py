@@ -1,63 +1,207 @@
-"""The first thing to run on a lent GPU (about ten minutes on one GPU): does the NCCL path work?
+"""The first thing to run on a lent GPU (under 8 minutes on one GPU): does the NCCL path work?
 
-    python bench/gpu_check.py [--json results/gpu_check.json] [--tmp DIR] [--only NAME,...]
+    python3 bench/gpu_check.py --json OUT/gpu_check.json [--only NAME,...] [--budget-s 450] [--list]
 
-It records the versions (torch, CUDA driver, NCCL from torch and from CuPy, CuPy, the libnccl
-files loaded), then runs two NCCL ranks on one GPU: two processes with distinct
-``NCCL_HOSTID`` (NCCL then takes them for two hosts and allows one GPU twice), P2P and SHM off
-(the ranks talk over sockets), and p2pft's shared-device check bypassed for these processes only.
-Each scenario runs in two fresh rank processes (forked from a server that imported torch and
-p2pft once, nothing initialised) with a hard timeout and ``faulthandler`` (a hung rank dumps its
-threads to its log and exits):
+docs/gpu.md has the commands for the lent machine and what each result means.
 
-  * sum: a sum and a joiner (contribute=False), with init and allreduce times;
-  * count_mismatch: different element counts: ProtocolMismatch on both ranks, no hang;
-  * slow_first_step: 1.5 s (rank 1: 2 s) of kernels queued ahead of the first allreduce (timeout
-    1 s): no timeout;
-  * kill_peer / stop_peer: the peer SIGKILLed / SIGSTOPped after init: the survivor's error and
-    the time ncclCommAbort took (a stopped peer may hold abort up: then the watchdog takes the
-    survivor down, exit status 4, which is the expected outcome and recorded as such);
-  * close_during: close() while a collective is stuck on the idle peer: returns at once;
-  * fast_forward: a step buffer served to the peer while this rank's next allGather spins on it;
-  * auto_epochs: 30 data epochs under data plane ``auto`` on the shared GPU: every one falls back
-    to the TCP ring (identities compared), threads and fds counted (no bootstrap root left).
+First a preflight, in a fresh process: the versions (torch, CUDA, the driver, NCCL as torch and
+CuPy see it, CuPy), exactly one libnccl loaded, CuPy and torch on the same device and CUDA
+runtime, p2pft installed. A failed preflight is reported and no scenario runs.
 
-Then, on a GPU only: one-rank NCCL timings, stream order on real kernels, and three replicas of
-the example job sharing the GPU over TCP and under ``auto``, each with a kill and a catch-up.
-With two or more GPUs it also runs the two-rank scenarios with one GPU per rank (P2P on), NCCL
-bus bandwidth against torch.distributed's in the same processes, and replicas with
-``--data-plane nccl``.
+Then the scenarios, each in fresh processes (forked from a server that imported torch and p2pft
+once, nothing initialised) with a hard limit of its own, in order of importance within a global
+budget (a scenario that no longer fits is reported as skipped, which fails the run). Two NCCL
+ranks share the one GPU as two processes with distinct ``NCCL_HOSTID`` (NCCL then takes them for
+two hosts and allows one GPU twice), P2P and SHM off (they talk over sockets), p2pft's
+shared-device check bypassed in those processes only. Every row of the JSON says what was
+injected, what was expected, what was observed, and ok; the logs of every process go into one
+tar file beside the JSON (``gpu_check_logs.tar.gz``). Faults are injected only once they are
+seen to bite (a peer is killed once the collective is seen spinning on it), and every injected
+delay is measured on the device, so a check whose fault did not happen fails.
 
 Without CUDA it says so and exits 0. With ``tests/fakes`` first on ``PYTHONPATH`` (the CPU
-stand-in of CuPy's NCCL and of the device) it runs the two-rank scenarios end to end on the
-stand-in, in well under a minute: that is how CI keeps this script working. JSON out
-(``--json``); exit status 1 when a check failed.
+stand-in of CuPy's NCCL and of the device) the preflight and every scenario that needs no real
+GPU run on the stand-in: that is how CI keeps this script working. Exit status 1 when a check
+failed or was skipped.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import fnmatch
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
 import sys
+import tarfile
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
 
-from p2pft.deploy.ports import free_ports
-from p2pft.chaos.records import read_stats
-from p2pft.deploy.procs import spawn as spawn_child, terminate
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gpu_scenarios as gs  # noqa: E402 - beside this file
+from p2pft.chaos.records import read_stats  # noqa: E402
+from p2pft.deploy.ports import free_ports  # noqa: E402
+from p2pft.deploy.procs import spawn as spawn_child, terminate  # noqa: E402
 
 MiB = 1 << 20
-#: a rank process that has not finished by then dumps its threads (faulthandler) and exits
-WORKER_LIMIT_S = 60.0
-PAIR_SCENARIOS = ("sum", "count_mismatch", "slow_first_step", "kill_peer", "stop_peer", "close_during",
-                  "fast_forward", "auto_epochs")
-AUTO_EPOCHS = 30
+DEFAULT_BUDGET_S = 450.0
+LOGS_TAR = "gpu_check_logs.tar.gz"
+#: a scenario needs at least this much of the budget to start
+MIN_START_S = 20.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Scenario:
+    """One row of the results: a rank body of gpu_scenarios (or a runner here) in fresh processes."""
+
+    name: str
+    body: str
+    ranks: int
+    layout: str                          # one_rank, one_gpu (two NCCL hosts on one device), two_gpu
+    limit_s: float
+    injected: str
+    expect: str
+    where: str = "any"                   # any (the stand-in too), gpu, gpus2
+    env: tuple[tuple[str, str], ...] = ()
+    exits: tuple[tuple[int, ...] | None, ...] = ()   # accepted exit statuses per rank (None: any); default 0
+    driver: str | None = None            # the parent's part: kill, stop, diloco_kill
+    runner: Callable[[Path, float], dict[str, Any]] | None = None
+
+
+def pair_scenarios(layout: str) -> list[Scenario]:
+    """The two-rank scenarios, on one GPU (one_gpu) or one GPU per rank (two_gpu)."""
+    pre = "pair_one_gpu_" if layout == "one_gpu" else "pair_two_gpus_"
+    where = "any" if layout == "one_gpu" else "gpus2"
+    two = layout == "two_gpu"
+    held = "; with two GPUs on one host ncclCommAbort may wait for the stopped local peer: then the " \
+           "watchdog takes rank 0 down (exit 4), the documented bound" if two else ""
+    out = [
+        Scenario(pre + "sum", "sum", 2, layout, 60, "none: init, a sum, a joiner (contribute=False), 5 timed sums",
+                 "count 2 and the sum; the joiner's count 1 and its peer's values"),
+        Scenario(pre + "count_mismatch", "count_mismatch", 2, layout, 45,
+                 "different element counts on the two ranks (1000 and 1001), both starting together",
+                 "ProtocolMismatch on both ranks within 5 s (timeout 20 s); the release returns; the stream drains"),
+        Scenario(pre + "slow_first_step", "slow_first_step", 2, layout, 75,
+                 "(a) 1.5 and 1.6 timeouts (2 s; 1.5 s on the stand-in) of compute queued ahead of the first "
+                 "allreduce (measured on the device); (b) 3 timeouts of compute (2.5 s on the stand-in) queued "
+                 "ahead of an allreduce the peer never joins, aborted 0.5 s in",
+                 "(a) no timeout and the right sum; (b) the call returns CommAborted within 0.5 s of the abort "
+                 "(1.5 s on the stand-in) while the compute still runs (the host was not blocked behind it), "
+                 "and the stream drains"),
+        Scenario(pre + "kill_peer", "kill_peer", 2, layout, 60,
+                 "rank 1 SIGKILLed once rank 0's allreduce was seen spinning on it for 0.5 s",
+                 "rank 0 raises PeerFailed/CommError before its 5 s timeout; ncclCommAbort returns; the stream "
+                 "drains and runs new work", exits=((0,), (-signal.SIGKILL,)), driver="kill",
+                 env=(("P2PFT_NCCL_ABORT_TIMEOUT_S", "30"),)),
+        Scenario(pre + "stop_peer", "stop_peer", 2, layout, 60,
+                 "rank 1 SIGSTOPped once rank 0's allreduce was seen spinning on it for 0.5 s",
+                 "rank 0 raises CommTimeout after its 3 s timeout; ncclCommAbort returns (the stopped rank is "
+                 "another NCCL host); the stream drains and runs new work" + held,
+                 exits=((0, 4) if two else (0,), None), driver="stop",
+                 env=(("P2PFT_NCCL_ABORT_TIMEOUT_S", "8" if two else "12"),)),
+        Scenario(pre + "close_during", "close_during", 2, layout, 45,
+                 "close() on rank 0 while its allreduce spins on the idle rank 1",
+                 "close() returns within 2 s; the allreduce raises CommAborted; ncclCommAbort returns (released); "
+                 "the stream drains", env=(("P2PFT_NCCL_ABORT_TIMEOUT_S", "30"),)),
+        Scenario(pre + "fast_forward", "fast_forward", 2, layout, 45,
+                 "rank 1 fetches a step buffer from rank 0 while rank 0's next allGather spins on rank 1",
+                 "the fetch is served within 5 s with the right data; the next step then completes on both"),
+        Scenario(pre + "auto_epochs", "auto_epochs", 2, layout, 90,
+                 f"{gs.AUTO_EPOCHS} data epochs under data plane auto with the ranks on "
+                 + ("different GPUs" if two else "one device (identities equal)"),
+                 ("every epoch on NCCL" if two else "every epoch on the TCP ring (no NCCL id made)")
+                 + "; right sums; threads and fds flat"),
+    ]
+    if not two:
+        out += [
+            Scenario(pre + "stop_peer_watchdog", "stop_peer_watchdog", 2, layout, 45,
+                     "rank 1 SIGSTOPped while rank 0's allreduce spins on it; rank 0's release limit "
+                     "($P2PFT_NCCL_ABORT_TIMEOUT_S) 1 ms, shorter than any ncclCommAbort",
+                     "rank 0 times out (CommTimeout), then the watchdog takes it down: exit status 4 and the "
+                     "'taking this process down' line, within 10 s of its timeout (a process whose stream holds "
+                     "a stuck NCCL kernel does exit)",
+                     exits=((4,), None), driver="stop", env=(("P2PFT_NCCL_ABORT_TIMEOUT_S", "0.001"),)),
+            Scenario(pre + "peer_dies_before_init", "peer_dies_before_init", 2, layout, 75,
+                     "rank 1 SIGKILLs itself after receiving the unique id (go), before ncclCommInitRank",
+                     "rank 0's first operation raises within its 10 s timeout; after close() its init does not "
+                     "linger: within 20 s (8 s on the stand-in) no thread of that communicator is left and "
+                     "threads/fds are back to the baseline (NCCL's bootstrap root excepted: 1 thread, 2 fds); or "
+                     "rank 0 is taken down with exit status 4",
+                     exits=((0, 4), (-signal.SIGKILL,)), env=(("P2PFT_NCCL_ABORT_TIMEOUT_S", "15"),)),
+            Scenario(pre + "catchup_cuda", "catchup_cuda", 2, layout, 60,
+                     "rank 1 fetches state into its own device tensor while its optimizer write (-1) is queued "
+                     "behind 1.5 s of compute on its training stream; rank 0 serves a buffer whose write (5 over "
+                     "0) is queued behind 0.5 s on its own training stream; a control fetch without `after`",
+                     "with `after` the tensor ends 5.0 everywhere (copies after both writes), in place; the "
+                     "control ends -1 everywhere (the race the ordering prevents is real)"),
+            Scenario(pre + "churn", "churn", 2, layout, 150,
+                     f"{gs.CHURN_EPOCHS} NCCL communicators one after another (every fourth aborted, the others "
+                     "destroyed)",
+                     "right sums; every release returns; from epoch 4 to the last, threads and fds grow by at most "
+                     "2 and this process's GPU memory by at most 64 MiB (the device's by 256 MiB without NVML)"),
+            Scenario(pre + "diloco", "diloco", 3, layout, 120,
+                     "three DiLoCo replicas (sync every 4 inner steps) over NCCL, three NCCL hosts on the one GPU; "
+                     "rank 2 SIGKILLed once all had committed 3 syncs",
+                     "every communicator is NCCL (no TCP fallback); equal global-weight digests wherever two or "
+                     "more replicas committed a sync (3+ such syncs, 1+ by all three); ranks 0 and 1 commit 2 more "
+                     "syncs together", exits=((0,), (0,), (-signal.SIGKILL,)),
+                     driver="diloco_kill"),
+        ]
+    else:
+        out += [Scenario(pre + "churn", "churn", 2, layout, 150, f"{gs.CHURN_EPOCHS} NCCL communicators, one GPU each",
+                         "as pair_one_gpu_churn")]
+    return [dataclasses.replace(s, where=where) for s in out]
+
+
+def scenarios() -> list[Scenario]:
+    """Every scenario, in the order they run (the most telling first)."""
+    one = {s.name: s for s in pair_scenarios("one_gpu")}
+    order = ["sum", "count_mismatch", "slow_first_step", "kill_peer", "stop_peer", "stop_peer_watchdog",
+             "close_during", "peer_dies_before_init", "catchup_cuda", "fast_forward", "churn", "diloco",
+             "auto_epochs"]
+    single = [
+        Scenario("nccl_one_rank", "nccl_one_rank", 1, "one_rank", 60,
+                 "none: one rank, 64 MiB sums, a joiner, an abort, a new epoch after it",
+                 "right sums; ncclCommAbort returns (abort_s is the call itself, to its return); an allreduce "
+                 "after it raises CommAborted; the next epoch sums; ncclCommDestroy returns"),
+        Scenario("stream_order", "stream_order", 1, "one_rank", 60,
+                 "0.5 s of compute then a fill queued ahead of a one-rank allreduce; 3 s of compute ahead of "
+                 "one aborted 0.5 s in; two TCP ranks with device tensors, each on a raw stream of its own",
+                 "the allreduce reads the late fill and returns with its stream done; the aborted call returns "
+                 "CommAborted within 0.5 s while the compute still runs; the TCP ranks sum right"),
+    ]
+    out = single[:1] + [one["pair_one_gpu_" + n] for n in order[:6]] + single[1:] + \
+        [one["pair_one_gpu_" + n] for n in order[6:]]
+    out += [
+        Scenario("replicas_tcp_cuda", "", 3, "gpu", 150,
+                 "three example replicas on the GPU over the TCP ring; r2 SIGKILLed at step 10, restarted",
+                 "the survivors go on; the restarted replica catches up into CUDA tensors; equal digests at "
+                 "common steps, the joiner's included", where="gpu",
+                 runner=lambda tmp, limit: check_replicas(["cuda:0"] * 3, "tcp", tmp, limit)),
+        Scenario("replicas_auto_one_gpu", "", 3, "gpu", 150,
+                 "the same under data plane auto, all replicas on the one GPU",
+                 "NCCL cannot run between replicas on one GPU (one device identity): auto must fall back to the "
+                 "TCP ring in every communicator (no NCCL communicator ready); equal digests. NCCL between "
+                 "replicas runs in replicas_nccl (2+ GPUs) and pair_one_gpu_diloco", where="gpu",
+                 runner=lambda tmp, limit: check_replicas(["cuda:0"] * 3, "auto", tmp, limit)),
+    ]
+    out += [s for s in pair_scenarios("two_gpu")]
+    out += [
+        Scenario("nccl_vs_torch", "", 2, "gpus2", 200,
+                 "none: 64 and 256 MiB sums, p2pft's NCCL and torch.distributed's",
+                 "right sums; bus bandwidths recorded", where="gpus2",
+                 runner=lambda tmp, limit: check_bandwidth(min(gpu_count(), 8), tmp, limit)),
+        Scenario("replicas_nccl", "", 3, "gpus2", 150, "replicas over NCCL, one GPU each; a kill and a catch-up",
+                 "every communicator NCCL; equal digests", where="gpus2",
+                 runner=lambda tmp, limit: check_replicas([f"cuda:{i}" for i in range(min(3, gpu_count()))],
+                                                          "nccl", tmp, limit)),
+    ]
+    return out
 
 
 def gpu_count() -> int:
@@ -68,108 +212,214 @@ def gpu_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def _timed(fn: Callable[[], Any]) -> tuple[Any, float]:
-    t0 = time.perf_counter()
-    out = fn()
-    return out, time.perf_counter() - t0
+# ---------------------------------------------------------------------------- fresh rank processes
+_CTX: Any = None
 
 
-def _slow_fill(x: Any, value: float) -> None:
-    """On the current stream: ~50 ms of spinning, then fill x (the value arrives late)."""
-    import torch
-    torch.cuda._sleep(50_000_000)
-    x.fill_(value)
+def _context() -> Any:
+    """Rank processes are forked from a server that has imported torch and p2pft once (and
+    initialised nothing: no CUDA, no NCCL): each scenario still gets fresh processes, without
+    paying for the imports every time."""
+    global _CTX
+    if _CTX is None:
+        import multiprocessing as mp
+        _CTX = mp.get_context("forkserver")
+        _CTX.set_forkserver_preload(["torch", "p2pft.transport", "gpu_scenarios"])
+    return _CTX
 
 
-# ---------------------------------------------------------------------------- single-GPU checks
-def check_nccl_one_rank() -> dict[str, Any]:
-    import torch
-    from p2pft.transport import CommAborted, DataServer
+def rank_env(layout: str, rank: int) -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    if layout == "one_gpu":
+        # Two hosts to NCCL (it refuses one GPU twice on one host), talking over sockets.
+        env.update(P2PFT_FAKE_GPU="0", NCCL_HOSTID=f"p2pft-gpu-check-{rank}", NCCL_P2P_DISABLE="1",
+                   NCCL_SHM_DISABLE="1", NCCL_IB_DISABLE="1", NCCL_SOCKET_IFNAME=env.get("NCCL_SOCKET_IFNAME", "lo"))
+    return env
 
-    ds = DataServer("127.0.0.1", 0)
-    out: dict[str, Any] = {}
+
+def _signal(pid: int | None, sig: int) -> None:
+    if pid is None:
+        return
     try:
-        x = torch.ones(16 * MiB, device="cuda")          # 64 MiB
-        torch.cuda.synchronize()
-        c, out["build_s"] = _timed(lambda: ds.communicator(1, 0, 0, [ds.addr], backend="nccl", timeout=60.0))
-        n, out["init_and_first_allreduce_s"] = _timed(lambda: c.allreduce(x, tag=1))
-        ok = n == 1 and bool(torch.all(x == 1))
-        times = []
-        for i in range(10):
-            torch.cuda.synchronize()
-            _, t = _timed(lambda: c.allreduce(x, tag=2 + i))
-            times.append(t)
-        out["allreduce_64MiB_median_s"] = statistics.median(times)
-        ok &= c.allreduce(x, contribute=False, tag=99) == 0 and int(torch.count_nonzero(x)) == 0
-        _, out["abort_s"] = _timed(lambda: c.abort("gpu check"))
-        try:
-            c.allreduce(x)
-            ok = False
-        except CommAborted:
-            pass
-        c.close()
-        c2 = ds.communicator(2, 0, 0, [ds.addr], backend="nccl", timeout=60.0)
-        x.fill_(2)
-        n2, out["reinit_epoch2_first_allreduce_s"] = _timed(lambda: c2.allreduce(x, tag=1))
-        ok &= n2 == 1 and bool(torch.all(x == 2))
-        c2.close()
-        out["ok"] = bool(ok)
-    finally:
-        ds.close()
-    return out
+        os.kill(pid, sig)
+    except OSError:
+        pass
 
 
-def check_stream_order() -> dict[str, Any]:
-    import torch
-    from p2pft.transport import DataServer
+def _drive_fault(sig: int, what: str) -> Callable[[list[Any], Path, float], dict[str, Any]]:
+    def drive(procs: list[Any], wd: Path, end: float) -> dict[str, Any]:
+        m = gs.wait_mark(wd / "spinning.0.json", max(1.0, end - time.monotonic()))
+        if m is None:
+            return {"fault": f"not sent: rank 0 never reported its collective ({what})"}
+        gs.write_mark(wd / f"{what}.parent.json")
+        t = time.time()
+        _signal(procs[1].pid, sig)
+        return {"fault": f"SIG{signal.Signals(sig).name[3:]} to rank 1", "fault_at": t}
+    return drive
 
-    out: dict[str, Any] = {}
-    # NCCL (one rank): the call is enqueued on torch's current stream behind the slow fill, and
-    # returns only once that stream has finished it.
-    ds = DataServer("127.0.0.1", 0)
+
+def _drive_diloco_kill(procs: list[Any], wd: Path, end: float) -> dict[str, Any]:
+    last = len(procs) - 1
+    while time.monotonic() < end:
+        marks = [gs.wait_mark(wd / f"syncs.{r}.json", 0) for r in range(len(procs))]
+        if all(m is not None and int(m["v"]) >= 3 for m in marks):
+            gs.write_mark(wd / "killed.parent.json")
+            t = time.time()
+            _signal(procs[last].pid, signal.SIGKILL)
+            return {"fault": f"SIGKILL to rank {last}", "fault_at": t, "syncs_at_kill": [m["v"] for m in marks if m]}
+        if any(p.exitcode is not None for p in procs):
+            break
+        time.sleep(0.05)
+    return {"fault": "not sent: the replicas did not reach 3 syncs together"}
+
+
+DRIVERS: dict[str, Callable[[list[Any], Path, float], dict[str, Any]]] = {
+    "kill": _drive_fault(signal.SIGKILL, "killed"),
+    "stop": _drive_fault(signal.SIGSTOP, "stopped"),
+    "diloco_kill": _drive_diloco_kill,
+}
+
+
+def _tail(path: Path, n: int = 1500) -> str:
     try:
-        c = ds.communicator(1, 0, 0, [ds.addr], backend="nccl", timeout=60.0)
-        x = torch.zeros(MiB, device="cuda")
-        c.allreduce(x)                                   # init outside the measured part
-        _slow_fill(x, 3.0)
-        n = c.allreduce(x, tag=1)
-        done = torch.cuda.current_stream().query()
-        y = x * 2                                        # no sync: stream order only
-        out["nccl"] = {"count": n, "stream_done_on_return": bool(done), "sum_ok": bool(torch.all(y == 6.0))}
-        c.close()
-    finally:
-        ds.close()
-    # TCP with CUDA tensors, two ranks on this GPU, each on its own stream: the copy stream waits
-    # for the slow fill, the caller's stream waits for the copies up.
-    servers = [DataServer("127.0.0.1", 0) for _ in range(2)]
-    peers = [s.addr for s in servers]
-    comms = [s.communicator(1, 0, r, peers) for r, s in enumerate(servers)]
-    res: list[Any] = [None, None]
+        return path.read_text(errors="replace")[-n:]
+    except OSError:
+        return ""
 
-    def rank(r: int) -> None:
-        try:
-            comms[r].piece_bytes = 4 * MiB
-            with torch.cuda.stream(torch.cuda.Stream()):
-                t = torch.zeros(5 * MiB + 7, device="cuda")
-                _slow_fill(t, float(r + 1))
-                comms[r].allreduce(t, tag=1)
-                y = t * 2
-                res[r] = bool(torch.all(y == 6.0))
-        except BaseException as e:  # noqa: BLE001 - reported
-            res[r] = repr(e)
-    ths = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
-    for th in ths:
-        th.start()
-    for th in ths:
-        th.join(120)
-    for c in comms:
-        c.close()
-    for s in servers:
-        s.close()
-    out["tcp_staged"] = {"ranks_ok": res}
-    out["ok"] = (out["nccl"]["count"] == 1 and out["nccl"]["stream_done_on_return"] and out["nccl"]["sum_ok"]
-                 and res == [True, True])
-    return out
+
+def run_ranks(sc: Scenario, tmp: Path, limit: float) -> dict[str, Any]:
+    """`sc` in fresh rank processes with a hard limit; what each rank and the parent saw."""
+    wd = tmp / sc.name
+    shutil.rmtree(wd, ignore_errors=True)    # marks of an earlier run would mislead the ranks
+    wd.mkdir(parents=True)
+    logs = [wd / f"rank{r}.log" for r in range(sc.ranks)]
+    ctx = _context()
+    extra = dict(sc.env)
+    if sc.body == "diloco":
+        extra["GPU_CHECK_PORTS"] = ",".join(str(p) for p in free_ports(sc.ranks))
+    procs = []
+    for r in range(sc.ranks):
+        env = {**rank_env(sc.layout, r), **extra}
+        pr = ctx.Process(target=gs.rank_main, args=(sc.body, r, sc.ranks, str(wd), sc.layout, env, str(logs[r]), limit),
+                         name=f"gpu-check-{sc.name}-{r}", daemon=True)
+        pr.start()
+        procs.append(pr)
+    end = time.monotonic() + limit + 5.0     # the ranks' own limit first (their threads dumped)
+    parent: dict[str, Any] = {}
+    timed_out: list[int] = []
+    try:
+        if sc.driver:
+            parent.update(DRIVERS[sc.driver](procs, wd, end))
+        for r, pr in enumerate(procs):
+            pr.join(max(0.1, end - time.monotonic()))
+            if pr.exitcode is None:
+                timed_out.append(r)
+            elif r == 0 and "fault_at" in parent:
+                parent["rank0_exit_after_fault_s"] = round(time.time() - parent["fault_at"], 3)
+            if r == 0 and sc.driver == "stop":   # the stopped rank has done its part
+                _signal(procs[1].pid, signal.SIGCONT)
+                procs[1].kill()
+    finally:
+        for pr in procs:
+            if pr.exitcode is None:
+                _signal(pr.pid, signal.SIGCONT)
+                pr.kill()
+                pr.join(5)
+    exits = [None if r in timed_out else pr.exitcode for r, pr in enumerate(procs)]
+    ranks: list[dict[str, Any] | None] = []
+    for r in range(sc.ranks):
+        m = gs.wait_mark(wd / f"result.{r}.json", 0) or gs.wait_mark(wd / f"partial.{r}.json", 0)
+        ranks.append(m["v"] if m else None)
+    why = JUDGES.get(sc.body, _no_judge)(sc, ranks, exits, parent, logs)
+    for r in range(sc.ranks):
+        accepted = sc.exits[r] if r < len(sc.exits) else (0,)
+        res = ranks[r]
+        if r in timed_out:
+            why.append(f"rank {r} did not finish within {limit:g} s (its threads are in its log)")
+        elif accepted is not None and exits[r] not in accepted:
+            why.append(f"rank {r} exited {exits[r]}, expected {' or '.join(map(str, accepted))}")
+        if res is not None and "ok" in res and not res["ok"]:
+            why += [f"rank {r}: {w}" for w in res.get("why", [])] or [f"rank {r} not ok"]
+        elif res is None and exits[r] == 0:
+            why.append(f"rank {r} exited 0 without a result")
+    observed: dict[str, Any] = {f"rank{r}": ranks[r] for r in range(sc.ranks)}
+    observed["exits"] = exits
+    observed.update(parent)
+    row: dict[str, Any] = {"observed": observed, "ok": not why, "why": why}
+    if why:
+        row["log_tails"] = {f"rank{r}": _tail(logs[r]) for r in range(sc.ranks)}
+    return row
+
+
+def _no_judge(sc: Scenario, ranks: list[Any], exits: list[Any], parent: dict[str, Any],
+              logs: list[Path]) -> list[str]:
+    return []
+
+
+def _judge_taken_down(sc: Scenario, ranks: list[Any], exits: list[Any], parent: dict[str, Any],
+                      logs: list[Path]) -> list[str]:
+    """Where rank 0 was taken down (exit 4), its log must say why."""
+    if exits[0] == gs.EXIT_RELEASE_HUNG and gs.TAKE_DOWN_LINE not in _tail(logs[0], 100_000):
+        return [f"rank 0 exited {gs.EXIT_RELEASE_HUNG} without the '{gs.TAKE_DOWN_LINE}' line"]
+    return []
+
+
+def _judge_watchdog(sc: Scenario, ranks: list[Any], exits: list[Any], parent: dict[str, Any],
+                    logs: list[Path]) -> list[str]:
+    why = _judge_taken_down(sc, ranks, exits, parent, logs)
+    part = ranks[0] or {}
+    if part.get("spinning_s") is None:
+        why.append("rank 0's collective was never seen spinning")
+    t = parent.get("rank0_exit_after_fault_s")
+    if exits[0] == gs.EXIT_RELEASE_HUNG and (t is None or t > part.get("timeout_s", 3.0) + 10.0):
+        why.append(f"rank 0 was taken down {t} s after the stop (bound: its timeout + 10 s)")
+    return why
+
+
+def _judge_stop(sc: Scenario, ranks: list[Any], exits: list[Any], parent: dict[str, Any],
+                logs: list[Path]) -> list[str]:
+    """Two GPUs on one host: the abort held by the stopped local peer, and the watchdog's exit,
+    is the documented outcome too."""
+    why = _judge_taken_down(sc, ranks, exits, parent, logs)
+    if exits[0] == gs.EXIT_RELEASE_HUNG:
+        ranks[0] = {**(ranks[0] or {}), "taken_down_by_watchdog": True}
+        if sc.layout != "two_gpu":
+            why.append("ncclCommAbort waited for the stopped peer although it is another NCCL host: the watchdog "
+                       "took rank 0 down")
+    return why
+
+
+def _judge_peer_dies(sc: Scenario, ranks: list[Any], exits: list[Any], parent: dict[str, Any],
+                     logs: list[Path]) -> list[str]:
+    if exits[0] == gs.EXIT_RELEASE_HUNG:   # the documented bound: the process exits, a launcher restarts it
+        ranks[0] = {**(ranks[0] or {}), "taken_down": True}
+    return _judge_taken_down(sc, ranks, exits, parent, logs)
+
+
+def _judge_diloco(sc: Scenario, ranks: list[Any], exits: list[Any], parent: dict[str, Any],
+                  logs: list[Path]) -> list[str]:
+    """Equal digests wherever two replicas committed the same sync; some with every replica."""
+    by_sync: dict[int, list[dict[str, Any]]] = {}
+    for res in ranks:
+        for s in (res or {}).get("syncs", []):
+            by_sync.setdefault(int(s["sync"]), []).append(s)
+    shared = {k: v for k, v in by_sync.items() if len(v) > 1}
+    parent["syncs_compared"] = len(shared)
+    parent["syncs_with_every_replica"] = sum(1 for v in shared.values() if len(v) == sc.ranks)
+    parent["digests_equal"] = all(len({s["digest"] for s in v}) == 1 for v in shared.values())
+    why = []
+    if len(shared) < 3 or not parent["syncs_with_every_replica"]:
+        why.append(f"{len(shared)} syncs committed by two or more replicas, {parent['syncs_with_every_replica']} by "
+                   "every one: too few to compare (want 3+, and 1+ by every replica)")
+    if not parent["digests_equal"]:
+        why.append("the replicas' global weights differ at a common sync")
+    return why
+
+
+JUDGES: dict[str, Callable[[Scenario, list[Any], list[Any], dict[str, Any], list[Path]], list[str]]] = {
+    "stop_peer_watchdog": _judge_watchdog, "stop_peer": _judge_stop, "kill_peer": _judge_taken_down,
+    "close_during": _judge_taken_down, "peer_dies_before_init": _judge_peer_dies, "diloco": _judge_diloco,
+}
 
 
 # ---------------------------------------------------------------------------- replicas
@@ -179,16 +429,20 @@ def _last_step(path: Path) -> int:
 
 
 def check_replicas(devices: list[str], plane: str, tmp: Path, budget_s: float = 100.0) -> dict[str, Any]:
-    """len(devices) replicas, one SIGKILLed at step 10 and restarted; digests at equal steps."""
+    """len(devices) replicas, one SIGKILLed at step 10 and restarted; digests at equal steps;
+    which data plane each communicator really used (from the replicas' logs)."""
     n = len(devices)
+    wd = tmp / f"replicas-{plane}"
+    shutil.rmtree(wd, ignore_errors=True)
+    wd.mkdir(parents=True)
     addrs = [f"127.0.0.1:{p}" for p in free_ports(n)]
     procs: dict[str, subprocess.Popen[bytes]] = {}
     stats: dict[str, Path] = {}
 
     def spawn(i: int, name: str) -> None:
         seeds = ",".join(a for j, a in enumerate(addrs) if j != i)
-        stats[name] = tmp / f"{plane}-{name}.jsonl"
-        log = open(tmp / f"{plane}-{name}.log", "wb")
+        stats[name] = wd / f"{name}.jsonl"
+        log = open(wd / f"{name}.log", "wb")
         procs[name] = spawn_child(  # dies with this script, like every launcher here
             [sys.executable, "-m", "p2pft.trainer.examples.replica", "--replica-id", f"r{i}", "--listen", addrs[i],
              "--seeds", seeds, "--stats", str(stats[name]), "--device", devices[i], "--data-plane", plane,
@@ -205,35 +459,38 @@ def check_replicas(devices: list[str], plane: str, tmp: Path, budget_s: float = 
             dead = [k for k, p in procs.items() if p.poll() is not None and p.returncode != -signal.SIGKILL]
             if dead:
                 raise RuntimeError(f"{dead[0]} exited ({procs[dead[0]].returncode}) waiting for {what}: "
-                                   + (tmp / f"{plane}-{dead[0]}.log").read_text()[-1500:])
+                                   + _tail(wd / f"{dead[0]}.log"))
             time.sleep(0.1)
         raise TimeoutError(f"timed out after {timeout:g} s waiting for {what}")
 
-    out: dict[str, Any] = {"replicas": n, "devices": devices, "data_plane": plane}
+    obs: dict[str, Any] = {"replicas": n, "devices": devices, "data_plane": plane}
+    why: list[str] = []
     t_start = time.time()
     try:
         for i in range(n):
             spawn(i, f"r{i}")
-        out["start_s"] = wait(lambda: all(_last_step(p) >= 10 for p in stats.values()), budget_s, "step 10")
+        obs["start_s"] = wait(lambda: all(_last_step(p) >= 10 for p in stats.values()), budget_s * 0.5, "step 10")
         victim = n - 1
         procs[f"r{victim}"].kill()
         procs[f"r{victim}"].wait(10)
         t_kill = time.time()
         at_kill = max(_last_step(stats[f"r{i}"]) for i in range(n - 1))
-        out["survivors_resume_s"] = wait(lambda: all(_last_step(stats[f"r{i}"]) >= at_kill + 3 for i in range(n - 1)),
-                                         60, "survivors to go on")
+        obs["survivors_resume_s"] = wait(lambda: all(_last_step(stats[f"r{i}"]) >= at_kill + 3 for i in range(n - 1)),
+                                         30, "survivors to go on")
         spawn(victim, f"r{victim}b")
         joined = stats[f"r{victim}b"]
 
         def caught_up() -> bool:
             return any(r.get("event") == "catchup_done" for r in read_stats(joined))
-        out["restart_to_caught_up_s"] = wait(caught_up, budget_s - (time.time() - t_start), "catch-up")
+        obs["restart_to_caught_up_s"] = wait(caught_up, budget_s - (time.time() - t_start) - 15, "catch-up")
         target = _last_step(stats["r0"]) + 10
-        wait(lambda: all(_last_step(p) >= target for k, p in stats.items() if k != f"r{victim}"), 60,
-             f"step {target} everywhere")
-        out["kill_to_caught_up_s"] = time.time() - t_kill
+        wait(lambda: all(_last_step(p) >= target for k, p in stats.items() if k != f"r{victim}"),
+             max(5.0, budget_s - (time.time() - t_start) - 5), f"step {target} everywhere")
+        obs["kill_to_caught_up_s"] = time.time() - t_kill
+    except (RuntimeError, TimeoutError) as e:
+        why.append(f"{type(e).__name__}: {e}"[:2000])
     finally:
-        terminate(list(procs.values()), grace=20)
+        terminate(list(procs.values()), grace=10)
     digests: dict[int, dict[str, str]] = {}
     for name, path in stats.items():
         for r in read_stats(path):
@@ -241,11 +498,26 @@ def check_replicas(devices: list[str], plane: str, tmp: Path, budget_s: float = 
                 digests.setdefault(int(r["step"]), {})[name] = r["digest"]
     shared = {s: d for s, d in digests.items() if len(d) > 1}
     joined_steps = [s for s, d in shared.items() if f"r{n - 1}b" in d]
-    out["digest_steps_compared"] = len(shared)
-    out["joiner_steps_compared"] = len(joined_steps)
-    out["digests_equal"] = all(len(set(d.values())) == 1 for d in shared.values())
-    out["ok"] = bool(out["digests_equal"] and joined_steps)
-    return out
+    obs["digest_steps_compared"] = len(shared)
+    obs["joiner_steps_compared"] = len(joined_steps)
+    obs["digests_equal"] = all(len(set(d.values())) == 1 for d in shared.values())
+    text = "".join(_tail(wd / f"{k}.log", 10_000_000) for k in stats)
+    obs["nccl_communicators_ready"] = text.count("nccl communicator epoch=") - text.count(" failed: ")
+    obs["tcp_ring_fallbacks"] = text.count("this communicator uses the TCP ring")
+    obs["nccl_ran"] = obs["nccl_communicators_ready"] > 0
+    if not obs["digests_equal"]:
+        why.append("digests differ at a common step")
+    if not joined_steps:
+        why.append("no step of the restarted replica to compare")
+    if plane == "auto" and len(set(devices)) == 1:
+        obs["nccl_ran_why_not"] = ("one GPU: every replica has the same device identity, so data plane auto uses "
+                                   "the TCP ring (NCCL refuses one GPU twice on one host)")
+        if obs["nccl_ran"] or not obs["tcp_ring_fallbacks"]:
+            why.append(f"on one GPU auto must fall back to the TCP ring: {obs['nccl_communicators_ready']} NCCL "
+                       f"communicators ready, {obs['tcp_ring_fallbacks']} fallbacks")
+    if plane == "nccl" and (not obs["nccl_ran"] or obs["tcp_ring_fallbacks"]):
+        why.append("data plane nccl did not run NCCL in every communicator")
+    return {"observed": obs, "ok": not why, "why": why}
 
 
 # ---------------------------------------------------------------------------- multi-GPU bandwidth
@@ -269,7 +541,8 @@ def bw_worker(rank: int, world: int, tmp: Path, port: int) -> None:
         x = torch.ones(mib * MiB // 4, device="cuda")
         comm.allreduce(x)
         dist.all_reduce(x)
-        tp, tt = [], []
+        tp: list[float] = []
+        tt: list[float] = []
         for i in range(8):
             for which in ((0, 1) if i % 2 else (1, 0)):
                 dist.barrier()
@@ -293,16 +566,16 @@ def bw_worker(rank: int, world: int, tmp: Path, port: int) -> None:
     ds.close()
 
 
-def check_bandwidth(ngpu: int, tmp: Path) -> dict[str, Any]:
+def check_bandwidth(ngpu: int, tmp: Path, limit: float = 180.0) -> dict[str, Any]:
     port = free_ports(1)[0]
     wd = tmp / "bw"
     wd.mkdir(exist_ok=True)
     procs = [subprocess.Popen([sys.executable, __file__, "--bw-worker", str(r), "--world", str(ngpu),
                                "--tmp", str(wd), "--port", str(port)]) for r in range(ngpu)]
-    rcs = []
+    rcs: list[int | None] = []
     for p in procs:
         try:
-            rcs.append(p.wait(180))
+            rcs.append(p.wait(limit))
         except subprocess.TimeoutExpired:
             p.kill()
             rcs.append(None)
@@ -313,408 +586,67 @@ def check_bandwidth(ngpu: int, tmp: Path) -> dict[str, Any]:
             rows.append({"MiB": row["MiB"],
                          "p2pft_busbw_GBs": min(r["rows"][i]["p2pft_busbw_GBs"] for r in res),
                          "torch_busbw_GBs": min(r["rows"][i]["torch_busbw_GBs"] for r in res)})
-    return {"ranks": ngpu, "rows": rows, "returncodes": rcs,
-            "ok": rcs == [0] * ngpu and len(res) == ngpu and all(r["sum_ok"] for r in res)}
-
-
-
-# ---------------------------------------------------------------------------- versions
-def _libnccl_loaded() -> list[str]:
-    try:
-        with open("/proc/self/maps") as f:
-            return sorted({ln.split()[-1] for ln in f if "libnccl" in ln and "/" in ln})
-    except OSError:
-        return []
-
-
-def versions() -> dict[str, Any]:
-    """torch, CUDA, the driver, NCCL as torch and CuPy see it, CuPy, and the libnccl files loaded."""
-    out: dict[str, Any] = {"python": sys.version.split()[0]}
-    try:
-        import torch
-        out["torch"] = torch.__version__
-        out["torch_cuda"] = torch.version.cuda
-        if torch.cuda.is_available():
-            out["devices"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-            try:
-                v = torch.cuda.nccl.version()
-                out["nccl_torch"] = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
-            except Exception as e:  # noqa: BLE001 - recorded
-                out["nccl_torch"] = f"{type(e).__name__}: {e}"
-    except ImportError as e:
-        out["torch"] = f"ImportError: {e}"
-    try:
-        import cupy
-        out["cupy"] = cupy.__version__
-        from cupy.cuda import nccl
-        out["nccl_cupy"] = int(nccl.get_version())
-        out["nccl_cupy_build"] = int(nccl.get_build_version())
-        try:
-            out["driver"] = int(cupy.cuda.runtime.driverGetVersion())
-        except Exception:  # noqa: BLE001 - the stand-in has no driver
-            pass
-    except Exception as e:  # noqa: BLE001 - no CuPy, or no NCCL in it
-        out.setdefault("cupy", f"{type(e).__name__}: {e}"[:200])
-    try:
-        smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,pci.bus_id", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=20)
-        out["nvidia_smi"] = smi.stdout.strip().splitlines()
-    except (OSError, subprocess.TimeoutExpired):
-        pass
-    out["libnccl_loaded"] = _libnccl_loaded()
-    return out
-
-
-# ---------------------------------------------------------------------------- two NCCL ranks
-def _pair_env(layout: str, rank: int) -> dict[str, str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    if layout == "one_gpu":
-        # Two hosts to NCCL (it refuses one GPU twice on one host), talking over sockets.
-        env.update(P2PFT_FAKE_GPU="0", NCCL_HOSTID=f"p2pft-gpu-check-{rank}", NCCL_P2P_DISABLE="1",
-                   NCCL_SHM_DISABLE="1", NCCL_IB_DISABLE="1", NCCL_SOCKET_IFNAME=env.get("NCCL_SOCKET_IFNAME", "lo"))
-    return env
-
-
-def _wait_file(path: Path, timeout: float) -> bool:
-    end = time.monotonic() + timeout
-    while not path.exists():
-        if time.monotonic() > end:
-            return False
-        time.sleep(0.02)
-    return True
-
-
-def _slow_kernels(api: Any, seconds: float, device: int) -> None:
-    """Queue `seconds` of kernels on the current stream without blocking the host."""
-    if api.name != "cuda":
-        api.slow_kernel(seconds)
-        return
-    import torch
-    rate = getattr(torch.cuda.get_device_properties(device), "clock_rate", 1_500_000) * 1e3   # cycles/s
-    torch.cuda._sleep(int(seconds * rate))
-
-
-def pair_worker(scenario: str, rank: int, tmp: Path, layout: str) -> None:
-    """One rank of a two-rank scenario: its result as JSON in tmp/<scenario>-<rank>.json."""
-    import faulthandler
-    faulthandler.dump_traceback_later(WORKER_LIMIT_S, exit=True)
-    import torch
-    from p2pft.transport import CommError, DataServer, StateSnapshot, fetch_state
-    from p2pft.transport.device import device_api, written_event
-
-    api = device_api()
-    cuda = api.name == "cuda"
-    device = rank if layout == "two_gpu" else 0
-    if cuda:
-        torch.cuda.set_device(device)
-    dev = torch.device("cuda", device) if cuda else torch.device("cpu")
-    if layout == "one_gpu" and scenario != "auto_epochs":
-        real = api.identity     # for this test only: p2pft's "one device" check would refuse the pair
-        api.identity = lambda index=None: f"{real(index)}#gpu-check-rank{rank}"  # type: ignore[method-assign]
-    ds = DataServer("127.0.0.1", 0, secret=b"gpu-check")
-    (tmp / f"{scenario}-addr{rank}").write_text(ds.addr)
-    other = tmp / f"{scenario}-addr{1 - rank}"
-    if not _wait_file(other, 30):
-        raise SystemExit("the other rank never came")
-    peers = [ds.addr, other.read_text()] if rank == 0 else [other.read_text(), ds.addr]
-    out: dict[str, Any] = {"rank": rank}
-
-    def mark(name: str) -> None:
-        (tmp / f"{scenario}-{name}{rank}").write_text("1")
-
-    def sync() -> None:
-        if cuda:
-            torch.cuda.synchronize(device)
-        else:
-            api.current_stream(None).synchronize()
-
-    def comm(epoch: int = 1, timeout: float = 10.0, backend: str = "nccl") -> Any:
-        return ds.communicator(epoch, 0, rank, peers, backend=backend, timeout=timeout, connect_timeout=30.0)
-
-    t0 = time.monotonic()
-    try:
-        if scenario == "sum":
-            c = comm()
-            out["init_done"] = c.wait_init(60)
-            out["init_s"] = round(time.monotonic() - t0, 4)
-            n = 64 * MiB // 4 if cuda else MiB // 4
-            x = torch.full((n,), float(rank + 1), device=dev)
-            out["count"] = c.allreduce(x, tag=1)
-            sync()
-            out["sum_ok"] = bool(torch.all(x == 3.0))
-            y = torch.full((n,), float(rank + 1), device=dev)
-            out["joiner_count"] = c.allreduce(y, contribute=rank == 0, tag=2)
-            sync()
-            out["joiner_ok"] = bool(torch.all(y == 1.0))
-            times = []
-            for i in range(5):
-                sync()
-                t1 = time.monotonic()
-                c.allreduce(x, tag=10 + i)
-                sync()
-                times.append(time.monotonic() - t1)
-            out[f"allreduce_{n * 4 // MiB}MiB_median_s"] = round(statistics.median(times), 5)
-            c.close()
-            out["ok"] = out["count"] == 2 and out["sum_ok"] and out["joiner_count"] == 1 and out["joiner_ok"]
-        elif scenario == "count_mismatch":
-            c = comm(timeout=3.0)
-            c.wait_init(60)
-            t1 = time.monotonic()
-            out["error"] = _try(lambda: c.allreduce(torch.ones(1000 + rank, device=dev)))
-            out["raised_after_s"] = round(time.monotonic() - t1, 3)
-            c.close()
-            out["ok"] = out["error"] == "ProtocolMismatch" and out["raised_after_s"] < 3.0
-        elif scenario == "slow_first_step":
-            c = comm(timeout=1.0)
-            c.wait_init(60)
-            x = torch.full((MiB // 4,), float(rank + 1), device=dev)
-            _slow_kernels(api, 1.5 + 0.5 * rank, device)   # both steps slower than the timeout, rank 1 more
-            out["error"] = _try(lambda: c.allreduce(x))
-            sync()
-            out["ok"] = out["error"] == "none" and bool(torch.all(x == 3.0))
-            c.close()
-        elif scenario in ("kill_peer", "stop_peer", "close_during"):
-            c = comm(timeout=5.0 if scenario == "kill_peer" else 3.0)
-            out["init_done"] = c.wait_init(60)
-            mark("inited")
-            if rank == 1:
-                time.sleep(WORKER_LIMIT_S)     # killed, stopped or left idle by the parent
-                return
-            if not _wait_file(tmp / f"{scenario}-go", 30):
-                raise SystemExit("the parent never said go")
-            x = torch.ones(MiB // 4, device=dev)
-            if scenario == "close_during":
-                errs: list[str] = []
-                th = threading.Thread(target=lambda: errs.append(_try(lambda: c.allreduce(x, timeout=30.0))))
-                th.start()
-                time.sleep(1.0)
-                t1 = time.monotonic()
-                c.close()
-                out["close_s"] = round(time.monotonic() - t1, 3)
-                th.join(10)
-                out["op_returned"] = not th.is_alive()
-                out["error"] = errs[0] if errs else None
-                out["released"] = c.wait_released(10)
-                out["ok"] = out["close_s"] < 2.0 and out["op_returned"] and out["error"] == "CommAborted"
-            else:
-                t1 = time.monotonic()
-                out["error"] = _try(lambda: c.allreduce(x))
-                out["raised_after_s"] = round(time.monotonic() - t1, 3)
-                t2 = time.monotonic()
-                out["abort_returned"] = c.wait_released(10.0 if scenario == "kill_peer" else 1.5)
-                out["abort_s"] = round(time.monotonic() - t2, 3) if out["abort_returned"] else None
-                out["ok"] = out["error"] in ("PeerFailed", "CommTimeout", "CommError") and out["raised_after_s"] < 8.0
-                if scenario == "kill_peer":
-                    out["ok"] = out["ok"] and out["abort_returned"]
-                if scenario == "stop_peer" and not out["abort_returned"]:
-                    (tmp / f"{scenario}-{rank}.json").write_text(json.dumps(out))
-                    time.sleep(WORKER_LIMIT_S)   # the abort watchdog takes this process down (exit 4)
-                    return
-        elif scenario == "fast_forward":
-            c = comm(timeout=20.0)
-            c.wait_init(60)
-            if rank == 0:
-                buf = torch.full((4 * MiB // 4,), 5.0, device=dev)     # the step this rank reduced
-                ready = written_event(buf)
-                ds.serve_state(lambda req: StateSnapshot(meta={"step": 7}, tensors={"g7": buf}, ready=ready))
-                nxt = torch.ones(16, device=dev)
-                errs = []
-                th = threading.Thread(target=lambda: errs.append(_try(lambda: c.allreduce(nxt, tag=8))))
-                th.start()                      # step 8's tag exchange: an allGather spinning on rank 1
-                time.sleep(0.5)
-                mark("spinning")
-                th.join(30)
-                out["next_step"] = errs[0] if errs else "stuck"
-                out["ok"] = out["next_step"] == "none"
-            else:
-                _wait_file(tmp / f"{scenario}-spinning0", 30)
-                t1 = time.monotonic()
-                snap = fetch_state(peers[0], {}, secret=b"gpu-check", timeout=10.0)
-                out["fetch_s"] = round(time.monotonic() - t1, 3)
-                got = snap.tensors["g7"]
-                out["data_ok"] = bool(torch.all(got == 5.0))
-                out["next_step"] = _try(lambda: c.allreduce(torch.ones(16, device=dev), tag=8))
-                out["ok"] = out["data_ok"] and out["fetch_s"] < 5.0 and out["next_step"] == "none"
-            c.close()
-        elif scenario == "auto_epochs":
-            import threading as th_mod
-
-            def fds() -> int:
-                return len(os.listdir("/proc/self/fd"))
-            fell_back, sums = [], []
-            base: tuple[int, int] | None = None
-            for e in range(1, AUTO_EPOCHS + 1):
-                c = comm(epoch=e, backend="nccl-auto")
-                x = torch.full((4096,), float(rank + 1), device=dev)
-                n = c.allreduce(x, tag=e)
-                sync()
-                sums.append(n == 2 and bool(torch.all(x == 3.0)))
-                fell_back.append(c.tcp is not None)
-                c.close()
-                if e == 1:
-                    time.sleep(0.2)
-                    base = (th_mod.active_count(), fds())
-            time.sleep(0.5)
-            assert base is not None
-            out["thread_growth"] = th_mod.active_count() - base[0]
-            out["fd_growth"] = fds() - base[1]
-            out["fell_back"] = sum(fell_back)
-            out["sums_ok"] = all(sums)
-            want = AUTO_EPOCHS if layout == "one_gpu" else 0
-            out["ok"] = (out["sums_ok"] and out["fell_back"] == want and out["thread_growth"] <= 3
-                         and out["fd_growth"] <= 3)
-        else:
-            raise SystemExit(f"unknown scenario {scenario}")
-    except CommError as e:
-        out.update(ok=False, error=f"{type(e).__name__}: {e}")
-    out["wall_s"] = round(time.monotonic() - t0, 3)
-    (tmp / f"{scenario}-{rank}.json").write_text(json.dumps(out))
-    ds.close()
-
-
-def _try(fn: Callable[[], Any]) -> str:
-    """The class name of what `fn` raised, or "none"."""
-    try:
-        fn()
-        return "none"
-    except Exception as e:  # noqa: BLE001 - the class is the result
-        return type(e).__name__
-
-
-_CTX: Any = None
-
-
-def _context() -> Any:
-    """Rank processes are forked from a server that has imported torch and p2pft once (and
-    initialised nothing: no CUDA, no NCCL): each scenario still gets fresh processes, without
-    paying for the imports every time."""
-    global _CTX
-    if _CTX is None:
-        import multiprocessing as mp
-        _CTX = mp.get_context("forkserver")
-        _CTX.set_forkserver_preload(["torch", "p2pft.transport"])
-    return _CTX
-
-
-def _pair_main(scenario: str, rank: int, wd: str, layout: str, env: dict[str, str], log: str) -> None:
-    """A rank process: its environment and log first, then the scenario."""
-    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
-    try:   # die with the check (Linux): a rank must not outlive a killed parent
-        import ctypes
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
-    except Exception:  # noqa: BLE001 - elsewhere the hard timeout still ends it
-        pass
-    os.environ.clear()
-    os.environ.update(env)
-    import faulthandler
-    faulthandler.enable()
-    import logging
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    pair_worker(scenario, rank, Path(wd), layout)
-
-
-def check_pair(scenario: str, tmp: Path, layout: str = "one_gpu", limit: float = 90.0) -> dict[str, Any]:
-    """Run `scenario` in two fresh rank processes (hard limit `limit` s); both ranks' results."""
-    wd = tmp / f"pair-{layout}"
-    wd.mkdir(parents=True, exist_ok=True)
-    logs = [wd / f"{scenario}-{r}.log" for r in range(2)]
-    ctx = _context()
-    procs = []
-    for r in range(2):
-        env = _pair_env(layout, r)
-        if scenario == "stop_peer":
-            env["P2PFT_NCCL_ABORT_TIMEOUT_S"] = "4"
-        pr = ctx.Process(target=_pair_main, args=(scenario, r, str(wd), layout, env, str(logs[r])),
-                         name=f"gpu-check-{scenario}-{r}", daemon=True)
-        pr.start()
-        procs.append(pr)
-    out: dict[str, Any] = {}
-    end = time.monotonic() + limit
-
-    def wait(pr: Any) -> int:
-        pr.join(max(1.0, end - time.monotonic()))
-        if pr.exitcode is None:
-            raise TimeoutError(f"{pr.name} still running after {limit:g} s")
-        return int(pr.exitcode)
-    try:
-        if scenario in ("kill_peer", "stop_peer", "close_during"):
-            if not all(_wait_file(wd / f"{scenario}-inited{r}", max(1.0, end - time.monotonic())) for r in range(2)):
-                raise RuntimeError("init did not finish")
-            if scenario == "kill_peer":
-                procs[1].kill()
-            elif scenario == "stop_peer":
-                os.kill(procs[1].pid, signal.SIGSTOP)
-            (wd / f"{scenario}-go").write_text("1")
-            out["rank0_exit"] = wait(procs[0])
-            if scenario == "stop_peer":
-                os.kill(procs[1].pid, signal.SIGCONT)
-            res = [json.loads((wd / f"{scenario}-0.json").read_text())]
-        else:
-            out["exits"] = [wait(pr) for pr in procs]
-            res = [json.loads((wd / f"{scenario}-{r}.json").read_text()) for r in range(2)]
-    except (TimeoutError, RuntimeError, OSError, ValueError) as e:
-        out.update(ok=False, error=f"{type(e).__name__}: {e}",
-                   logs=[lg.read_text(errors="replace")[-1500:] for lg in logs])
-        return out
-    finally:
-        for pr in procs:
-            if pr.exitcode is None:
-                try:
-                    os.kill(pr.pid, signal.SIGCONT)
-                except OSError:
-                    pass
-                pr.kill()
-                pr.join(5)
-    out["ranks"] = res
-    out["ok"] = all(r.get("ok") for r in res)
-    if scenario == "stop_peer" and not res[0].get("abort_returned"):
-        # ncclCommAbort held up by the stopped peer: the watchdog must have taken rank 0 down
-        out["watchdog_exit"] = out.get("rank0_exit") == 4
-        out["ok"] = out["ok"] and out["watchdog_exit"]
-    elif "rank0_exit" in out:
-        out["ok"] = out["ok"] and out["rank0_exit"] == 0
-    if "exits" in out:
-        out["ok"] = out["ok"] and out["exits"] == [0, 0]
-    if not out["ok"]:
-        out["logs"] = [lg.read_text(errors="replace")[-1500:] for lg in logs]
-    return out
+    ok = rcs == [0] * ngpu and len(res) == ngpu and all(r["sum_ok"] for r in res)
+    return {"observed": {"ranks": ngpu, "rows": rows, "returncodes": rcs}, "ok": ok,
+            "why": [] if ok else [f"return codes {rcs}, {len(res)} results"]}
 
 
 # ---------------------------------------------------------------------------- main
 def _summary(name: str, r: dict[str, Any]) -> str:
-    nums = ""
-    if "rows" in r:
-        nums = "; ".join(f"{x['MiB']} MiB p2pft {x['p2pft_busbw_GBs']:.1f} / torch {x['torch_busbw_GBs']:.1f} GB/s"
-                         for x in r["rows"])
-    elif "ranks" in r:
-        keys = ("init_s", "raised_after_s", "abort_s", "close_s", "fetch_s", "fell_back", "error")
-        nums = ", ".join(f"{k}={v}" for k in keys for v in [r["ranks"][0].get(k)] if v is not None)
-    else:
-        nums = ", ".join(f"{k}={v:.3g}" for k, v in r.items() if isinstance(v, float))
-    return f"{name:<28} {'ok' if r.get('ok') else 'FAILED':<7} {nums or r.get('error', '')}"[:300]
+    obs = r.get("observed") or {}
+    keys = ("init_s", "raised_after_s", "raised_after_fault_s", "abort_s", "close_s", "fetch_s", "fell_back",
+            "returned_after_abort_s", "error", "growth_from_epoch_4", "syncs_after_kill")
+    r0 = obs.get("rank0") or {}
+    nums = ", ".join(f"{k}={v}" for k in keys for v in [r0.get(k)] if v is not None)
+    status = "SKIPPED" if r.get("skipped") else ("ok" if r.get("ok") else "FAILED")
+    tail = nums if r.get("ok") else "; ".join(r.get("why", []))
+    return f"{name:<36} {status:<7} {tail}"[:400]
+
+
+def select(all_sc: list[Scenario], only: str | None, ngpu: int, standin: bool) -> tuple[list[Scenario], list[str]]:
+    """The scenarios this machine can run (and --only's choice among them); unknown names."""
+    def runnable(s: Scenario) -> bool:
+        return s.where == "any" or (s.where == "gpu" and ngpu >= 1 and not standin) or \
+            (s.where == "gpus2" and ngpu >= 2 and not standin)
+    here = [s for s in all_sc if runnable(s)]
+    if not only:
+        return here, []
+    pats = [w.strip() for w in only.split(",") if w.strip()]
+    unknown = [p for p in pats if not any(fnmatch.fnmatchcase(s.name, p) for s in here)]
+    return [s for s in here if any(fnmatch.fnmatchcase(s.name, p) for p in pats)], unknown
+
+
+def run_one(sc: Scenario, tmp: Path, limit: float) -> dict[str, Any]:
+    try:
+        if sc.runner is not None:
+            return sc.runner(tmp, limit)
+        return run_ranks(sc, tmp, limit)
+    except Exception as e:  # noqa: BLE001 - one broken check does not hide the others
+        return {"ok": False, "why": [f"{type(e).__name__}: {e}"[:2000]], "observed": {}}
+
+
+def tar_logs(tmp: Path, dest: Path) -> None:
+    with tarfile.open(dest, "w:gz") as tf:
+        tf.add(str(tmp), arcname="gpu_check_logs")
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--json", default=None, help="write the results here")
+    p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    p.add_argument("--json", default=None, help="write the results here; the logs' tar file goes beside it")
     p.add_argument("--tmp", default=None, help="directory for logs (default: a fresh temporary one)")
-    p.add_argument("--only", default=None, help="comma list of checks to run (default: all)")
-    p.add_argument("--pair-worker", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
-    p.add_argument("--layout", default="one_gpu", help=argparse.SUPPRESS)
+    p.add_argument("--only", default=None, help="comma list of scenario names or patterns (fnmatch) to run; the "
+                                                "preflight always runs")
+    p.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S,
+                   help="the whole run's budget in seconds; a scenario that no longer fits is skipped")
+    p.add_argument("--list", action="store_true", help="list the scenarios this machine would run, and exit")
     p.add_argument("--bw-worker", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--world", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.pair_worker is not None:
-        pair_worker(args.pair_worker, args.rank, Path(args.tmp), args.layout)
-        return 0
     if args.bw_worker is not None:
         bw_worker(args.bw_worker, args.world, Path(args.tmp), args.port)
         return 0
+    t_start = time.monotonic()
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     from p2pft.transport.device import device_api
@@ -726,46 +658,69 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             Path(args.json).write_text(json.dumps(result, indent=1))
         return 0
-    result["standin"] = standin
-    result["versions"] = versions()
+    chosen, unknown = select(scenarios(), args.only, ngpu, standin)
+    if unknown:
+        p.error(f"unknown scenario(s) {', '.join(unknown)}; choose from "
+                + ", ".join(s.name for s in select(scenarios(), None, ngpu, standin)[0]))
+    if args.list:
+        for s in chosen:
+            print(f"{s.name:<36} {s.limit_s:>4.0f} s  {s.injected}")
+        return 0
     tmp = Path(args.tmp or tempfile.mkdtemp(prefix="p2pft-gpu-check-"))
     tmp.mkdir(parents=True, exist_ok=True)
-    result["logs"] = str(tmp)
-    checks: list[tuple[str, Callable[[], dict[str, Any]]]] = [
-        (f"pair_one_gpu_{s}", (lambda s=s: check_pair(s, tmp, "one_gpu"))) for s in PAIR_SCENARIOS]
-    if ngpu >= 1:
-        checks += [
-            ("nccl_one_rank", check_nccl_one_rank),
-            ("stream_order", check_stream_order),
-            ("replicas_tcp_cuda", lambda: check_replicas(["cuda:0"] * 3, "tcp", tmp)),
-            ("replicas_auto_one_gpu", lambda: check_replicas(["cuda:0"] * 3, "auto", tmp)),
-        ]
-    if ngpu >= 2:
-        checks += [(f"pair_two_gpus_{s}", (lambda s=s: check_pair(s, tmp, "two_gpu"))) for s in PAIR_SCENARIOS]
-        checks += [("nccl_vs_torch", lambda: check_bandwidth(ngpu, tmp)),
-                   ("replicas_nccl", lambda: check_replicas([f"cuda:{i}" for i in range(min(3, ngpu))], "nccl", tmp))]
-    if args.only:
-        wanted = {w.strip() for w in args.only.split(",") if w.strip()}
-        unknown = wanted - {n for n, _ in checks}
-        if unknown:
-            p.error(f"unknown check(s) {', '.join(sorted(unknown))}; choose from {', '.join(n for n, _ in checks)}")
-        checks = [(n, f) for n, f in checks if n in wanted]
-    print(f"gpu_check: {'the CPU stand-in' if standin else f'{ngpu} GPU(s)'}; versions: "
-          + json.dumps(result["versions"])[:600], flush=True)
-    for name, fn in checks:
-        t0 = time.time()
-        try:
-            r = fn()
-        except Exception as e:  # noqa: BLE001 - one failed check does not hide the others
-            r = {"ok": False, "error": f"{type(e).__name__}: {e}"[:2000]}
-        r["wall_s"] = round(time.time() - t0, 2)
-        result["checks"][name] = r
-        print(_summary(name, r), flush=True)
+    result.update(standin=standin, budget_s=args.budget_s, logs=str(tmp))
+
+    def save() -> None:
+        result["wall_s"] = round(time.monotonic() - t_start, 1)
         if args.json:
             Path(args.json).write_text(json.dumps(result, indent=1))
+
+    pre = Scenario("preflight", "preflight", 1, "one_rank", 120, "none: the environment as it is",
+                   "p2pft installed; one libnccl in the process; one CuPy; NCCL as torch and CuPy see it equal; "
+                   "CuPy's CUDA runtime of torch's major version and a driver for it; CuPy and torch on one device")
+    t0 = time.monotonic()
+    row = {"injected": pre.injected, "expect": pre.expect, **run_one(pre, tmp, pre.limit_s),
+           "wall_s": round(time.monotonic() - t0, 2)}
+    result["preflight"] = row
+    pf = (row.get("observed") or {}).get("rank0") or {}
+    result["versions"] = pf.get("versions", {})
+    print(f"gpu_check: {'the CPU stand-in' if standin else f'{ngpu} GPU(s)'}; preflight "
+          f"{'ok' if row['ok'] else 'FAILED'}; versions: " + json.dumps(result["versions"])[:700], flush=True)
+    if not row["ok"]:
+        for w in row.get("why", []):
+            print(f"  preflight: {w}")
+        result["ok"] = False
+        result["stopped"] = "the preflight failed: no scenario ran (see preflight.why)"
+        save()
+        if args.json:
+            tar_logs(tmp, Path(args.json).parent / LOGS_TAR)
+        print("gpu_check: PREFLIGHT FAILED, nothing else ran")
+        return 1
+    save()
+    for sc in chosen:
+        left = args.budget_s - (time.monotonic() - t_start)
+        limit = min(sc.limit_s, left - 5.0)
+        t0 = time.monotonic()
+        if limit < min(MIN_START_S, sc.limit_s):
+            r = {"ok": False, "skipped": f"budget: {max(0.0, left):.0f} s left of {args.budget_s:g} s",
+                 "why": ["skipped: out of budget"], "observed": {}}
+        else:
+            r = run_one(sc, tmp, limit)
+        result["checks"][sc.name] = {"injected": sc.injected, "expect": sc.expect, **r, "limit_s": round(limit, 1),
+                                     "wall_s": round(time.monotonic() - t0, 2)}
+        print(_summary(sc.name, result["checks"][sc.name]), flush=True)
+        save()
     ok = all(r.get("ok") for r in result["checks"].values())
+    result["ok"] = ok
+    save()
+    if args.json:
+        tar_logs(tmp, Path(args.json).parent / LOGS_TAR)
+        result["logs_tar"] = LOGS_TAR
+        save()
     where = "on the CPU stand-in" if standin else f"{ngpu} GPU(s)"
-    print(f"gpu_check: {where}, {'all checks passed' if ok else 'SOME CHECKS FAILED'} (logs in {tmp})")
+    failed = [n for n, r in result["checks"].items() if not r.get("ok")]
+    print(f"gpu_check: {where}, {'all checks passed' if ok else 'FAILED: ' + ', '.join(failed)} "
+          f"in {result['wall_s']:.0f} s (logs in {tmp})")
     return 0 if ok else 1
 
 
