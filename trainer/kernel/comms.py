@@ -314,13 +314,14 @@ class ShardComms:
             try:
                 comm = self._prepare(d, rank, peers)
                 # The communicator sets itself up on threads of its own (id hand-off, init,
-                # warm-up): the slot is held until that ends, or the set-up failed, so that the
-                # slots bound set-ups in progress, not just the calls that start them.
+                # warm-up): the slot is held until its init thread is done with NCCL (a failed
+                # set-up's abort included: ``wait_init`` turns true only then), so that the slots
+                # bound set-ups in progress, not just the calls that start them.
                 bound = time.monotonic() + 2 * self.connect_timeout + self.comm_timeout
                 wait_init = getattr(comm, "wait_init", None)
                 while (comm is not None and wait_init is not None and time.monotonic() < bound
                        and not self._closed.is_set()):
-                    if wait_init(0.05) or comm.failed is not None:
+                    if wait_init(0.05):
                         break
             finally:
                 self._prepare_slots.release()
