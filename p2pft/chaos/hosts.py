@@ -28,7 +28,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from ..deploy.procs import ProcGroup
+from ..deploy.procs import ProcGroup, pid_alive
 
 log = logging.getLogger(__name__)
 
@@ -88,16 +88,6 @@ def _owner(name: str) -> int | None:
         return None
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _kill_inside(ns: str) -> None:
     res = _run(["ip", "netns", "pids", ns], check=False)
     for tok in res.stdout.split():
@@ -120,7 +110,7 @@ def sweep() -> list[str]:
     for line in _run(["ip", "netns", "list"], check=False).stdout.splitlines():
         name = line.split(" ", 1)[0]
         pid = _owner(name)
-        if pid is not None and not _alive(pid):
+        if pid is not None and not pid_alive(pid):
             _kill_inside(name)
             _remove_etc(name)
             if _run(["ip", "netns", "del", name], check=False).returncode == 0:
@@ -131,7 +121,7 @@ def sweep() -> list[str]:
         leftovers = []
     for name in leftovers:   # the files of a namespace already gone
         pid = _owner(name)
-        if pid is not None and not _alive(pid):
+        if pid is not None and not pid_alive(pid):
             _remove_etc(name)
     for line in _run(["ip", "-o", "link", "show"], check=False).stdout.splitlines():
         parts = line.split(":")
@@ -139,7 +129,7 @@ def sweep() -> list[str]:
             continue
         name = parts[1].strip().split("@", 1)[0]
         pid = _owner(name)
-        if pid is not None and not _alive(pid):
+        if pid is not None and not pid_alive(pid):
             if _run(["ip", "link", "del", name], check=False).returncode == 0:
                 removed.append(name)
     if removed:

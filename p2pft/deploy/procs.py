@@ -36,6 +36,17 @@ if sys.platform.startswith("linux"):
         _PRCTL = None
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` exists (a zombie not yet reaped counts; one of another user too)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def die_with_parent(parent: int | None = None) -> None:
     """Ask the kernel for SIGKILL when the parent dies; die now if it already has.
 

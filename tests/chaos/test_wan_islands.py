@@ -8,12 +8,13 @@ work kept in a commit learned from a peer's log."""
 from __future__ import annotations
 
 import importlib.util
-import os
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from p2pft.deploy.procs import pid_alive
 
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "wan.py"
 
@@ -25,14 +26,6 @@ def _wan() -> Any:
     sys.modules["wan_bench_islands"] = mod
     spec.loader.exec_module(mod)
     return mod
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 @pytest.mark.slow
@@ -58,7 +51,7 @@ def test_diloco_over_two_islands_of_two_ranks(tmp_path: Path) -> None:
     assert row.divergent_steps == 0 and row.survivor_work_kept == 1.0
     assert row.curve and all(v == v for _, _, v in row.curve)   # r0's whole global weights evaluated
     pids = [p for r in recs if r.get("kind") == "start" for p in r["pids"]]
-    assert len(pids) == 4 and not any(_alive(p) for p in pids)   # every rank of both islands gone
+    assert len(pids) == 4 and not any(pid_alive(p) for p in pids)   # every rank of both islands gone
 
 
 def _sync(proc: str, t: float, step: int, **kw: Any) -> dict[str, Any]:

@@ -26,6 +26,8 @@ from typing import Any
 import pytest
 from replica_harness import ProcessSet, check_invariants, ports, records, steps
 
+from p2pft.deploy.procs import pid_alive
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 # Run the example by path: its launcher then starts without importing torch (``-m`` would
@@ -75,14 +77,6 @@ class Cluster(ProcessSet):
                            "--log-level", "INFO", *extra])
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 RANK_TIMEOUT = 3.0
 
 
@@ -101,7 +95,7 @@ def _phase(c: Cluster, old: str, new: str, victim: int, sig: int) -> dict[str, A
     assert c.procs[old].returncode != 0
     c.gone += (old,)
     time.sleep(0.3)
-    assert not any(_alive(p) for p in b_pids), "a rank of the torn-down replica B is still running"
+    assert not any(pid_alive(p) for p in b_pids), "a rank of the torn-down replica B is still running"
     c.b_pids = []
     c.wait(lambda: any(r["c"] and r["n"] == 1 for r in steps(c.stats["a"]) if r["t"] > t_kill), 20,
            "A to commit alone", allow_exit=c.gone)
@@ -143,7 +137,7 @@ def test_hsdp_rank_faults_survivor_continues_and_replica_rejoins(tmp_path: Path,
     finally:
         rcs = c.stop_all()
         for p in c.b_pids:
-            if _alive(p):
+            if pid_alive(p):
                 os.kill(p, signal.SIGKILL)
     last = f"b{len(faults)}"
     assert rcs["a"] == 0 and rcs[last] == 0, f"exit statuses {rcs}"

@@ -21,7 +21,9 @@ from typing import Any
 
 import pytest
 from replica_harness import check_invariants, records, steps
-from test_hsdp import Cluster, _alive
+from test_hsdp import Cluster
+
+from p2pft.deploy.procs import pid_alive
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -64,10 +66,10 @@ def test_diloco_islands_survive_the_loss_of_a_whole_island(tmp_path: Path) -> No
     finally:
         rcs = c.stop_all()
         for p in pids:
-            if _alive(p):
+            if pid_alive(p):
                 os.kill(p, signal.SIGKILL)
     assert rcs["a"] == 0 and rcs["b1"] == 0, f"exit statuses {rcs}"
-    assert not any(_alive(p) for p in pids)
+    assert not any(pid_alive(p) for p in pids)
     digests = check_invariants({"a": c.stats["a"], "b0": c.stats["b0"], "b1": c.stats["b1"]})
     a_syncs = [r for r in steps(c.stats["a"]) if r["c"]]
     t_back = min(r["t"] for r in steps(c.stats["b1"]) if r["c"] and r["n"] == 2)
