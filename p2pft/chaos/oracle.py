@@ -45,6 +45,22 @@ def _ranges(x: Any) -> Ranges:
     return tuple((int(a), int(b)) for a, b in x)
 
 
+def _one_ring(step: int, seen: tuple[int, dict[int, int]] | None,
+              ring: tuple[int, dict[int, int]]) -> tuple[int, dict[int, int]]:
+    """The ring of a committed step from two replicas' records. A replica whose view did not
+    show a just-promoted peer as a participant yet (it came back mid-span and contributed at
+    once: docs/diloco.md, "Partial spans") names fewer slots; within one data epoch a slot's
+    data rank never differs, so the record that names more is the ring."""
+    if seen is None or seen == ring:
+        return ring
+    (w0, r0), (w1, r1) = seen, ring
+    if w0 == w1 and all(r1.get(k) == v for k, v in r0.items()):
+        return ring
+    if w0 == w1 and all(r0.get(k) == v for k, v in r1.items()):
+        return seen
+    raise OracleError(f"step {step}: replicas recorded two rings, {seen} and {ring}")
+
+
 def rebuild(stats_files: list[Path]) -> History:
     """The committed history of a run, from the stats files of all its process incarnations."""
     recipe: dict[str, Any] | None = None
@@ -75,8 +91,7 @@ def rebuild(stats_files: list[Path]) -> History:
                         lrs[step - 1] = float(rec["lr"])
                     if rec.get("sr") and rec.get("dw"):
                         ring = (int(rec["dw"]), {int(k): int(r) for k, r in rec["sr"]})
-                        if rings.setdefault(step - 1, ring) != ring:
-                            raise OracleError(f"step {step}: replicas recorded two rings, {rings[step - 1]} and {ring}")
+                        rings[step - 1] = _one_ring(step, rings.get(step - 1), ring)
                 if rec.get("tr"):
                     if rec.get("ts") is not None:   # the step these ranges were trained for
                         idx = int(rec["ts"])

@@ -103,3 +103,20 @@ def test_missing_contributors_and_disagreements_are_reported(tmp_path: Path) -> 
         rebuild([a, b])
     with pytest.raises(OracleError, match="recipe"):
         rebuild([_write(tmp_path / "x-0.jsonl", [{"step": 1, "c": 1, "n": 1}])])
+
+
+def test_a_ring_named_by_a_view_that_had_not_seen_a_promotion_yet_is_completed(tmp_path: Path) -> None:
+    """A DiLoCo replica back mid-span contributes at once; a survivor whose view still showed it as
+    a joiner names fewer slots in the ring. Within one data epoch a slot's rank never differs, so
+    the fuller record is the ring; two that disagree on a slot are still an error."""
+    full = {"sr": [[0, 1], [1, 0], [2, 2]], "dw": 3}
+    older = {"sr": [[0, 1], [1, 0]], "dw": 3}
+    recs = [_write(tmp_path / f"r{i}-0.jsonl", [_start(), {"step": 1, "c": 1, "n": 3, "tr": [[4 * i, 4 * i + 4]],
+                                                            "slot": i, "ts": 0, **ring}])
+            for i, ring in ((0, older), (1, full), (2, full))]
+    for order in (recs, recs[::-1]):
+        (st,) = rebuild(order).steps
+        assert _places(st) == (3, [1, 0, 2])
+    bad = _write(tmp_path / "r3-0.jsonl", [_start(), {"step": 1, "c": 1, "n": 3, "sr": [[0, 2], [1, 0]], "dw": 3}])
+    with pytest.raises(OracleError, match="two rings"):
+        rebuild(recs + [bad])

@@ -384,7 +384,8 @@ class Monitor:
         if res.fast_forwarded:
             rec["ff"] = res.fast_forwarded
         if res.trained:
-            rec.update(tr=[list(x) for x in res.trained], slot=self.slot, ts=res.trained_step)
+            rec.update(tr=[list(x) for x in res.trained], slot=res.slot if res.slot is not None else self.slot,
+                       ts=res.trained_step)
         if res.committed and res.slot_ranks:  # the committed step's ring: its summation order
             rec.update(sr=sorted([k, r] for k, r in res.slot_ranks.items()), dw=res.data_world)
         if res.committed and self.args.digest_every and res.step % self.args.digest_every == 0:

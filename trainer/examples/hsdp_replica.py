@@ -249,7 +249,8 @@ def worker(args: argparse.Namespace) -> int:
             # our slot and the step they were in; the committed step's ring (slot -> data rank, its
             # size); the lr it ran with and, with clipping, the norm and the coefficient applied.
             if res.trained:
-                rec.update(tr=[list(x) for x in res.trained], slot=slot, ts=res.trained_step)
+                rec.update(tr=[list(x) for x in res.trained], slot=res.slot if res.slot is not None else slot,
+                           ts=res.trained_step)
             if res.fast_forwarded:
                 rec["ff"] = res.fast_forwarded
             if res.committed and res.slot_ranks:

@@ -110,6 +110,7 @@ class StepResult:
     fast_forwarded: int = 0   # steps applied from a peer's log (missed commits)
     trained: list[tuple[int, int]] | None = None  # sample ranges of ours in a committed mean
     trained_step: int | None = None  # the step whose mean holds `trained` (its step count before the update)
+    slot: int | None = None   # the slot whose samples `trained` are (with `trained`)
     data_rank: int | None = None  # our rank in the communicator that reduced this step (None: no allreduce)
     data_world: int | None = None  # that communicator's size (the ring's summation order, for a replay)
     # The ring that reduced the committed step (of size data_world): each contributing slot's

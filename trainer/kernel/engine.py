@@ -161,6 +161,7 @@ class StepEngine:
         self._say = LogLimiter()
         self._stop = threading.Event()
         self._slot: int | None = None
+        self._trained_slot: int | None = None   # the slot of the round in flight (StepResult.slot)
         self._ranges: list[tuple[int, int]] = []
         self._began_step = -1
         self._plan_memory = PlanMemory()   # rank 0: what one look at the views leaves for the next
@@ -382,6 +383,7 @@ class StepEngine:
     def _attempts(self, short: int) -> StepResult:
         slot = self._slot
         self._slot = None
+        self._trained_slot = slot
         if self.synced:   # a replica catching up answers with zeros in any buffer (all have one size)
             self.buf = self.algo.buffer(self.step)
         if short and slot is not None:
@@ -677,7 +679,7 @@ class StepEngine:
         """`res` with our samples in `entry`'s mean (a fast-forwarded step's, or the committed
         one's): they are the ranges this step began with."""
         if entry is not None:
-            res.trained, res.trained_step = list(self._ranges), entry.step
+            res.trained, res.trained_step, res.slot = list(self._ranges), entry.step, self._trained_slot
         return res
 
     # ------------------------------------------------------------------ the optimizer step
