@@ -109,6 +109,9 @@ class Row:
     restart_syncs: dict[str, int | None] = field(default_factory=dict)   # restart: syncs from ready to own work
     stall_none_s: float | None = None      # the same system's longest gap without kills (on kill rows)
     restarts_not_due: list[str] = field(default_factory=list)   # killed again or started too late to contribute
+    # Islands: the time to target if every rank had a core of its own (own_cores): each commit's
+    # largest rank CPU-seconds plus its share of the bytes at the link rate, summed to the target.
+    own_cores_ttt_s: float | None = None
 
 
 def run_one(system: str, kill: bool, a: argparse.Namespace, tmp: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
@@ -258,7 +261,7 @@ def run_one(system: str, kill: bool, a: argparse.Namespace, tmp: Path) -> tuple[
           f"{ {k.rsplit('-', 2)[-2] + '-' + k.rsplit('-', 1)[-1]: v for k, v in rcs.items()} }", flush=True)
     info = {"kills": kills, "crashes": crashes, "killed": sorted(killed), "links": links.kind, "kill_log": kill_log,
             "procs": sorted(procs), "spawned": spawned, "tag": tag, "tmp": str(tmp), "ranks": ranks,
-            "bytes_per_replica": carried // n, "t_first": t_first, "batch": a.batch,
+            "bytes_per_replica": carried // n, "t_first": t_first, "batch": a.batch, "rate_mbit": a.rate_mbit,
             "error": None if t_first is not None else first_error(tmp / f"{tag}-r0-0.log"),
             "t_end": min(t_stop, deadline) if t_first is not None else None}
     return recs, info
@@ -372,6 +375,8 @@ def summarize(system: str, kill: bool, recs: list[dict[str, Any]], info: dict[st
         recovery = f"did not run: {info['error']}"
     target = ref.val_loss_final if ref is not None else (evals[-1][2] if evals else None)
     ttt = next((t for t, _, v in evals if target is not None and v <= target), None)
+    own = own_cores(recs, t0, info["bytes_per_replica"], info.get("rate_mbit", 0.0))
+    own_ttt = next((c for t, c in own if t >= ttt - 1e-6), own[-1][1]) if ttt is not None and own else None
     eq = equal_samples(evals, ref.curve, ref.samples) if ref is not None else None
     return Row(system=system, failures="kill" if kill else "none", time_to_target_s=ttt,
                equal_samples=eq[0] if eq else None, val_loss_equal_samples=eq[1] if eq else None,
@@ -384,7 +389,30 @@ def summarize(system: str, kill: bool, recs: list[dict[str, Any]], info: dict[st
                kills=info["kills"], links=info["links"], curve=evals, ranks=info.get("ranks", 1),
                same_digests_end=end_digests(recs, info), restart_syncs=restart_syncs(recs, info),
                restarts_not_due=[short_name(p) for p in info["procs"]
-                                 if not p.endswith("-0") and p not in due_restarts(info, r0)])
+                                 if not p.endswith("-0") and p not in due_restarts(info, r0)],
+               own_cores_ttt_s=round(own_ttt, 2) if own_ttt is not None else None)
+
+
+def own_cores(recs: list[dict[str, Any]], t0: float, bytes_per_island: float,
+              rate_mbit: float) -> list[tuple[float, float]]:
+    """r0's clock if each of its ranks had a core of its own: (wall seconds since the start, own-
+    core seconds) at each of its records. A commit's own-core time is the largest CPU-seconds any
+    of its ranks used since the previous record (the ranks of an island run in parallel and meet
+    at each step) plus its share of the island's bytes at the link rate (the link does not speed
+    up). Only an islands run records CPU-seconds (``wan_island.py``); [] otherwise."""
+    mine = sorted((r for r in recs if str(r.get("proc", "")).endswith("-r0-0") and r.get("cpu")
+                   and r.get("kind") in (None, "ready")), key=lambda r: r["t"])
+    steps = [r for r in mine if r.get("kind") is None]
+    if not steps or rate_mbit <= 0:
+        return []
+    link_s = bytes_per_island / len(steps) / (rate_mbit * 1e6 / 8)
+    out: list[tuple[float, float]] = []
+    clock, prev = 0.0, mine[0]["cpu"]
+    for r in mine[1:]:
+        clock += max(c - p for c, p in zip(r["cpu"], prev)) + link_s
+        prev = r["cpu"]
+        out.append((r["t"] - t0, clock))
+    return out
 
 
 def final_procs(info: dict[str, Any]) -> list[str]:
@@ -514,7 +542,7 @@ def restarts_cell(r: Row) -> str:
 def island_table(rows: list[Row]) -> str:
     """The islands' table: today's columns, the per-shard digests at the end, each restart's syncs
     from ready to its own contribution, and the longest gap with kills beside the one without."""
-    head = ("| system | failures | time to target | val loss at equal samples (sync's) | final val loss | samples | "
+    head = ("| system | failures | time to target (own cores) | val loss at equal samples (sync's) | final val loss | samples | "
             "own samples in syncs | MB/island | survivor work kept | longest gap without a commit (no kills) | "
             "restarts contributing | syncs from ready to own contribution | same per-shard digests at the end | "
             "crashes | divergent | recovery |")
@@ -522,7 +550,8 @@ def island_table(rows: list[Row]) -> str:
     for r in rows:
         gap = f"{r.stall_max_s:.2f} s" + (f" ({r.stall_none_s:.2f} s)" if r.stall_none_s is not None else "")
         lines.append(f"| {r.system} | {r.failures} ({r.kills} kills) | "
-                     f"{fmt(r.time_to_target_s, '.1f') + (' s' if r.time_to_target_s is not None else '')} | "
+                     f"{fmt(r.time_to_target_s, '.1f') + (' s' if r.time_to_target_s is not None else '')}"
+                     f"{f' ({r.own_cores_ttt_s:.1f} s)' if r.own_cores_ttt_s is not None else ''} | "
                      f"{equal_cell(r)} | {fmt(r.val_loss_final, '.4f')} | {r.samples} | {r.samples_in_syncs} | "
                      f"{r.bytes_sent_per_replica / 1e6:.1f} | "
                      f"{fmt(r.survivor_work_kept and 100 * r.survivor_work_kept, '.1f')}% | {gap} | "

@@ -161,6 +161,15 @@ class Island:
         if self.out is not None:
             self.out.write(json.dumps(rec) + "\n")
 
+    def cpu_seconds(self) -> list[float]:
+        """Collective: every rank's CPU seconds so far (its process: training, FSDP's collectives,
+        p2pft's threads), in rank order. With each record, so that a run on shared cores also
+        says what its islands would take on cores of their own (``bench/wan.py``, own_cores)."""
+        import torch.distributed as dist
+        got: list[object] = [None] * self.world
+        dist.all_gather_object(got, round(time.process_time(), 4))
+        return [float(g) for g in got]   # type: ignore[arg-type]
+
     def shard_digests(self, mine: str) -> str:
         """Collective: every rank's shard digest, in rank order, comma-joined."""
         import torch.distributed as dist
@@ -252,7 +261,7 @@ def p2pft_rank(a: argparse.Namespace, rank: int, world: int) -> int:
             if not ready and rep.synced:
                 ready = True
                 isl.write({"kind": "ready", "t": time.time(), "step": rep.step,
-                           "digest": isl.shard_digests(rep.digest())})
+                           "digest": isl.shard_digests(rep.digest()), "cpu": isl.cpu_seconds()})
             idx = rep.begin(stop=(isl.flag or time.time() >= a.until) if k == 0 else False)
             rep.zero_grad()
             if idx:
@@ -269,7 +278,8 @@ def p2pft_rank(a: argparse.Namespace, rank: int, world: int) -> int:
                 continue
             rec = {"t": time.time(), "step": outer.step, "c": int(outer.committed), "n": outer.contributors,
                    "r": outer.retries, "role": outer.role, "ran": ran,
-                   "kept": ran if outer.trained is not None else 0, "samples": committed()}
+                   "kept": ran if outer.trained is not None else 0, "samples": committed(),
+                   "cpu": isl.cpu_seconds()}
             if outer.fast_forwarded:   # commits applied from a peer's log (this replica's attempt failed)
                 rec["ff"] = outer.fast_forwarded
             ran = 0

@@ -84,3 +84,20 @@ def test_island_columns_from_records() -> None:
     assert wan.summarize("diloco", True, recs, info, None).same_digests_end == "yes at 6"
     table = wan.table([row])
     assert "r1-1: 1" in table and "same per-shard digests at the end" in table
+
+
+def test_the_own_core_clock_takes_each_commits_busiest_rank_and_the_link() -> None:
+    """On shared cores the islands' wall time is the CPU's share; with a core per rank each commit
+    would take its busiest rank's CPU-seconds, plus its bytes at the link rate (which no core
+    speeds up)."""
+    wan = _wan()
+    r0 = "diloco-none-r0-0"
+    recs = [{"proc": r0, "kind": "ready", "t": 100.0, "cpu": [10.0, 12.0]},
+            {**_sync(r0, 103.0, 1), "cpu": [10.5, 12.2]},     # ranks used 0.5 and 0.2 CPU-s
+            {**_sync(r0, 106.0, 2), "cpu": [10.6, 12.6]},     # 0.1 and 0.4
+            {"proc": "diloco-none-r1-0", "kind": "ready", "t": 100.0, "cpu": [99.0, 99.0]}]   # not r0's
+    # 2 commits moved 1.25 MB over a 5 Mbit/s link: 1 s of link each.
+    got = wan.own_cores(recs, 100.0, 1_250_000, 5.0)
+    assert [t for t, _ in got] == [3.0, 6.0] and [c for _, c in got] == pytest.approx([1.5, 2.9])
+    assert wan.own_cores(recs, 100.0, 1_250_000, 0.0) == []             # no rate: no clock
+    assert wan.own_cores([r for r in recs if "cpu" not in r], 100.0, 1.0, 5.0) == []   # a one-rank run
