@@ -241,8 +241,8 @@ class DiLoCo(Front):
             self.inner_steps_run += 1
             self._sched_steps += self.inner_scheduler is not None
             due = self.spans.stepped()
-            if due:
-                self.partial.finish()
+            if due:   # the span is whole: the watcher, which looks under this lock, starts nothing now
+                self.partial.active = False
         ends = None if due else self.partial.ends_here()
         if ends is not None:
             # Back mid-span, an island: a peer has started the sync, so it ends here for us too,
